@@ -1,0 +1,21 @@
+"""Test-session set-up shared by every test module.
+
+The CPU is split into two logical devices *before* TensorFlow initialises its
+runtime, so that `tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])` can run real
+multi-replica code on a machine without accelerators. Single-device code is not
+affected: it places everything on CPU:0 as usual.
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import tensorflow as tf  # noqa: E402
+
+NUM_LOGICAL_CPUS = 2
+
+_cpus = tf.config.list_physical_devices("CPU")
+tf.config.set_logical_device_configuration(
+    _cpus[0], [tf.config.LogicalDeviceConfiguration()] * NUM_LOGICAL_CPUS
+)
