@@ -1,0 +1,137 @@
+"""Known accelerators and their memory: the table behind `detect()` and `plan(device=...)`.
+
+Memory figures are the *total* memory one replica sees, in bytes:
+
+- NVIDIA GPUs: the total that `nvidia-smi` reports for the card (slightly below the marketing
+  figure, because the driver reserves some of it), e.g. a "16 GB" T4 reports 15360 MiB.
+- TPUs: HBM per replica. On TPU v2/v3 each *core* is a replica (v3: 16 GiB per core, a v3-8
+  has 8 cores); from v4 on, each *chip* is one device/replica (v4 32 GiB, v5e 16 GiB,
+  v5p 95 GiB, v6e 32 GiB per chip).
+- CPU: not in the table; it is the host's available RAM, read at run time by
+  `host_available_memory()`.
+
+Used where the device itself cannot be asked (TensorFlow on TPU exposes no memory figure,
+and planning for a machine you are not on, e.g. `scripts/plan.py --device v100-32gb`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+_MIB = 1024**2
+_GIB = 1024**3
+
+
+@dataclasses.dataclass(frozen=True)
+class Accelerator:
+    """One known accelerator configuration.
+
+    Attributes:
+        name: the short name used on command lines, e.g. `"v100-32gb"`, `"tpu-v3-8"`.
+        kind: `"gpu"` or `"tpu"`.
+        memory_per_replica: bytes of device memory one replica can use.
+        num_replicas: replicas in this configuration (8 for a TPU v3-8, 1 for one GPU).
+        description: what the table entry stands for, for printing.
+    """
+
+    name: str
+    kind: str
+    memory_per_replica: int
+    num_replicas: int
+    description: str
+
+
+def _gpu(name: str, mib: int, description: str) -> Accelerator:
+    return Accelerator(name, "gpu", mib * _MIB, 1, description)
+
+
+def _tpu(name: str, gib_per_replica: int, num_replicas: int, description: str) -> Accelerator:
+    return Accelerator(name, "tpu", gib_per_replica * _GIB, num_replicas, description)
+
+
+ACCELERATORS: dict[str, Accelerator] = {
+    accelerator.name: accelerator
+    for accelerator in [
+        _gpu("k80", 11441, "NVIDIA Tesla K80 (one of its two GPUs), 12 GB"),
+        _gpu("p100", 16280, "NVIDIA Tesla P100 16 GB (Kaggle 'GPU P100')"),
+        _gpu("t4", 15360, "NVIDIA T4 16 GB (Colab/Kaggle 'T4')"),
+        _gpu("v100-16gb", 16160, "NVIDIA V100 16 GB"),
+        _gpu("v100-32gb", 32510, "NVIDIA V100 32 GB"),
+        _gpu("l4", 23034, "NVIDIA L4 24 GB (Colab 'L4')"),
+        _gpu("a100-40gb", 40960, "NVIDIA A100 40 GB"),
+        _gpu("a100-80gb", 81920, "NVIDIA A100 80 GB"),
+        _gpu("h100", 81559, "NVIDIA H100 80 GB"),
+        _tpu("tpu-v2-8", 8, 8, "TPU v2-8: 8 cores × 8 GiB HBM (Colab's legacy TPU)"),
+        _tpu("tpu-v3-8", 16, 8, "TPU v3-8: 8 cores × 16 GiB HBM (Kaggle 'TPU v3-8')"),
+        _tpu("tpu-v4-8", 32, 4, "TPU v4-8: 4 chips × 32 GiB HBM"),
+        _tpu("tpu-v5e-1", 16, 1, "TPU v5e-1: 1 chip × 16 GiB HBM (Colab 'v5e-1')"),
+        _tpu("tpu-v5e-8", 16, 8, "TPU v5e-8: 8 chips × 16 GiB HBM (Kaggle 'TPU v5e-8')"),
+        _tpu("tpu-v5p-8", 95, 4, "TPU v5p-8: 4 chips × 95 GiB HBM"),
+        _tpu("tpu-v6e-1", 32, 1, "TPU v6e-1: 1 chip × 32 GiB HBM (Colab 'v6e-1')"),
+        _tpu("tpu-v6e-8", 32, 8, "TPU v6e-8: 8 chips × 32 GiB HBM"),
+    ]
+}
+
+# How the frameworks name devices (TF's `get_device_details(...)["device_name"]`, JAX's
+# `device.device_kind`), matched case-insensitively, most specific pattern first.
+# The GB figure in an NVIDIA name ("A100-SXM4-80GB") decides between memory variants.
+_DEVICE_KIND_PATTERNS: list[tuple[str, str]] = [
+    (r"a100.*80\s*gb", "a100-80gb"),
+    (r"a100", "a100-40gb"),
+    (r"h100", "h100"),
+    (r"v100.*32\s*gb", "v100-32gb"),
+    (r"v100", "v100-16gb"),
+    (r"\bl4\b", "l4"),
+    (r"\bt4\b", "t4"),
+    (r"p100", "p100"),
+    (r"k80", "k80"),
+    (r"tpu v2", "tpu-v2-8"),
+    (r"tpu v3", "tpu-v3-8"),
+    (r"tpu v4", "tpu-v4-8"),
+    (r"tpu v5 lite|tpu v5e", "tpu-v5e-8"),
+    (r"tpu v5p|tpu v5$", "tpu-v5p-8"),
+    (r"tpu v6 lite|tpu v6e", "tpu-v6e-8"),
+]
+
+
+def lookup(name: str) -> Accelerator:
+    """Returns the table entry for a command-line name or a framework's device name.
+
+    Args:
+        name: a key of `ACCELERATORS` (`"t4"`, `"tpu-v3-8"`, …) or a device name as TensorFlow
+            or JAX report it (`"Tesla T4"`, `"NVIDIA A100-SXM4-80GB"`, `"TPU v3"`).
+
+    Raises:
+        ValueError: the name matches no known accelerator; the message lists the valid names.
+
+    Example:
+        >>> lookup("v100-32gb").memory_per_replica / 2**30
+        31.748046875
+    """
+    key = name.strip().lower()
+    if key in ACCELERATORS:
+        return ACCELERATORS[key]
+    for pattern, table_name in _DEVICE_KIND_PATTERNS:
+        if re.search(pattern, key):
+            return ACCELERATORS[table_name]
+    raise ValueError(
+        f"Unknown accelerator {name!r}. Known names: {', '.join(ACCELERATORS)} "
+        "(or 'cpu' for this host's RAM where a device is asked for)."
+    )
+
+
+def host_available_memory() -> int:
+    """Bytes of RAM available to a new process on this host (Linux `MemAvailable`).
+
+    Falls back to total physical memory where `/proc/meminfo` does not exist (macOS).
+    """
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
