@@ -1,0 +1,178 @@
+"""AccumModel's train step on the JAX backend, one device: prints the numbers the tests assert.
+
+Run by tests/test_accumulation_jax.py as `python tests/jax_cases/accumulation_cases.py`
+with KERAS_BACKEND=jax (set by `common`).
+"""
+
+import common  # noqa: F401  (fixes the backend first)
+import keras
+import numpy as np
+from common import compile_model, conv_model, data, dense_model, emit, relative_difference
+
+K = 4  # accumulation steps in the equivalence cases
+
+
+def equivalence(builder, shape, optimizer, weighted):
+    """Three global batches of 32: plain keras.Model vs AccumModel with 4 micro-batches of 8."""
+    x, y, sample_weight = data(shape, num_samples=96)
+    sample_weight = sample_weight if weighted else None
+    runs = []
+    for accumulation_steps in (None, K):
+        model = builder(accumulation_steps)
+        initial = model.get_weights()
+        compile_model(model, keras.optimizers.get(optimizer))
+        history = model.fit(
+            x, y, sample_weight=sample_weight, batch_size=32, epochs=1, shuffle=False, verbose=0
+        ).history
+        runs.append((model, initial, history))
+    (plain, initial, plain_history), (accum, _, accum_history) = runs
+    plain_update = [a - b for a, b in zip(plain.get_weights(), initial)]
+    accum_update = [a - b for a, b in zip(accum.get_weights(), initial)]
+    return {
+        "weights": relative_difference(plain.get_weights(), accum.get_weights()),
+        "update": relative_difference(plain_update, accum_update),
+        "plain_loss": plain_history["loss"][0],
+        "accum_loss": accum_history["loss"][0],
+        "plain_accuracy": plain_history["accuracy"][0],
+        "accum_accuracy": accum_history["accuracy"][0],
+        "plain_iterations": int(plain.optimizer.iterations),
+        "accum_iterations": int(accum.optimizer.iterations),
+    }
+
+
+def lr_schedule():
+    """PiecewiseConstantDecay([2], [0.1, 0.0]): real updates 0, 1, 2 move the weights, 3, 4 don't."""
+    x, y, _ = data((6,), num_samples=16)
+    results = {}
+    for name, accumulation_steps in (("plain", None), ("accum", 2)):
+        model = dense_model(accumulation_steps)
+        schedule = keras.optimizers.schedules.PiecewiseConstantDecay([2], [0.1, 0.0])
+        compile_model(model, keras.optimizers.SGD(schedule))
+        changes = []
+        for _ in range(5):
+            before = model.get_weights()
+            model.train_on_batch(x, y)
+            changes.append(relative_difference(before, model.get_weights()))
+        results[name] = {
+            "changes": changes,
+            "iterations": int(model.optimizer.iterations),
+            "weights": model.get_weights(),
+        }
+    results["weights"] = relative_difference(results["plain"].pop("weights"), results["accum"].pop("weights"))
+    return results
+
+
+def mixed_precision(policy):
+    """Plain vs AccumModel(k=4) update under a mixed policy; for float16 an injected inf."""
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        x, y, _ = data((6,), num_samples=32)
+        models = {}
+        for name, accumulation_steps in (("plain", None), ("accum", K)):
+            model = dense_model(accumulation_steps)
+            compile_model(model, keras.optimizers.SGD(0.1))
+            models[name] = (model, model.get_weights())
+            model.train_on_batch(x, y)
+        (plain, initial), (accum, _) = models["plain"], models["accum"]
+        results = {
+            "update": relative_difference(
+                [a - b for a, b in zip(plain.get_weights(), initial)],
+                [a - b for a, b in zip(accum.get_weights(), initial)],
+            ),
+            "optimizer": type(accum.optimizer).__name__,
+        }
+        if policy == "mixed_float16":
+            # Sample 1 is in micro-batch 1 of 4 (micro-batch j takes samples j, j+4, ...):
+            # micro-batches 0, 2, 3 are finite, so only whole-window skipping leaves weights alone.
+            poisoned = x.copy()
+            poisoned[1, 0] = np.inf
+            before = accum.get_weights()
+            scale_before = float(accum.optimizer.dynamic_scale)
+            iterations_before = int(accum.optimizer.iterations)
+            accum.train_on_batch(poisoned, y)
+            results["poisoned"] = {
+                "change": relative_difference(before, accum.get_weights()),
+                "scale_before": scale_before,
+                "iterations_before": iterations_before,
+                "scale_after": float(accum.optimizer.dynamic_scale),
+                "iterations": int(accum.optimizer.iterations),
+            }
+            before = accum.get_weights()
+            accum.train_on_batch(x, y)
+            results["clean_after"] = {
+                "change": relative_difference(before, accum.get_weights()),
+                "scale": float(accum.optimizer.dynamic_scale),
+                "iterations": int(accum.optimizer.iterations),
+            }
+        return results
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def batch_norm():
+    """Moving statistics after one step vs momentum·old + (1 − momentum)·mean over micro-batches."""
+    x, y, _ = data((8, 8, 3), num_samples=16)
+    model = conv_model(2, batch_norm=True)
+    compile_model(model, keras.optimizers.SGD(0.1))
+    layer = next(l for l in model.layers if isinstance(l, keras.layers.BatchNormalization))
+    features = keras.Model(model.inputs, layer.input)
+    old_mean, old_var = (np.asarray(v) for v in (layer.moving_mean, layer.moving_variance))
+    micro = [np.asarray(features.predict(x[j::2], verbose=0), np.float64) for j in range(2)]
+    means = [m.mean(axis=(0, 1, 2)) for m in micro]
+    variances = [m.var(axis=(0, 1, 2)) for m in micro]
+    expected_mean = 0.9 * old_mean + 0.1 * np.mean(means, axis=0)
+    expected_var = 0.9 * old_var + 0.1 * np.mean(variances, axis=0)
+    # What k separate momentum steps would give: the semantics AccumModel does not have.
+    sequential_mean = old_mean
+    for mean in means:
+        sequential_mean = 0.9 * sequential_mean + 0.1 * mean
+    model.train_on_batch(x, y)
+    scale = np.abs(expected_mean - old_mean).max()
+    return {
+        "mean_error": float(np.abs(np.asarray(layer.moving_mean) - expected_mean).max() / scale),
+        "var_error": float(
+            np.abs(np.asarray(layer.moving_variance) - expected_var).max()
+            / np.abs(expected_var - old_var).max()
+        ),
+        "sequential_gap": float(np.abs(sequential_mean - expected_mean).max() / scale),
+    }
+
+
+def dropout_seeds():
+    """Each micro-batch draws a fresh dropout mask: k=2 advances the seed as 2 plain steps do."""
+    x, y, _ = data((8, 8, 3), num_samples=8)
+    states = {}
+    for name, accumulation_steps, num_steps in (("accum_1", 2, 1), ("plain_1", None, 1), ("plain_2", None, 2)):
+        model = conv_model(accumulation_steps, dropout=0.5)
+        compile_model(model, keras.optimizers.SGD(0.1))
+        for _ in range(num_steps):
+            model.train_on_batch(x, y)
+        seeds = [v for v in model.non_trainable_variables if "seed" in v.path]
+        states[name] = np.concatenate([np.asarray(v).ravel() for v in seeds]).tolist()
+    return states
+
+
+def indivisible_batch():
+    x, y, _ = data((6,), num_samples=30)
+    model = compile_model(dense_model(4), keras.optimizers.SGD(0.1))
+    try:
+        model.train_on_batch(x, y)
+    except ValueError as error:
+        return {"type": "ValueError", "message": str(error)}
+    return {"type": None, "message": ""}
+
+
+emit(
+    {
+        "dense_sgd_weighted": equivalence(dense_model, (6,), "sgd", weighted=True),
+        "dense_adam_weighted": equivalence(dense_model, (6,), "adam", weighted=True),
+        "conv_sgd_weighted": equivalence(conv_model, (8, 8, 3), "sgd", weighted=True),
+        "conv_adam": equivalence(conv_model, (8, 8, 3), "adam", weighted=False),
+        "lr_schedule": lr_schedule(),
+        "float16": mixed_precision("mixed_float16"),
+        "bfloat16": mixed_precision("mixed_bfloat16"),
+        "batch_norm": batch_norm(),
+        "dropout_seeds": dropout_seeds(),
+        "indivisible_batch": indivisible_batch(),
+    }
+)
