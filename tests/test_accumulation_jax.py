@@ -144,8 +144,15 @@ def test_dropout_draws_a_fresh_mask_per_micro_batch(accumulation):
 def test_indivisible_global_batch_names_the_nearest_sizes(accumulation):
     result = accumulation["indivisible_batch"]
     assert result["type"] == "ValueError"
-    assert "(30)" in result["message"] and "(4)" in result["message"]
-    assert "28 or 32" in result["message"]
+    assert "(30 rows = global batch 30 / 1 replicas)" in result["message"]
+    assert "`accumulation_steps` (4)" in result["message"]
+    assert "28 or 32 rows per replica" in result["message"]
+
+
+def test_indivisible_per_replica_batch_names_the_nearest_sizes(data_parallel):
+    message = data_parallel["indivisible"]
+    assert "(8 rows = global batch 64 / 8 replicas)" in message
+    assert "`accumulation_steps` (3)" in message and "6 or 9 rows per replica" in message
 
 
 def test_detect_reports_eight_replicas(data_parallel):
@@ -158,6 +165,18 @@ def test_detect_reports_eight_replicas(data_parallel):
     assert runtime["memory_per_replica"] == pytest.approx(runtime["host_available_per_device"], rel=0.2)
     assert runtime["global_batch_size_4_2"] == 64
     assert runtime["split_64_2"] == 4
+
+
+def test_detect_explains_a_missing_or_unknown_device_kind(data_parallel):
+    errors = data_parallel["runtime"]["errors"]
+    kind, message = errors["tpu"]
+    assert kind == "UnavailableDeviceError"
+    assert "found no tpu device" in message and "JAX can use: cpu" in message
+    assert "jax[tpu]" in message
+    assert errors["accelerator"] == [
+        "ValueError",
+        "`prefer` must be None, 'tpu', 'gpu' or 'cpu', got 'accelerator'.",
+    ]
 
 
 def test_data_parallel_equals_single_device_big_batch(data_parallel):

@@ -22,18 +22,22 @@ with `k`, and only one micro-batch of activations is alive at a time):
   non-finite, so the whole window is skipped and the scale halved — never a partial window.
   `mixed_bfloat16` needs no scaling: gradients are still accumulated in float32.
 - **BatchNorm** normalises each micro-batch by its own statistics (as any accumulation must);
-  every float non-trainable variable (the moving mean/variance) ends the step at
+  the moving statistics of every `BatchNormalization` layer end the step at
   `old + mean_j(new_j - old)`, where `new_j` is what micro-batch `j` alone would have written:
-  for a moving average that is `m * old + (1 - m) * mean_j(stat_j)`, one momentum step with the
-  window's average statistics, not k steps. Variables nobody wrote stay bit-identical.
-  Integer state (the seed of `Dropout`) is threaded through the micro-batches so each one draws
-  fresh randomness.
-- **Metrics** are updated once per micro-batch with that micro-batch's samples; Keras metrics
+  `momentum * old + (1 - momentum) * mean_j(stat_j)`, one momentum step with the window's
+  average statistics, not k steps (a frozen layer's statistics stay bit-identical). Other
+  non-trainable state (the seed of `Dropout`, custom state) is threaded through the
+  micro-batches, as k forward passes would update it, so each micro-batch draws fresh randomness.
+  Under a `keras.distribution` the JAX program is global, so a micro-batch's statistics are
+  those of all its rows on every device (TensorFlow's `MirroredStrategy` uses per-replica ones).
+- **Metrics** are updated once per micro-batch with that micro-batch's rows; Keras metrics
   accumulate totals and counts, so the logged values equal those of the whole batch.
 
-Micro-batch `j` holds samples `j, j + k, j + 2k, …` of the global batch. Under data parallelism
-each device holds a contiguous block of the global batch; the strided split gives every
-micro-batch an equal share of every device's block, so no sample moves between devices.
+The split is the TensorFlow path's: each replica's rows of the global batch are cut into k
+contiguous blocks, and micro-batch `j` is block `j` of every replica. Under
+`keras.distribution.DataParallel` each device holds a contiguous block of the global batch,
+so every micro-batch has the same share of every device's rows and no row moves between
+devices; on one device, micro-batch `j` is simply rows `[j * B/k, (j + 1) * B/k)`.
 """
 
 from __future__ import annotations
@@ -72,20 +76,22 @@ def train_step(model: keras.Model, state: tuple, data) -> tuple[dict, tuple]:
     trainable, non_trainable, optimizer_variables, metrics_variables = state
     num_steps = model.accumulation_steps
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    micro_batches = _split((x, y, sample_weight), num_steps)
+    micro_batches = _split((x, y, sample_weight), num_steps, _num_batch_shards())
 
-    # Integer state (seed generators) is carried from one micro-batch to the next; float state
-    # (moving statistics) restarts from the step's value each time and its changes are averaged.
-    is_float = [jnp.issubdtype(v.dtype, jnp.floating) for v in non_trainable]
+    # BatchNorm statistics restart from the step's value in every micro-batch and their changes
+    # are averaged; all other state (seed generators, custom state) is carried from one
+    # micro-batch to the next.
+    statistics = {id(v) for v in _batch_norm_statistics(model)}
+    is_averaged = [id(v) in statistics for v in model.non_trainable_variables]
     grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
 
     def micro_step(carry, micro_batch):
-        grad_sum, float_delta_sum, int_state, metrics_variables = carry
+        grad_sum, delta_sum, carried, metrics_variables = carry
         micro_x, micro_y, micro_weight = micro_batch
-        int_values = iter(int_state)
+        carried_values = iter(carried)
         non_trainable_in = [
-            old if floating else next(int_values)
-            for old, floating in zip(non_trainable, is_float)
+            old if averaged else next(carried_values)
+            for old, averaged in zip(non_trainable, is_averaged)
         ]
         (_, aux), grads = grad_fn(
             trainable,
@@ -99,28 +105,28 @@ def train_step(model: keras.Model, state: tuple, data) -> tuple[dict, tuple]:
         )
         unscaled_loss, y_pred, non_trainable_out, metrics_variables = aux
         grad_sum = [total + g.astype(jnp.float32) for total, g in zip(grad_sum, grads)]
-        float_delta_sum = [
+        delta_sum = [
             total + (new - old).astype(jnp.float32)
             for total, new, old in zip(
-                float_delta_sum, _select(non_trainable_out, is_float, True),
-                _select(non_trainable, is_float, True),
+                delta_sum, _select(non_trainable_out, is_averaged, True),
+                _select(non_trainable, is_averaged, True),
             )
         ]
-        int_state = _select(non_trainable_out, is_float, False)
+        carried = _select(non_trainable_out, is_averaged, False)
         # Keras metrics accumulate totals and counts, so k updates with the k micro-batches
         # leave them where one update with the global batch would.
         _, metrics_variables = model._update_metrics_variables(
             metrics_variables, unscaled_loss, micro_x, micro_y, y_pred, micro_weight
         )
-        return (grad_sum, float_delta_sum, int_state, metrics_variables), None
+        return (grad_sum, delta_sum, carried, metrics_variables), None
 
     carry = (
         [jnp.zeros(v.shape, jnp.float32) for v in trainable],
-        [jnp.zeros(v.shape, jnp.float32) for v in _select(non_trainable, is_float, True)],
-        _select(non_trainable, is_float, False),
+        [jnp.zeros(v.shape, jnp.float32) for v in _select(non_trainable, is_averaged, True)],
+        _select(non_trainable, is_averaged, False),
         list(metrics_variables),
     )
-    (grad_sum, float_delta_sum, int_state, metrics_variables), _ = jax.lax.scan(
+    (grad_sum, delta_sum, carried, metrics_variables), _ = jax.lax.scan(
         micro_step, carry, micro_batches
     )
 
@@ -131,13 +137,13 @@ def train_step(model: keras.Model, state: tuple, data) -> tuple[dict, tuple]:
         optimizer_variables, grads, trainable
     )
 
-    float_values = iter(
+    averaged_values = iter(
         (old + delta / num_steps).astype(old.dtype)
-        for old, delta in zip(_select(non_trainable, is_float, True), float_delta_sum)
+        for old, delta in zip(_select(non_trainable, is_averaged, True), delta_sum)
     )
-    int_values = iter(int_state)
+    carried_values = iter(carried)
     non_trainable = [
-        next(float_values) if floating else next(int_values) for floating in is_float
+        next(averaged_values) if averaged else next(carried_values) for averaged in is_averaged
     ]
 
     logs = _metrics_result(model, metrics_variables)
@@ -148,27 +154,52 @@ def _select(values: list, flags: list[bool], wanted: bool) -> list:
     return [value for value, flag in zip(values, flags) if flag == wanted]
 
 
-def _split(batch, num_steps: int):
-    """Reshapes every `(B, ...)` leaf to `(num_steps, B // num_steps, ...)`, strided."""
+def _batch_norm_statistics(model: keras.Model) -> list:
+    return [
+        v
+        for layer in model._flatten_layers(include_self=False)
+        if isinstance(layer, keras.layers.BatchNormalization)
+        for v in layer.non_trainable_variables
+    ]
+
+
+def _num_batch_shards() -> int:
+    """How many blocks the installed `keras.distribution` cuts the batch axis into (1: none)."""
+    distribution = keras.distribution.distribution()
+    if distribution is None:
+        return 1
+    mesh = distribution.device_mesh
+    return int(mesh.shape[mesh.axis_names.index(distribution.batch_dim_name)])
+
+
+def _split(batch, num_steps: int, num_shards: int):
+    """Reshapes every `(B, ...)` leaf to `(num_steps, B // num_steps, ...)`.
+
+    Micro-batch `j` is the `j`-th contiguous block of each of the `num_shards` replica blocks.
+    """
     sizes = {leaf.shape[0] for leaf in tree.flatten(batch) if leaf is not None}
     for size in sizes:
-        if size % num_steps:
-            lower = size // num_steps * num_steps
-            suggestions = " or ".join(str(n) for n in (lower, lower + num_steps) if n > 0)
+        if size % (num_shards * num_steps):
+            rows = size // num_shards if size % num_shards == 0 else size / num_shards
+            lower = int(rows) // num_steps * num_steps
+            nearest = " or ".join(str(n) for n in (lower, lower + num_steps) if n > 0)
             raise ValueError(
-                f"The global batch size ({size}) must be divisible by accumulation_steps "
-                f"({num_steps}), so that every micro-batch has the same size. "
-                f"Batch the dataset by {suggestions} (with `drop_remainder=True` so the "
-                "last batch keeps that size), or change accumulation_steps."
+                f"The batch each replica receives ({rows} rows = global batch {size} / "
+                f"{num_shards} replicas) must be divisible by `accumulation_steps` "
+                f"({num_steps}). Use a batch of {nearest} rows per replica (global batch = "
+                "rows per replica × replicas, with `drop_remainder=True` so the last batch "
+                "keeps that size), or change `accumulation_steps`."
             )
 
     def split(leaf):
         if leaf is None:
             return None
         leaf = jnp.asarray(leaf)
-        # (B, ...) -> (B/k, k, ...) -> (k, B/k, ...): micro-batch j takes rows j, j+k, ….
-        strided = leaf.reshape((leaf.shape[0] // num_steps, num_steps) + leaf.shape[1:])
-        return jnp.swapaxes(strided, 0, 1)
+        rows = leaf.shape[0] // (num_shards * num_steps)
+        # (B, ...) -> (replicas, k, rows, ...) -> (k, replicas, rows, ...) -> (k, B/k, ...):
+        # the replica axis stays whole, so a batch sharded over it keeps its shards.
+        blocks = leaf.reshape((num_shards, num_steps, rows) + leaf.shape[1:])
+        return jnp.swapaxes(blocks, 0, 1).reshape((num_steps, num_shards * rows) + leaf.shape[1:])
 
     return tree.map_structure(split, batch, none_is_leaf=True)
 

@@ -11,9 +11,11 @@ arithmetic and everything downstream (planner, AccumModel, scripts) do not chang
   `keras.distribution.set_distribution` (Keras then shards each global batch over the devices,
   replicates the variables, and XLA inserts the gradient all-reduce); `runtime.scope()` is its
   scope;
-- memory per replica: the device's own `bytes_limit` (what JAX's allocator may use on a GPU or
-  TPU), else the `tfmem.devices` table entry for its `device_kind`; on CPU the host's available
-  RAM divided by the number of CPU devices, since forced host devices
+- memory per replica: the device's own `bytes_limit` — what JAX's allocator may use, which on
+  a GPU is by default 75% of the card (`XLA_PYTHON_CLIENT_MEM_FRACTION`), less than the
+  TensorFlow path's `nvidia-smi` total, because that is all a JAX process can get — else the
+  `tfmem.devices` table entry for its `device_kind`; on CPU the host's available RAM divided
+  by this process's CPU devices, since forced host devices
   (`--xla_force_host_platform_device_count`) share one RAM.
 """
 
@@ -25,13 +27,10 @@ import jax
 import keras
 
 from tfmem import devices as devices_lib
-from tfmem import probe_jax
-from tfmem.distribute import Runtime
-
-_KINDS = ("tpu", "gpu", "cpu")
+from tfmem import distribute, probe_jax
 
 
-def detect(prefer: str | None = None) -> Runtime:
+def detect(prefer: str | None = None) -> distribute.Runtime:
     """Finds JAX's accelerators, installs data parallelism over them, returns a `Runtime`.
 
     Args:
@@ -42,7 +41,8 @@ def detect(prefer: str | None = None) -> Runtime:
         A `Runtime` whose `strategy` is the installed `keras.distribution.DataParallel`.
 
     Raises:
-        ValueError: `prefer` is not one of the kinds, or no device of that kind is present.
+        ValueError: `prefer` is not one of the kinds.
+        tfmem.distribute.UnavailableDeviceError: no device of the preferred kind is present.
 
     Example:
         >>> import os; os.environ["KERAS_BACKEND"] = "jax"  # before importing keras
@@ -50,29 +50,30 @@ def detect(prefer: str | None = None) -> Runtime:
         >>> runtime = tfmem.detect()  # on a TPU v3-8: kind="tpu", num_replicas=8
         >>> runtime.global_batch_size(16, accumulation_steps=4)  # 16 × 8 × 4 = 512
     """
-    if prefer is not None and prefer not in _KINDS:
-        raise ValueError(
-            f"prefer={prefer!r} is not a device kind. Expected one of {', '.join(_KINDS)} "
-            "or None (JAX's default: TPU, then GPU, then CPU)."
-        )
+    if prefer not in (None, *distribute.KINDS):
+        raise ValueError(f"`prefer` must be None, 'tpu', 'gpu' or 'cpu', got {prefer!r}.")
     try:
         found = jax.devices(prefer)
     except RuntimeError as error:
-        raise ValueError(
-            f"prefer={prefer!r}, but JAX has no {prefer} device here ({error}). "
-            f"Available: {_available_kinds()}. For TPUs install `jax[tpu]`; for NVIDIA GPUs "
-            "`jax[cuda12]`; or call detect() without `prefer`."
+        raise distribute.UnavailableDeviceError(
+            f"detect(prefer={prefer!r}) on the JAX backend found no {prefer} device: {error}. "
+            f"JAX can use: {_available_kinds()}. Install JAX for the device "
+            "(`pip install 'jax[tpu]'` on a TPU VM, `pip install 'jax[cuda12]'` for NVIDIA "
+            "GPUs), or call detect() without `prefer`."
         ) from None
     kind = found[0].platform
+    if kind not in distribute.KINDS:  # e.g. a plugin platform ("METAL"): treat as a GPU
+        kind = "gpu"
     distribution = keras.distribution.DataParallel(devices=found)
     keras.distribution.set_distribution(distribution)
-    runtime = Runtime(
+    runtime = distribute.Runtime(
         kind=kind,
         strategy=distribution,
         num_replicas=len(found),
         num_workers=jax.process_count(),
         memory_per_replica=_memory_per_device(found),
-        device_name=found[0].device_kind,
+        device_name=distribute._cpu_name() if kind == "cpu" else found[0].device_kind,
+        compute_capability=_compute_capability(found[0]),
     )
     logging.info(
         "tfmem: JAX backend, %d × %s (%s), DataParallel installed.",
@@ -102,9 +103,19 @@ def _memory_per_device(found: list[jax.Device]) -> int | None:
         return None
 
 
+def _compute_capability(device: jax.Device) -> tuple[int, int] | None:
+    """CUDA devices report e.g. "8.0"; TPUs, CPUs and ROCm GPUs report none."""
+    value = getattr(device, "compute_capability", None)
+    try:
+        major, minor = str(value).split(".")[:2]
+        return int(major), int(minor)
+    except ValueError:
+        return None
+
+
 def _available_kinds() -> str:
     kinds = []
-    for kind in _KINDS:
+    for kind in distribute.KINDS:
         try:
             jax.devices(kind)
         except RuntimeError:

@@ -82,10 +82,10 @@ def mixed_precision(policy):
             "optimizer": type(accum.optimizer).__name__,
         }
         if policy == "mixed_float16":
-            # Sample 1 is in micro-batch 1 of 4 (micro-batch j takes samples j, j+4, ...):
-            # micro-batches 0, 2, 3 are finite, so only whole-window skipping leaves weights alone.
+            # Row 9 is in micro-batch 1 of 4 (rows 8..15): micro-batches 0, 2, 3 stay finite,
+            # so only skipping the whole window leaves the weights alone.
             poisoned = x.copy()
-            poisoned[1, 0] = np.inf
+            poisoned[9, 0] = np.inf
             before = accum.get_weights()
             scale_before = float(accum.optimizer.dynamic_scale)
             iterations_before = int(accum.optimizer.iterations)
@@ -117,7 +117,8 @@ def batch_norm():
     layer = next(l for l in model.layers if isinstance(l, keras.layers.BatchNormalization))
     features = keras.Model(model.inputs, layer.input)
     old_mean, old_var = (np.asarray(v) for v in (layer.moving_mean, layer.moving_variance))
-    micro = [np.asarray(features.predict(x[j::2], verbose=0), np.float64) for j in range(2)]
+    # One device: micro-batch j is rows [8j, 8j + 8) of the global batch of 16.
+    micro = [np.asarray(features.predict(x[8 * j : 8 * j + 8], verbose=0), np.float64) for j in range(2)]
     means = [m.mean(axis=(0, 1, 2)) for m in micro]
     variances = [m.var(axis=(0, 1, 2)) for m in micro]
     expected_mean = 0.9 * old_mean + 0.1 * np.mean(means, axis=0)

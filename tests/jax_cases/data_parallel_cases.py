@@ -11,7 +11,7 @@ import tensorflow as tf
 from common import compile_model, conv_model, data, emit, relative_difference
 
 from tfmem import devices, probe_jax
-from tfmem.distribute import detect
+from tfmem.distribute import UnavailableDeviceError, detect
 
 GLOBAL_BATCH = 64
 K = 2  # 64 = 8 devices × 4 samples × 2 micro-batches
@@ -31,6 +31,13 @@ assert keras.distribution.distribution() is None
 reference, reference_history = train(conv_model(None), x, y=y, sample_weight=sample_weight)
 reference_devices = len(reference.trainable_variables[0].value.sharding.device_set)
 
+errors = {}
+for prefer in ("tpu", "accelerator"):
+    try:
+        detect(prefer)
+    except (ValueError, UnavailableDeviceError) as error:
+        errors[prefer] = [type(error).__name__, str(error)]
+
 available_before = devices.host_available_memory()
 runtime = detect()
 results = {
@@ -45,6 +52,7 @@ results = {
         "split_64_2": runtime.split_global_batch(GLOBAL_BATCH, K),
         "strategy": type(runtime.strategy).__name__,
         "installed": keras.distribution.distribution() is runtime.strategy,
+        "errors": errors,
     }
 }
 
@@ -76,5 +84,13 @@ for name, accumulation_steps in (("plain", None), ("accum_4", 4)):
         model.train_on_batch(*batch)
     memory[name] = probe_jax.compiled_step_memory(model, batch)
 results["compiled_memory"] = memory
+# 64 rows over 8 replicas is 8 rows each, which 3 micro-batches cannot split evenly.
+with runtime.scope():
+    model = compile_model(conv_model(3), keras.optimizers.Adam(0.01))
+try:
+    model.train_on_batch(*batch)
+    results["indivisible"] = None
+except ValueError as error:
+    results["indivisible"] = str(error)
 results["peak_bytes_in_use"] = probe_jax.peak_bytes_in_use()
 emit(results)
