@@ -126,8 +126,12 @@ def train_step(model: keras.Model, state: tuple, data) -> tuple[dict, tuple]:
         _select(non_trainable, is_averaged, False),
         list(metrics_variables),
     )
+    # XLA:CPU runs the convolutions of a while-loop body far slower than the same convolutions
+    # outside a loop (EfficientNetV2B0, 96×96, 2 micro-batches of 8: 16 s per step rolled,
+    # 1.2 s unrolled), so on CPU the k micro-batches are unrolled: the program then grows
+    # with k, but they still run one after the other. On TPU and GPU the loop stays rolled.
     (grad_sum, delta_sum, carried, metrics_variables), _ = jax.lax.scan(
-        micro_step, carry, micro_batches
+        micro_step, carry, micro_batches, unroll=jax.default_backend() == "cpu"
     )
 
     # The mean of the k (possibly loss-scaled) micro-batch gradients; a LossScaleOptimizer
