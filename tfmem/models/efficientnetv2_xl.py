@@ -165,6 +165,19 @@ class _MBConvBase(layers.Layer):
         self.drop = (layers.Dropout(self.drop_rate, noise_shape=(None, 1, 1, 1), name="drop")
                      if self.has_residual and self.drop_rate > 0 else None)
 
+    def _build_se(self, hidden_shape):
+        if self.se_reduce is not None:
+            pooled = (hidden_shape[0], 1, 1, self.hidden_filters)
+            self.se_reduce.build(pooled)
+            self.se_expand.build(self.se_reduce.compute_output_shape(pooled))
+
+    def _build_conv_bn(self, conv, bn, input_shape):
+        # Build a conv and its batch norm; returns the conv's output shape.
+        conv.build(input_shape)
+        output_shape = conv.compute_output_shape(input_shape)
+        bn.build(output_shape)
+        return output_shape
+
     def _squeeze_excite(self, x):
         if self.se_reduce is None:
             return x
@@ -230,6 +243,14 @@ class FusedMBConv(_MBConvBase):
         self.project_bn = _bn("project_bn")
         self._make_residual_dropout()
 
+    def build(self, input_shape):
+        # Explicit so that a `.keras` file restores every sub-layer's variables.
+        shape = input_shape
+        if self.expand_ratio != 1:
+            shape = self._build_conv_bn(self.expand_conv, self.expand_bn, shape)
+        self._build_se(shape)
+        self._build_conv_bn(self.project_conv, self.project_bn, shape)
+
     def call(self, inputs, training=None):
         x = inputs
         if self.expand_ratio != 1:
@@ -265,6 +286,14 @@ class MBConv(_MBConvBase):
         self.project_conv = _conv(self.output_filters, 1, name="project_conv")
         self.project_bn = _bn("project_bn")
         self._make_residual_dropout()
+
+    def build(self, input_shape):
+        shape = input_shape
+        if self.expand_ratio != 1:
+            shape = self._build_conv_bn(self.expand_conv, self.expand_bn, shape)
+        shape = self._build_conv_bn(self.depthwise_conv, self.depthwise_bn, shape)
+        self._build_se(shape)
+        self._build_conv_bn(self.project_conv, self.project_bn, shape)
 
     def call(self, inputs, training=None):
         x = inputs

@@ -79,6 +79,15 @@ class DenseBlock(layers.Layer):
                 layers.Dropout(dropout, name=f"dropout{i}"),
             ))
 
+    def build(self, input_shape):
+        # Explicit so that a `.keras` file restores every sub-layer's variables.
+        channels = input_shape[-1]
+        for bn, conv, _ in self.units:
+            shape = (*input_shape[:-1], channels)
+            bn.build(shape)
+            conv.build(shape)
+            channels += self.growth_rate
+
     def call(self, inputs, training=None):
         stack, new_maps = inputs, []
         for bn, conv, dropout in self.units:
