@@ -34,7 +34,8 @@ def _decide(runtime: Runtime, cpu_bfloat16: bool) -> tuple[str, str]:
         shown = ".".join(map(str, capability))
         if tuple(capability) >= _TENSOR_CORES:
             return "mixed_float16", (
-                f"{runtime.device_name} has compute capability {shown} >= 7.0 (float16 tensor cores)"
+                f"{runtime.device_name} has compute capability {shown} >= 7.0 "
+                "(float16 tensor cores)"
             )
         return "float32", (
             f"{runtime.device_name} has compute capability {shown} < 7.0 (no fast float16)"
