@@ -34,11 +34,6 @@ import tensorflow as tf
 from tfmem import devices, tpu
 from tfmem.hardware import GPU, Hardware, cpu_name, inspect_hardware, workers_in_tf_config
 
-__all__ = [
-    "GPU", "Hardware", "KINDS", "Runtime", "UnavailableDeviceError", "choose_layout", "detect",
-    "inspect_hardware",
-]
-
 KINDS = ("tpu", "gpu", "cpu")
 
 
@@ -224,14 +219,13 @@ def detect(
         >>> runtime.kind, runtime.num_replicas
         ('cpu', 1)
     """
+    if prefer not in (None, *KINDS):
+        raise ValueError(f"`prefer` must be None, 'tpu', 'gpu' or 'cpu', got {prefer!r}.")
     # ---- JAX dispatch point: on KERAS_BACKEND=jax, tfmem/distribute_jax.py (owned by the
     # "jax" helper) builds the Runtime; TensorFlow strategies cannot place JAX variables.
     # Imported lazily, so TensorFlow users never import JAX. ----
     if _keras_backend() == "jax":
         return _detect_with_jax(prefer)
-
-    if prefer not in (None, *KINDS):
-        raise ValueError(f"`prefer` must be None, 'tpu', 'gpu' or 'cpu', got {prefer!r}.")
     hardware = inspect_hardware() if hardware is None else hardware
     notes: tuple[str, ...] = ()
     if prefer == "tpu" or (prefer is None and hardware.tpu_signals):
@@ -250,7 +244,7 @@ def detect(
 
 
 def _keras_backend() -> str:
-    import keras  # lazily: `import tfmem` must stay cheap for scripts that only write data
+    import keras  # here, not at the top: importing tfmem.distribute need not import Keras
 
     return keras.backend.backend()
 
