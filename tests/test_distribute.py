@@ -23,7 +23,9 @@ import tensorflow as tf
 import tfmem
 from tfmem import devices, distribute, report, tpu
 from tfmem.distribute import Runtime, UnavailableDeviceError
-from tfmem.hardware import GPU, Hardware, inspect_hardware, workers_in_tf_config
+from tfmem.hardware import (
+    GPU, Hardware, inspect_hardware, parse_nvidia_smi, workers_in_tf_config,
+)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -408,6 +410,23 @@ def test_tpu_signals_from_device_files_and_environment(tmp_path):
     assert tpu.names_to_try({"TPU_NAME": "my-tpu", "COLAB_TPU_ADDR": "1.2.3.4:8470"}) == (
         "local", "my-tpu", "grpc://1.2.3.4:8470")
     assert inspect_hardware({}).tpu_signals == tpu.signals({})
+
+
+def test_nvidia_smi_totals_are_matched_by_name():
+    # nvidia-smi's output on a machine with two different V100s and two A100s.
+    output = (
+        "Tesla V100-SXM2-16GB, 16160\nTesla V100-SXM2-32GB, 32510\n"
+        "NVIDIA A100-SXM4-80GB, 81920\nNVIDIA A100-SXM4-80GB, 81920\n"
+        "NVIDIA Graphics Device, [N/A]\n"
+    )
+    assert parse_nvidia_smi(output) == {
+        "Tesla V100-SXM2-16GB": 16160 * 2**20,
+        "Tesla V100-SXM2-32GB": 32510 * 2**20,
+        "NVIDIA A100-SXM4-80GB": 80 * GIB,
+    }
+    # Cards of one name that disagree cannot be told apart by name (nvidia-smi and CUDA may
+    # order them differently): the name is left out, so the table is used instead.
+    assert parse_nvidia_smi("Tesla T4, 15360\nTesla T4, 15100\n") == {}
 
 
 @pytest.mark.skipif(not tf.config.list_physical_devices("GPU"), reason="needs an NVIDIA GPU")

@@ -68,7 +68,7 @@ def workers_in_tf_config(tf_config: str | None) -> int:
     """Chief + worker tasks in a `TF_CONFIG` JSON string (evaluators do not train in sync).
 
     Example:
-        >>> workers_in_tf_config('{"cluster": {"worker": ["a:1", "b:2"]}, "task": {...}}')
+        >>> workers_in_tf_config('{"cluster": {"worker": ["a:1", "b:1"]}, "task": {}}')
         2
     """
     if not tf_config:
@@ -116,6 +116,16 @@ def _nvidia_smi_totals() -> dict[str, int]:
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return {}
+    return parse_nvidia_smi(output)
+
+
+def parse_nvidia_smi(output: str) -> dict[str, int]:
+    """`nvidia-smi --query-gpu=name,memory.total --format=csv,noheader,nounits` → name: bytes.
+
+    Example:
+        >>> parse_nvidia_smi("Tesla T4, 15360\n")
+        {'Tesla T4': 16106127360}
+    """
     seen: dict[str, set[int]] = {}
     for line in output.strip().splitlines():
         name, _, mib = line.rpartition(",")
