@@ -22,3 +22,7 @@ __all__ += ["Runtime", "detect", "describe", "policy_for", "set_policy"]
 # -- planner / probe: memory plan and guard --
 
 # -- models / metrics --
+from tfmem import models
+from tfmem.metrics import MAE, MSE, PSNR, SSIM, mae, mse, psnr, ssim
+
+__all__ += ["models", "MAE", "MSE", "PSNR", "SSIM", "mae", "mse", "psnr", "ssim"]

@@ -31,8 +31,8 @@ image; the Keras metrics average those values over all images seen.
 Example:
     >>> import numpy as np
     >>> clean = np.full((16, 16, 3), 100.0)
-    >>> float(psnr(clean, clean + 10.0, data_range=255))  # 10·log10(255² / 100)
-    28.130803608679106
+    >>> round(float(psnr(clean, clean + 10.0, data_range=255)), 4)  # 10·log10(255² / 100)
+    28.1308
     >>> model.compile(..., metrics=[PSNR(data_range=1.0), SSIM(data_range=1.0)])  # doctest: +SKIP
 """
 
