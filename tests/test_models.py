@@ -105,14 +105,10 @@ def test_block_string_parsing():
 
 # --- keras.applications families -----------------------------------------------------
 
-@pytest.mark.parametrize("name, expected", [
-    # Keras's documented sizes of the include_top=True ImageNet models.
-    ("efficientnetv2-b0", 7_200_312),
-    ("resnet50", 25_636_712),
-])
-def test_classifier_matches_keras_applications_parameter_count(name, expected):
-    model = models.build(name, num_classes=1000, image_size=32)
-    assert model.count_params() == expected
+def test_classifier_matches_keras_applications_parameter_count():
+    # Keras's size of EfficientNetV2B0 with its 1000-class top.
+    model = models.build("efficientnetv2-b0", num_classes=1000, image_size=32)
+    assert model.count_params() == 7_200_312
     assert model.output_shape == (None, 1000)
 
 
@@ -138,6 +134,8 @@ def test_every_model_declares_raw_pixel_range_and_sizes():
 def test_freeze_backbone_trains_only_the_head():
     model = models.build("mobilenetv2", num_classes=3, image_size=32, freeze_backbone=True)
     backbone = _backbone(model)
+    # keras.applications.MobileNetV2 (3,538,984 with 1000 classes) with a 3-class head.
+    assert model.count_params() == 3_538_984 - (1280 * 1000 + 1000) + (1280 * 3 + 3)
     assert sum(int(np.prod(w.shape)) for w in model.trainable_weights) == 1280 * 3 + 3
     before = _values(backbone.weights)  # includes BN moving statistics
     # The bias: a random-init MobileNetV2 in inference mode emits ~1e-12 features,
