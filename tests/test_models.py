@@ -163,6 +163,11 @@ def test_keras_notop_h5_file_fills_the_backbone(tmp_path):
     model = models.build("mobilenetv2", num_classes=2, image_size=32, weights=path)
     for expected, actual in zip(_values(source.weights), _values(_backbone(model).weights)):
         np.testing.assert_array_equal(expected, actual)
+    # The file *with* the 1000-class top has more layers than the backbone.
+    with_top = tmp_path / "mobilenet_v2.h5"
+    keras.applications.MobileNetV2(weights=None, input_shape=(32, 32, 3)).save(with_top)
+    with pytest.raises(ValueError, match=r"pass Keras's `\*_notop\.h5` file"):
+        models.build("mobilenetv2", num_classes=2, image_size=32, weights=with_top)
 
 
 def test_whole_model_weights_round_trip_and_mismatch(tmp_path):
@@ -208,6 +213,8 @@ def test_bad_arguments(tmp_path):
         models.build("efficientnetv2-xl", num_classes=2, image_size=32, weights=bad)
     with pytest.raises(ValueError, match="no pretrained backbone"):
         models.build("unet", num_classes=2, image_size=32, freeze_backbone=True)
+    with pytest.raises(TypeError, match="image_size"):
+        models.build("unet", num_classes=2, image_size=32.0)
     with pytest.raises(ValueError, match="dropout"):
         models.build("unet", num_classes=2, image_size=32, dropout=1.0)
 
