@@ -93,6 +93,25 @@ def test_blocks_save_and_load_as_keras_file(tmp_path):
                                rtol=1e-5, atol=1e-6)
 
 
+def test_blocks_and_head_under_mixed_precision():
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")  # the TPU policy
+    try:
+        backbone = efficientnetv2_xl.efficientnetv2_backbone(
+            ("r1_k3_s2_e4_i32_o16_c1", "r2_k3_s2_e4_i16_o24_se0.25"),
+            input_shape=(32, 32, 3))
+        model = models.build("unet", num_classes=2, image_size=32)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    features = backbone(RNG.uniform(-1, 1, (1, 32, 32, 3)).astype("float32"))
+    assert keras.backend.standardize_dtype(features.dtype) == "bfloat16"
+    assert {v.dtype for v in backbone.weights} == {"float32"}  # master weights
+    assert tuple(features.shape) == (1, 4, 4, 1280)
+    probabilities = model(_pixels((1, 32, 32, 3)))
+    # The classifier stays float32 so the softmax is accurate.
+    assert keras.backend.standardize_dtype(probabilities.dtype) == "float32"
+    np.testing.assert_allclose(np.asarray(probabilities).sum(-1), 1.0, rtol=1e-5)
+
+
 def test_block_string_parsing():
     args = efficientnetv2_xl.parse_block_string("r32_k3_s2_e6_i256_o512_se0.25")
     assert (args.num_repeat, args.kernel_size, args.strides, args.expand_ratio,
@@ -120,8 +139,11 @@ def test_classifier_matches_keras_applications_parameter_count():
 def test_preprocessing_layer_matches_keras_preprocess_input(mode, reference):
     images = _pixels((2, 5, 5, 3))
     expected = reference(images.copy())
-    actual = np.asarray(applications.ImagePreprocessing(mode)(images))
+    layer = applications.ImagePreprocessing(mode)
+    actual = np.asarray(layer(images))
     np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-4)
+    clone = applications.ImagePreprocessing.from_config(layer.get_config())
+    np.testing.assert_array_equal(np.asarray(clone(images)), actual)
 
 
 def test_every_model_declares_raw_pixel_range_and_sizes():
