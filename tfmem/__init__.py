@@ -9,6 +9,7 @@ from tfmem import _tf  # noqa: F401  (fails early, naming the extra to install)
 # -- data: streaming TFRecord pipeline --
 
 # -- accumulation: AccumModel --
+from tfmem.accumulation import AccumModel  # noqa: E402
 
 # -- distribute / precision: Runtime --
 
@@ -17,3 +18,4 @@ from tfmem import _tf  # noqa: F401  (fails early, naming the extra to install)
 # -- models / metrics --
 
 __all__ = ["__version__"]
+__all__ += ["AccumModel"]  # accumulation
