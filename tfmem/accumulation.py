@@ -187,7 +187,7 @@ class AccumModel(keras.Model):
     def train_step(self, data):
         k = self.accumulation_steps
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-        self._check_compatible()
+        self._check_optimizer()
         first = next(t for t in tf.nest.flatten(x) if t is not None)
         batch_size = first.shape[0]
         if batch_size is not None and batch_size % k:
@@ -263,6 +263,8 @@ class AccumModel(keras.Model):
             parallel_iterations=1,
             maximum_iterations=k,
         )
+        # The compiled loss is built while the loop body traces, so check it here.
+        self._check_loss_reductions()
         for v, total in zip(bn_variables, bn_sums):
             v.assign(total / k)
 
@@ -284,8 +286,7 @@ class AccumModel(keras.Model):
             for v in layer.non_trainable_variables
         ]
 
-    def _check_compatible(self) -> None:
-        """Rejects set-ups whose result would silently differ from a big batch."""
+    def _check_optimizer(self) -> None:
         if getattr(self.optimizer, "gradient_accumulation_steps", None):
             raise ValueError(
                 "The optimizer has `gradient_accumulation_steps="
@@ -294,6 +295,9 @@ class AccumModel(keras.Model):
                 "Remove `gradient_accumulation_steps` from the optimizer; AccumModel "
                 "accumulates inside each step."
             )
+
+    def _check_loss_reductions(self) -> None:
+        """Rejects losses whose micro-batch mean would differ from the big-batch loss."""
         compile_loss = getattr(self, "_compile_loss", None)
         for entry in getattr(compile_loss, "_flat_losses", None) or []:
             reduction = getattr(entry.loss, "reduction", "sum_over_batch_size")
