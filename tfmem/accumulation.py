@@ -276,7 +276,24 @@ class AccumModel(keras.Model):
         if variables:
             grads = [s / k if used else None for s, used in zip(grad_sums, has_gradient)]
             self.optimizer.apply_gradients(zip(grads, variables))
-        return self.get_metrics_result()
+        logs = self.get_metrics_result()
+        if _multi_worker(self.distribute_strategy):
+            # Keras 3.15 reduces step logs across workers with
+            # `strategy.reduce("MEAN", v, axis=0)`, which fails on scalars
+            # (tensorflow/tensorflow#72388); a length-1 axis 0 makes it the mean.
+            logs = {name: tf.reshape(value, [1]) for name, value in logs.items()}
+        return logs
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # Keras 3.15's TF trainer `strategy.reduce`s the first distributed batch
+        # only to read its shapes; MultiWorkerMirroredStrategy cannot reduce a
+        # nested (x, y) batch ("Attempt to convert a value (PerReplica ...)",
+        # cf. keras-team/keras#20329), so plain `fit` fails there. One replica's
+        # batch has the same shapes; a no-op for every other strategy.
+        if iterator is not None and self._distribute_strategy is not None:
+            data_batch = _first_local_batch(self._distribute_strategy, iterator)
+            iterator = None
+        return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
     def _batch_norm_statistics(self) -> list:
         return [
@@ -309,6 +326,25 @@ class AccumModel(keras.Model):
                     "micro-batch losses reduced that way does not give the big-batch "
                     "loss. Use the loss's default reduction."
                 )
+
+
+def _multi_worker(strategy) -> bool:
+    return isinstance(
+        strategy, tf.distribute.MultiWorkerMirroredStrategy
+    ) and strategy.extended._in_multi_worker_mode()
+
+
+def _first_local_batch(strategy, iterator):
+    """The first batch of a Keras epoch iterator, first local replica's values."""
+    for _, _, batches in iterator:
+        batch = next(batches)
+        break
+    return tf.nest.map_structure(
+        lambda v: strategy.experimental_local_results(v)[0]
+        if isinstance(v, tf.distribute.DistributedValues)
+        else v,
+        batch,
+    )
 
 
 def _split(tensor, k: int) -> tf.Tensor:
