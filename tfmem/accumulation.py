@@ -47,6 +47,9 @@ Semantics (the single reference; `tfmem/accumulation_jax.py` mirrors it):
 * **Metrics and the logged loss** are accumulated over the `k` micro-batches
   (each metric sees every row once) and reported once per global batch, so
   callbacks and the progress bar count real updates.
+* **Not exact:** losses that use Keras masks (normalised by the valid entries
+  of each micro-batch); `BatchNormalization(synchronized=True)` under a
+  strategy is untested.
 """
 
 from __future__ import annotations
@@ -280,8 +283,8 @@ class AccumModel(keras.Model):
         if _multi_worker(self.distribute_strategy):
             # Keras 3.15 reduces step logs across workers with
             # `strategy.reduce("MEAN", v, axis=0)`, which fails on scalars
-            # (tensorflow/tensorflow#72388); a length-1 axis 0 makes it the mean.
-            logs = {name: tf.reshape(value, [1]) for name, value in logs.items()}
+            # (tensorflow/tensorflow#72388); a leading length-1 axis makes it the mean.
+            logs = {name: tf.expand_dims(value, 0) for name, value in logs.items()}
         return logs
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
