@@ -60,7 +60,6 @@ import warnings
 import keras
 import tensorflow as tf
 from keras.src.losses.loss import unscale_loss_for_distribution
-from keras.src.trainers.data_adapters import data_adapter_utils
 
 # Reductions for which "mean of the k micro-batch losses" == "big-batch loss".
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
@@ -189,7 +188,7 @@ class AccumModel(keras.Model):
 
     def train_step(self, data):
         k = self.accumulation_steps
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         self._check_optimizer()
         first = next(t for t in tf.nest.flatten(x) if t is not None)
         batch_size = first.shape[0]
@@ -292,7 +291,7 @@ class AccumModel(keras.Model):
         # only to read its shapes; MultiWorkerMirroredStrategy cannot reduce a
         # nested (x, y) batch ("Attempt to convert a value (PerReplica ...)",
         # cf. keras-team/keras#20329), so plain `fit` fails there. One replica's
-        # batch has the same shapes; a no-op for every other strategy.
+        # batch has the same shapes as that mean, so every strategy builds the same.
         if iterator is not None and self._distribute_strategy is not None:
             data_batch = _first_local_batch(self._distribute_strategy, iterator)
             iterator = None
