@@ -142,11 +142,17 @@ def test_dropout_draws_a_fresh_mask_per_micro_batch(accumulation):
 
 
 def test_indivisible_global_batch_names_the_nearest_sizes(accumulation):
-    result = accumulation["indivisible_batch"]
-    assert result["type"] == "ValueError"
-    assert "(30 rows = global batch 30 / 1 replicas)" in result["message"]
-    assert "`accumulation_steps` (4)" in result["message"]
-    assert "28 or 32 rows per replica" in result["message"]
+    kind, message = accumulation["errors"]["indivisible_batch"]
+    assert kind == "ValueError"
+    assert "(30 rows = global batch 30 / 1 replicas)" in message
+    assert "`accumulation_steps` (4)" in message and "28 or 32 rows per replica" in message
+
+
+def test_same_checks_as_the_tensorflow_path(accumulation):
+    kind, message = accumulation["errors"]["double_accumulation"]
+    assert kind == "ValueError" and "`gradient_accumulation_steps=2`" in message
+    kind, message = accumulation["errors"]["sum_reduction"]
+    assert kind == "ValueError" and "reduction='sum'" in message
 
 
 def test_indivisible_per_replica_batch_names_the_nearest_sizes(data_parallel):

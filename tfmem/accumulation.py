@@ -186,7 +186,13 @@ class AccumModel(keras.Model):
     # `Model.from_config` revives functional configs through `cls(inputs=...,
     # outputs=..., **config)`, which passes `accumulation_steps` back to __init__.
 
-    def train_step(self, data):
+    def train_step(self, *args):
+        if keras.backend.backend() == "jax":
+            # Keras's JAX trainer calls a stateless train_step(state, data) -> (logs, state).
+            from tfmem import accumulation_jax
+
+            return accumulation_jax.train_step(self, *args)
+        (data,) = args
         k = self.accumulation_steps
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         self._check_optimizer()
@@ -292,7 +298,8 @@ class AccumModel(keras.Model):
         # nested (x, y) batch ("Attempt to convert a value (PerReplica ...)",
         # cf. keras-team/keras#20329), so plain `fit` fails there. One replica's
         # batch has the same shapes as that mean, so every strategy builds the same.
-        if iterator is not None and self._distribute_strategy is not None:
+        # (`getattr`: only the TensorFlow trainer has `_distribute_strategy`; not the JAX one.)
+        if iterator is not None and getattr(self, "_distribute_strategy", None) is not None:
             data_batch = _first_local_batch(self._distribute_strategy, iterator)
             iterator = None
         return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)

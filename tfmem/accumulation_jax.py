@@ -47,6 +47,8 @@ import jax.numpy as jnp
 import keras
 from keras import tree
 
+from tfmem import accumulation
+
 Array = jax.Array
 
 
@@ -56,7 +58,7 @@ def train_step(model: keras.Model, state: tuple, data) -> tuple[dict, tuple]:
     A drop-in for `keras.src.backend.jax.trainer.JAXTrainer.train_step`.
 
     Args:
-        model: a compiled model with an int `accumulation_steps` attribute (an `AccumModel`).
+        model: a compiled `tfmem.AccumModel` (its `accumulation_steps` and checks are used).
         state: `(trainable_variables, non_trainable_variables, optimizer_variables,
             metrics_variables)`, as Keras's JAX trainer passes it.
         data: one global batch: `x`, `(x, y)` or `(x, y, sample_weight)`, any nesting.
@@ -65,15 +67,18 @@ def train_step(model: keras.Model, state: tuple, data) -> tuple[dict, tuple]:
         `(logs, state)` with the new state in the same layout.
 
     Raises:
-        ValueError: the global batch size is not divisible by `accumulation_steps`.
+        ValueError: the batch of a replica is not divisible by `accumulation_steps`; the
+            optimizer accumulates too (`gradient_accumulation_steps`); a loss reduction other
+            than the mean.
 
     Example:
-        >>> class Accum(keras.Model):  # what AccumModel does on the JAX backend
-        ...     accumulation_steps = 4
-        ...     def train_step(self, state, data):
-        ...         return accumulation_jax.train_step(self, state, data)
+        >>> # KERAS_BACKEND=jax: AccumModel.train_step(state, data) calls this.
+        >>> model = tfmem.AccumModel.wrap(backbone, accumulation_steps=4)  # doctest: +SKIP
+        >>> model.compile("sgd", "sparse_categorical_crossentropy")  # doctest: +SKIP
+        >>> model.fit(images, labels, batch_size=256)  # 4 micro-batches of 64, 1 update
     """
     trainable, non_trainable, optimizer_variables, metrics_variables = state
+    model._check_optimizer()
     num_steps = model.accumulation_steps
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     micro_batches = _split((x, y, sample_weight), num_steps, _num_batch_shards())
@@ -81,7 +86,7 @@ def train_step(model: keras.Model, state: tuple, data) -> tuple[dict, tuple]:
     # BatchNorm statistics restart from the step's value in every micro-batch and their changes
     # are averaged; all other state (seed generators, custom state) is carried from one
     # micro-batch to the next.
-    statistics = {id(v) for v in _batch_norm_statistics(model)}
+    statistics = {id(v) for v in model._batch_norm_statistics()}
     is_averaged = [id(v) in statistics for v in model.non_trainable_variables]
     grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
 
@@ -134,6 +139,9 @@ def train_step(model: keras.Model, state: tuple, data) -> tuple[dict, tuple]:
         micro_step, carry, micro_batches, unroll=jax.default_backend() == "cpu"
     )
 
+    # The compiled loss is built while the micro-step traces, so its reduction is checked here.
+    model._check_loss_reductions()
+
     # The mean of the k (possibly loss-scaled) micro-batch gradients; a LossScaleOptimizer
     # unscales it and skips the update if any micro-batch produced an inf or a NaN.
     grads = [(total / num_steps).astype(v.dtype) for total, v in zip(grad_sum, trainable)]
@@ -158,15 +166,6 @@ def _select(values: list, flags: list[bool], wanted: bool) -> list:
     return [value for value, flag in zip(values, flags) if flag == wanted]
 
 
-def _batch_norm_statistics(model: keras.Model) -> list:
-    return [
-        v
-        for layer in model._flatten_layers(include_self=False)
-        if isinstance(layer, keras.layers.BatchNormalization)
-        for v in layer.non_trainable_variables
-    ]
-
-
 def _num_batch_shards() -> int:
     """How many blocks the installed `keras.distribution` cuts the batch axis into (1: none)."""
     distribution = keras.distribution.distribution()
@@ -185,8 +184,7 @@ def _split(batch, num_steps: int, num_shards: int):
     for size in sizes:
         if size % (num_shards * num_steps):
             rows = size // num_shards if size % num_shards == 0 else size / num_shards
-            lower = int(rows) // num_steps * num_steps
-            nearest = " or ".join(str(n) for n in (lower, lower + num_steps) if n > 0)
+            nearest = accumulation._nearest_multiples(int(rows), num_steps)
             raise ValueError(
                 f"The batch each replica receives ({rows} rows = global batch {size} / "
                 f"{num_shards} replicas) must be divisible by `accumulation_steps` "

@@ -27,7 +27,7 @@ import jax
 import keras
 
 from tfmem import devices as devices_lib
-from tfmem import distribute, probe_jax
+from tfmem import distribute, hardware, probe_jax
 
 
 def detect(prefer: str | None = None) -> distribute.Runtime:
@@ -72,7 +72,7 @@ def detect(prefer: str | None = None) -> distribute.Runtime:
         num_replicas=len(found),
         num_workers=jax.process_count(),
         memory_per_replica=_memory_per_device(found),
-        device_name=distribute._cpu_name() if kind == "cpu" else found[0].device_kind,
+        device_name=hardware.cpu_name() if kind == "cpu" else found[0].device_kind,
         compute_capability=_compute_capability(found[0]),
     )
     logging.info(

@@ -153,14 +153,17 @@ def dropout_seeds():
     return states
 
 
-def indivisible_batch():
-    x, y, _ = data((6,), num_samples=30)
-    model = compile_model(dense_model(4), keras.optimizers.SGD(0.1))
+def error(num_samples, optimizer, loss=None):
+    """The error train_on_batch raises for AccumModel(k=4), as [type, message]."""
+    x, y, _ = data((6,), num_samples=num_samples)
+    model = compile_model(dense_model(4), optimizer)
+    if loss is not None:
+        model.compile(optimizer, loss)
     try:
         model.train_on_batch(x, y)
-    except ValueError as error:
-        return {"type": "ValueError", "message": str(error)}
-    return {"type": None, "message": ""}
+    except ValueError as raised:
+        return ["ValueError", str(raised)]
+    return [None, ""]
 
 
 emit(
@@ -174,6 +177,14 @@ emit(
         "bfloat16": mixed_precision("mixed_bfloat16"),
         "batch_norm": batch_norm(),
         "dropout_seeds": dropout_seeds(),
-        "indivisible_batch": indivisible_batch(),
+        "errors": {
+            "indivisible_batch": error(30, keras.optimizers.SGD(0.1)),
+            "double_accumulation": error(32, keras.optimizers.SGD(0.1, gradient_accumulation_steps=2)),
+            "sum_reduction": error(
+                32,
+                keras.optimizers.SGD(0.1),
+                keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum"),
+            ),
+        },
     }
 )

@@ -15,21 +15,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tfmem import accumulation_jax  # noqa: E402
+from tfmem import AccumModel  # noqa: E402
 
 if keras.backend.backend() != "jax":
     sys.exit(f"expected the JAX backend, Keras runs on {keras.backend.backend()}")
-
-
-class AccumModel(keras.Model):
-    """Stand-in for tfmem.AccumModel until it lands: delegates train_step to the JAX step."""
-
-    def __init__(self, *args, accumulation_steps=1, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.accumulation_steps = accumulation_steps
-
-    def train_step(self, *args):
-        return accumulation_jax.train_step(self, *args)
 
 
 def dense_model(accumulation_steps=None, seed=0):
@@ -38,7 +27,7 @@ def dense_model(accumulation_steps=None, seed=0):
     inputs = keras.Input((6,))
     hidden = keras.layers.Dense(8, activation="tanh")(inputs)
     outputs = keras.layers.Dense(3)(hidden)
-    return _model(inputs, outputs, accumulation_steps)
+    return _model(inputs, outputs, accumulation_steps, wrap=False)
 
 
 def conv_model(accumulation_steps=None, seed=0, batch_norm=False, dropout=0.0):
@@ -51,12 +40,15 @@ def conv_model(accumulation_steps=None, seed=0, batch_norm=False, dropout=0.0):
     if dropout:
         hidden = keras.layers.Dropout(dropout)(hidden)
     outputs = keras.layers.Dense(3)(hidden)
-    return _model(inputs, outputs, accumulation_steps)
+    return _model(inputs, outputs, accumulation_steps, wrap=True)
 
 
-def _model(inputs, outputs, accumulation_steps):
+def _model(inputs, outputs, accumulation_steps, wrap):
+    """keras.Model, or AccumModel built from the tensors (`wrap=False`) or wrapping one."""
     if accumulation_steps is None:
         return keras.Model(inputs, outputs)
+    if wrap:
+        return AccumModel.wrap(keras.Model(inputs, outputs), accumulation_steps=accumulation_steps)
     return AccumModel(inputs, outputs, accumulation_steps=accumulation_steps)
 
 
