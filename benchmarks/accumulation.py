@@ -14,6 +14,7 @@ memory. Throughput counts samples after one warm-up window of 256 samples
 Run (about 10 minutes per round on 2 shared CPU cores, ~4 GB RAM for plain(256)):
 
     PYTHONPATH=. python benchmarks/accumulation.py --windows=3 --rounds=2
+    PYTHONPATH=. python benchmarks/accumulation.py --backend=jax   # the same on Keras's JAX backend
 
 Expected: AccumModel's peak RSS within 1.10× plain(32) and below 0.45×
 plain(256), samples/s at least 0.95× plain(32) on an otherwise idle machine.
@@ -36,6 +37,10 @@ flags.DEFINE_integer(
     "and the highest peak RSS of each case (a shared machine's load comes and goes)."
 )
 flags.DEFINE_string("case", None, "Internal: run one case in this process and print JSON.")
+flags.DEFINE_enum(
+    "backend", "tensorflow", ["tensorflow", "jax"],
+    "Keras backend of every case (KERAS_BACKEND of the child processes).",
+)
 
 MICRO_BATCH, ACCUMULATION_STEPS = 32, 8
 WINDOW = MICRO_BATCH * ACCUMULATION_STEPS
@@ -48,8 +53,9 @@ CASES = {
 }
 
 
-def run_case(name: str, windows: int, image_size: int) -> dict:
+def run_case(name: str, windows: int, image_size: int, backend: str) -> dict:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    os.environ["KERAS_BACKEND"] = backend  # before Keras is imported: it fixes the backend
     import keras
     import numpy as np
     import tensorflow as tf
@@ -89,7 +95,7 @@ def run_case(name: str, windows: int, image_size: int) -> dict:
     return {
         "samples_per_s": windows * WINDOW / (times[-1] - warm),
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
-        "updates": int(model.optimizer.iterations.numpy()),
+        "updates": int(keras.ops.convert_to_numpy(model.optimizer.iterations)),
     }
 
 
@@ -97,6 +103,7 @@ def _run_child(name: str) -> dict:
     command = [
         sys.executable, os.path.abspath(__file__), f"--case={name}",
         f"--windows={FLAGS.windows}", f"--image_size={FLAGS.image_size}",
+        f"--backend={FLAGS.backend}",
     ]
     output = subprocess.run(command, capture_output=True, text=True, check=False)
     line = [l for l in output.stdout.splitlines() if l.startswith("RESULT ")]
@@ -108,7 +115,7 @@ def _run_child(name: str) -> dict:
 def main(argv):
     del argv
     if FLAGS.case:
-        print("RESULT " + json.dumps(run_case(FLAGS.case, FLAGS.windows, FLAGS.image_size)))
+        print("RESULT " + json.dumps(run_case(FLAGS.case, FLAGS.windows, FLAGS.image_size, FLAGS.backend)))
         return
     results = {}
     for _ in range(FLAGS.rounds):
@@ -121,6 +128,7 @@ def main(argv):
 
     base, big = results["plain(32)"], results["plain(256)"]
     print(f"\nEfficientNetV2B0 {FLAGS.image_size}x{FLAGS.image_size}, SGD, CPU, "
+          f"Keras backend {FLAGS.backend}, "
           f"{FLAGS.windows} timed windows of {WINDOW} samples per case, best of "
           f"{FLAGS.rounds} interleaved round(s)\n")
     print("| case | samples/s | × plain(32) | peak RSS (GB) | × plain(32) | × plain(256) | optimizer.iterations |")

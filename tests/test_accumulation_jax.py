@@ -168,7 +168,8 @@ def test_detect_reports_eight_replicas(data_parallel):
     assert runtime["num_workers"] == 1
     assert runtime["strategy"] == "DataParallel" and runtime["installed"]
     # 8 host devices share one RAM: each is given an eighth of what was available.
-    assert runtime["memory_per_replica"] == pytest.approx(runtime["host_available_per_device"], rel=0.2)
+    expected = runtime["host_available_per_device"]
+    assert runtime["memory_per_replica"] == pytest.approx(expected, rel=0.2)
     assert runtime["global_batch_size_4_2"] == 64
     assert runtime["split_64_2"] == 4
 

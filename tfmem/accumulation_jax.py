@@ -49,8 +49,6 @@ from keras import tree
 
 from tfmem import accumulation
 
-Array = jax.Array
-
 
 def train_step(model: keras.Model, state: tuple, data) -> tuple[dict, tuple]:
     """One optimizer update from `model.accumulation_steps` micro-batches of `data`.
@@ -136,7 +134,7 @@ def train_step(model: keras.Model, state: tuple, data) -> tuple[dict, tuple]:
     # 1.2 s unrolled), so on CPU the k micro-batches are unrolled: the program then grows
     # with k, but they still run one after the other. On TPU and GPU the loop stays rolled.
     (grad_sum, delta_sum, carried, metrics_variables), _ = jax.lax.scan(
-        micro_step, carry, micro_batches, unroll=jax.default_backend() == "cpu"
+        micro_step, carry, micro_batches, unroll=_platform() == "cpu"
     )
 
     # The compiled loss is built while the micro-step traces, so its reduction is checked here.
@@ -164,6 +162,14 @@ def train_step(model: keras.Model, state: tuple, data) -> tuple[dict, tuple]:
 
 def _select(values: list, flags: list[bool], wanted: bool) -> list:
     return [value for value, flag in zip(values, flags) if flag == wanted]
+
+
+def _platform() -> str:
+    """The platform the step runs on: the installed distribution's devices, else JAX's default."""
+    distribution = keras.distribution.distribution()
+    if distribution is None:
+        return jax.default_backend()
+    return distribution.device_mesh.backend_mesh.devices.flat[0].platform
 
 
 def _num_batch_shards() -> int:

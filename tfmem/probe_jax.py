@@ -115,7 +115,7 @@ def _abstract(value) -> jax.ShapeDtypeStruct:
 
 
 def _abstract_batch(value):
-    """A batch leaf laid out as `fit` lays it out: sharded on the batch axis under a distribution."""
+    """A batch leaf laid out as `fit` lays it out: sharded on the batch axis if distributed."""
     if value is None:
         return None
     shape, dtype = tuple(value.shape), np.dtype(value.dtype)

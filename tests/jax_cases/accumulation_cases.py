@@ -41,7 +41,7 @@ def equivalence(builder, shape, optimizer, weighted):
 
 
 def lr_schedule():
-    """PiecewiseConstantDecay([2], [0.1, 0.0]): real updates 0, 1, 2 move the weights, 3, 4 don't."""
+    """PiecewiseConstantDecay([2], [0.1, 0.0]): updates 0, 1, 2 move the weights, 3, 4 don't."""
     x, y, _ = data((6,), num_samples=16)
     results = {}
     for name, accumulation_steps in (("plain", None), ("accum", 2)):
@@ -58,7 +58,9 @@ def lr_schedule():
             "iterations": int(model.optimizer.iterations),
             "weights": model.get_weights(),
         }
-    results["weights"] = relative_difference(results["plain"].pop("weights"), results["accum"].pop("weights"))
+    results["weights"] = relative_difference(
+        results["plain"].pop("weights"), results["accum"].pop("weights")
+    )
     return results
 
 
@@ -110,7 +112,7 @@ def mixed_precision(policy):
 
 
 def batch_norm():
-    """Moving statistics after one step vs momentum·old + (1 − momentum)·mean over micro-batches."""
+    """Moving statistics after one step vs momentum·old + (1 − momentum)·mean of micro-batches."""
     x, y, _ = data((8, 8, 3), num_samples=16)
     model = conv_model(2, batch_norm=True)
     compile_model(model, keras.optimizers.SGD(0.1))
@@ -118,7 +120,9 @@ def batch_norm():
     features = keras.Model(model.inputs, layer.input)
     old_mean, old_var = (np.asarray(v) for v in (layer.moving_mean, layer.moving_variance))
     # One device: micro-batch j is rows [8j, 8j + 8) of the global batch of 16.
-    micro = [np.asarray(features.predict(x[8 * j : 8 * j + 8], verbose=0), np.float64) for j in range(2)]
+    micro = [
+        np.asarray(features.predict(x[8 * j : 8 * j + 8], verbose=0), np.float64) for j in range(2)
+    ]
     means = [m.mean(axis=(0, 1, 2)) for m in micro]
     variances = [m.var(axis=(0, 1, 2)) for m in micro]
     expected_mean = 0.9 * old_mean + 0.1 * np.mean(means, axis=0)
@@ -143,7 +147,8 @@ def dropout_seeds():
     """Each micro-batch draws a fresh dropout mask: k=2 advances the seed as 2 plain steps do."""
     x, y, _ = data((8, 8, 3), num_samples=8)
     states = {}
-    for name, accumulation_steps, num_steps in (("accum_1", 2, 1), ("plain_1", None, 1), ("plain_2", None, 2)):
+    runs = (("accum_1", 2, 1), ("plain_1", None, 1), ("plain_2", None, 2))
+    for name, accumulation_steps, num_steps in runs:
         model = conv_model(accumulation_steps, dropout=0.5)
         compile_model(model, keras.optimizers.SGD(0.1))
         for _ in range(num_steps):
@@ -179,7 +184,9 @@ emit(
         "dropout_seeds": dropout_seeds(),
         "errors": {
             "indivisible_batch": error(30, keras.optimizers.SGD(0.1)),
-            "double_accumulation": error(32, keras.optimizers.SGD(0.1, gradient_accumulation_steps=2)),
+            "double_accumulation": error(
+                32, keras.optimizers.SGD(0.1, gradient_accumulation_steps=2)
+            ),
             "sum_reduction": error(
                 32,
                 keras.optimizers.SGD(0.1),

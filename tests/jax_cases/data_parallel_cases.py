@@ -67,7 +67,9 @@ results["data_parallel"] = {
     "variable_devices": len(from_arrays.trainable_variables[0].value.sharding.device_set),
     "weights_vs_reference": relative_difference(reference.get_weights(), from_arrays.get_weights()),
     "dataset_vs_arrays": relative_difference(from_arrays.get_weights(), from_dataset.get_weights()),
-    "dataset_vs_reference": relative_difference(reference.get_weights(), from_dataset.get_weights()),
+    "dataset_vs_reference": relative_difference(
+        reference.get_weights(), from_dataset.get_weights()
+    ),
     "reference_loss": reference_history["loss"][0],
     "accum_loss": arrays_history["loss"][0],
     "dataset_loss": dataset_history["loss"][0],
