@@ -129,12 +129,13 @@ def train_step(model: keras.Model, state: tuple, data) -> tuple[dict, tuple]:
         _select(non_trainable, is_averaged, False),
         list(metrics_variables),
     )
-    # XLA:CPU runs the convolutions of a while-loop body far slower than the same convolutions
-    # outside a loop (EfficientNetV2B0, 96×96, 2 micro-batches of 8: 16 s per step rolled,
-    # 1.2 s unrolled), so on CPU the k micro-batches are unrolled: the program then grows
-    # with k, but they still run one after the other. On TPU and GPU the loop stays rolled.
+    # A rolled loop (an XLA while loop) is what keeps one micro-batch of activations alive:
+    # unrolled, XLA schedules the k micro-batches like one big batch (4 convolutions at 96×96,
+    # 8 micro-batches of 8: 620 MB of temporaries unrolled, 76 MB rolled, even with an
+    # optimization barrier between them). On XLA:CPU the loop body's convolutions run about
+    # 15× slower than outside a loop (README, section "jax"): CPU is for tests here.
     (grad_sum, delta_sum, carried, metrics_variables), _ = jax.lax.scan(
-        micro_step, carry, micro_batches, unroll=_platform() == "cpu"
+        micro_step, carry, micro_batches
     )
 
     # The compiled loss is built while the micro-step traces, so its reduction is checked here.
@@ -162,14 +163,6 @@ def train_step(model: keras.Model, state: tuple, data) -> tuple[dict, tuple]:
 
 def _select(values: list, flags: list[bool], wanted: bool) -> list:
     return [value for value, flag in zip(values, flags) if flag == wanted]
-
-
-def _platform() -> str:
-    """The platform the step runs on: the installed distribution's devices, else JAX's default."""
-    distribution = keras.distribution.distribution()
-    if distribution is None:
-        return jax.default_backend()
-    return distribution.device_mesh.backend_mesh.devices.flat[0].platform
 
 
 def _num_batch_shards() -> int:
