@@ -14,11 +14,6 @@ from tfmem.manifest import Manifest, Shard, read_manifest
 from tfmem.schema import Schema, detect_schema
 from tfmem.tfrecords import write_image_tfrecords
 
-__all__ = ["__version__"]
-__all__ += ["auto_shard_policy", "image_dataset", "DEMO_CLASS_NAMES", "demo_examples",
-            "make_demo_dataset", "Manifest", "Shard", "read_manifest", "Schema", "detect_schema",
-            "write_image_tfrecords"]
-
 # -- accumulation: AccumModel --
 
 # -- distribute / precision: Runtime --
@@ -26,3 +21,6 @@ __all__ += ["auto_shard_policy", "image_dataset", "DEMO_CLASS_NAMES", "demo_exam
 # -- planner / probe: memory plan and guard --
 
 # -- models / metrics --
+
+__all__ = ["__version__"]
+__all__ += ["auto_shard_policy", "image_dataset", "DEMO_CLASS_NAMES", "demo_examples", "make_demo_dataset", "Manifest", "Shard", "read_manifest", "Schema", "detect_schema", "write_image_tfrecords"]  # data

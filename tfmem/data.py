@@ -214,12 +214,17 @@ def image_dataset(
     drop_remainder = training if drop_remainder is None else drop_remainder
     files = tf.data.Dataset.from_tensor_slices(
         (source.files, tf.constant(source.sizes, tf.int64), tf.constant(source.counts, tf.int64)))
-    shard_records = False
-    if input_context is not None and input_context.num_input_pipelines > 1:
+    shard_records, counts = False, source.counts
+    workers = num_workers if num_workers is not None else _num_workers_from_environment()
+    if input_context is not None:
+        # Each replica gets its share of the global batch (raises if it does not divide).
         batch_size = input_context.get_per_replica_batch_size(batch_size)
         pipelines, index = input_context.num_input_pipelines, input_context.input_pipeline_id
-        if len(source.files) >= pipelines:
+        if pipelines == 1:
+            pass  # one pipeline (one worker) feeds all its replicas: nothing to split
+        elif len(source.files) >= pipelines:
             files = files.shard(pipelines, index)
+            counts = counts[index::pipelines]
         else:
             shard_records = True
     if training:
@@ -232,6 +237,11 @@ def image_dataset(
         num_parallel_calls=tf.data.AUTOTUNE,
         deterministic=not training,
     )
+    if _UNKNOWN not in counts and not skip_corrupt and (input_context or workers == 1):
+        # A known length lets Keras show steps per epoch and, under MirroredStrategy, end the
+        # epoch without the extra empty step it may run on a dataset of unknown length.
+        # (Not under multi-worker auto-sharding: that splits the files after this point.)
+        records = records.apply(tf.data.experimental.assert_cardinality(sum(counts)))
     if shard_records:
         records = records.shard(pipelines, index)
     parse = _parser(source, tuple(image_size), channels, tuple(data_range))
@@ -254,7 +264,6 @@ def image_dataset(
     if input_context is not None:  # already split above
         options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
     else:
-        workers = num_workers if num_workers is not None else _num_workers_from_environment()
         options.experimental_distribute.auto_shard_policy = auto_shard_policy(
             len(source.files), workers)
     return dataset.with_options(options)
