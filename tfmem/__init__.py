@@ -7,7 +7,7 @@ from tfmem._version import __version__
 from tfmem import _tf  # noqa: F401  (fails early, naming the extra to install)
 
 # -- data: streaming TFRecord pipeline --
-from tfmem.data import auto_shard_policy, image_dataset
+from tfmem.data import auto_shard_policy, image_dataset, inspect_tfrecords
 from tfmem.demo import CLASS_NAMES as DEMO_CLASS_NAMES
 from tfmem.demo import demo_examples, make_demo_dataset
 from tfmem.manifest import Manifest, Shard, read_manifest
@@ -23,4 +23,4 @@ from tfmem.tfrecords import write_image_tfrecords
 # -- models / metrics --
 
 __all__ = ["__version__"]
-__all__ += ["auto_shard_policy", "image_dataset", "DEMO_CLASS_NAMES", "demo_examples", "make_demo_dataset", "Manifest", "Shard", "read_manifest", "Schema", "detect_schema", "write_image_tfrecords"]  # data
+__all__ += ["auto_shard_policy", "image_dataset", "inspect_tfrecords", "DEMO_CLASS_NAMES", "demo_examples", "make_demo_dataset", "Manifest", "Shard", "read_manifest", "Schema", "detect_schema", "write_image_tfrecords"]  # data

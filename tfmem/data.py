@@ -114,6 +114,40 @@ def _checked_records(filename, size, expected, skip_corrupt: bool) -> tf.data.Da
         lambda r, is_end: r)
 
 
+def inspect_tfrecords(path_or_pattern: str | os.PathLike) -> str:
+    """Describes TFRecord files: their feature keys and types, the first record's image shape,
+    and the schema `image_dataset` would use (or why it cannot tell).
+
+    Example:
+        >>> print(tfmem.inspect_tfrecords("/kaggle/input/flowers/train/*.tfrec"))  # doctest: +SKIP
+        16 file(s), e.g. /kaggle/input/flowers/train/00-224x224-798.tfrec
+        Features of the first record:
+          'class': int64[1] e.g. 57
+          'id': bytes[1] e.g. b'338ab7bac'
+          'image': bytes[1] (jpeg image, 24781 bytes)
+          'image' decodes to an image of shape (224, 224, 3)
+        Schema: Schema(image_key='image', label_key='class', id_key='id', ...)
+    """
+    path_or_pattern = os.fspath(path_or_pattern)
+    files = _glob(path_or_pattern)
+    features = schema_lib.read_first_record(files[0])
+    lines = [f"{len(files)} file(s), e.g. {files[0]}", schema_lib.describe_features(features)]
+    for key, info in features.items():
+        if info.kind == "bytes" and schema_lib.image_format(info.first or b""):
+            shape = tf.io.decode_image(info.first, expand_animations=False).shape
+            lines.append(f"  {key!r} decodes to an image of shape {tuple(shape)}")
+    if manifest_lib.has_manifest(path_or_pattern):
+        manifest = manifest_lib.read_manifest(path_or_pattern)
+        lines.append(f"Manifest: {manifest.num_examples} examples, {manifest.num_classes} classes")
+        lines.append(f"Schema: {manifest.schema}")
+        return "\n".join(lines)
+    try:
+        lines.append(f"Schema: {schema_lib.detect_schema(files[0], features)}")
+    except ValueError as error:
+        lines.append(f"Schema: not detected automatically.\n{error}")
+    return "\n".join(lines)
+
+
 def _num_workers_from_environment() -> int:
     """Workers of a multi-worker cluster described by TF_CONFIG; 1 when there is none."""
     spec = tf.distribute.cluster_resolver.TFConfigClusterResolver().cluster_spec().as_dict()

@@ -66,6 +66,7 @@ def make_demo_dataset(
     seed: int = 0,
     shard_size_mb: float = 1,
     overwrite: bool = False,
+    progress: tfrecords.Progress | None = None,
 ) -> manifest_lib.Manifest:
     """Writes the demo set (PNG TFRecords + manifest) to `output_dir`.
 
@@ -77,6 +78,7 @@ def make_demo_dataset(
         shard_size_mb: shard size; small by default so that even the demo has several
             shards, as real sets do.
         overwrite: replace a set already in `output_dir`.
+        progress: called after each example, as in `write_image_tfrecords`.
 
     Returns:
         The `Manifest` of the written set.
@@ -99,4 +101,4 @@ def make_demo_dataset(
     ).apply(tf.data.experimental.assert_cardinality(num_examples))
     return tfrecords.write_image_tfrecords(
         examples, output_dir, shard_size_mb=shard_size_mb, class_names=CLASS_NAMES,
-        overwrite=overwrite)
+        overwrite=overwrite, progress=progress)
