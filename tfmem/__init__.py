@@ -12,6 +12,7 @@ from tfmem.demo import CLASS_NAMES as DEMO_CLASS_NAMES
 from tfmem.demo import demo_examples, make_demo_dataset
 from tfmem.manifest import Manifest, Shard, read_manifest
 from tfmem.schema import Schema, detect_schema
+from tfmem.tfds_data import tfds_image_dataset
 from tfmem.tfrecords import write_image_tfrecords
 
 # -- accumulation: AccumModel --
@@ -23,4 +24,4 @@ from tfmem.tfrecords import write_image_tfrecords
 # -- models / metrics --
 
 __all__ = ["__version__"]
-__all__ += ["auto_shard_policy", "image_dataset", "inspect_tfrecords", "DEMO_CLASS_NAMES", "demo_examples", "make_demo_dataset", "Manifest", "Shard", "read_manifest", "Schema", "detect_schema", "write_image_tfrecords"]  # data
+__all__ += ["auto_shard_policy", "image_dataset", "inspect_tfrecords", "DEMO_CLASS_NAMES", "demo_examples", "make_demo_dataset", "Manifest", "Shard", "read_manifest", "Schema", "detect_schema", "write_image_tfrecords", "tfds_image_dataset"]  # data
