@@ -200,6 +200,11 @@ def test_interrupted_write_leaves_no_complete_looking_shard(tmp_path):
             _record_lengths(tmp_path / name))
     with pytest.raises(ValueError, match="holds tfmem shards but no manifest.json"):
         tfmem.image_dataset(str(tmp_path), image_size=(4, 4), batch_size=2, training=False)
+    # A killed run (no chance to clean up) leaves its hidden temporary file; the next write
+    # into the directory removes it along with the old shards.
+    (tmp_path / ".shard-00002.tfrecord.tmp-999").write_bytes(b"half a shard")
+    manifest = tfmem.write_image_tfrecords((images, labels), tmp_path, overwrite=True)
+    assert sorted(os.listdir(tmp_path)) == ["manifest.json", "shard-00000.tfrecord"]
 
 
 @pytest.fixture()
