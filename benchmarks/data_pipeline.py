@@ -219,8 +219,8 @@ def _print_tables(sets, rows, speeds):
     for (case, name), row in rows.items():
         size = f"{sets[name]['bytes'] / 1e9:.2f} GB"
         ratio = row["peak_mb"] / small["peak_mb"]
-        print(f"| {'image_dataset (streaming)' if case == 'stream' else 'numpy + from_tensor_slices'}"
-              f" | {size} | {sets[name]['examples']} | {row['peak_mb'] / 1024:.2f} GiB | "
+        label = "image_dataset (streaming)" if case == "stream" else "numpy + from_tensor_slices"
+        print(f"| {label} | {size} | {sets[name]['examples']} | {row['peak_mb'] / 1024:.2f} GiB | "
               f"{ratio:.2f}× |")
     if ("naive", "big") not in rows:
         per_image = 224 * 224 * 3 / 2**30  # uint8 array + the from_tensor_slices copy

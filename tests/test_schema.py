@@ -121,7 +121,8 @@ def test_string_labels_map_through_the_class_list(tmp_path):
     images, names = _images(4, 4), [b"tulip", b"rose", b"tulip", b"daisy"]
     path = _write(tmp_path / "s.tfrec", [{"image": _png(x), "label": n}
                                          for x, n in zip(images, names)])
-    with pytest.raises(ValueError, match=r"(?s)are strings \(e.g. b'tulip'\).*class_names=\[\.\.\.\]"):
+    with pytest.raises(ValueError,
+                       match=r"(?s)are strings \(e.g. b'tulip'\).*class_names=\[\.\.\.\]"):
         tfmem.detect_schema(path)
     schema = tfmem.Schema(image_key="image", label_key="label",
                           class_names=["daisy", "rose", "tulip"])

@@ -24,4 +24,8 @@ from tfmem.tfrecords import write_image_tfrecords
 # -- models / metrics --
 
 __all__ = ["__version__"]
-__all__ += ["auto_shard_policy", "image_dataset", "inspect_tfrecords", "DEMO_CLASS_NAMES", "demo_examples", "make_demo_dataset", "Manifest", "Shard", "read_manifest", "Schema", "detect_schema", "write_image_tfrecords", "tfds_image_dataset"]  # data
+__all__ += [  # data
+    "auto_shard_policy", "image_dataset", "inspect_tfrecords", "DEMO_CLASS_NAMES", "demo_examples",
+    "make_demo_dataset", "Manifest", "Shard", "read_manifest", "Schema", "detect_schema",
+    "write_image_tfrecords", "tfds_image_dataset",
+]

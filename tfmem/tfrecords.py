@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import random
 import struct
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
