@@ -12,7 +12,9 @@ its own process and prints two tables:
    way: decode everything into a numpy array, then `tf.data.Dataset.from_tensor_slices`.
    Target: streaming the big set peaks < 5% above streaming the small one. Both sets use
    32 MB shards, so both keep `num_parallel_reads` (16) shard readers busy: the reader's memory
-   depends on that knob, the shuffle buffer and the batch, not on the size of the set.
+   depends on that knob, the shuffle buffer and the batch, not on the size of the set. Run
+   with glibc's default malloc and with MALLOC_ARENA_MAX=2 (fewer per-thread arenas, whose
+   retained free memory grows over a long run).
 2. Images/s of `image_dataset` reading from disk vs a bare `tf.data` decode + resize loop over
    the same JPEG bytes held in memory, same cores, same batch. Target: ratio >= 0.9.
    Each is run 3 times, alternating, and the best run counts (the machine may be shared).
@@ -46,6 +48,9 @@ _CASE = flags.DEFINE_string("case", None, "Internal: run one case in this proces
 _DIR = flags.DEFINE_string("dir", None, "Internal: the set a case reads.")
 
 IMAGE_SIZE = (224, 224)
+# glibc gives each thread that allocates its own arena (up to 8 per core) and keeps freed memory
+# in them; a long run with many reader threads creeps up that way. Measured both ways.
+_ARENAS = (None, "2")
 _SOURCE_SIZE = (375, 500)
 _POOL = 64
 
@@ -178,12 +183,12 @@ _CASES = {"stream": _case_stream, "naive": _case_naive, "reader_speed": _case_re
           "bare_speed": _case_bare_speed}
 
 
-def _run_case(case: str, directory: str) -> dict:
+def _run_case(case: str, directory: str, **env) -> dict:
     argv = [sys.executable, os.path.abspath(__file__), f"--case={case}", f"--dir={directory}",
             f"--batch_size={_BATCH_SIZE.value}", f"--throughput_images={_THROUGHPUT_IMAGES.value}"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     result = subprocess.run(argv, capture_output=True, text=True,
-                            env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(
-                                os.path.abspath(__file__)))))
+                            env=dict(os.environ, PYTHONPATH=root, **env))
     if result.returncode != 0:
         raise RuntimeError(f"case {case} failed:\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -205,12 +210,14 @@ def main(argv):
                   f"shards, {sets[name]['bytes'] / 1e9:.2f} GB in {sets[name]['seconds']:.0f} s",
                   flush=True)
         rows = {}
-        for name in ("small", "big"):
-            rows[("stream", name)] = _run_case("stream", sets[name]["dir"])
-            print("stream", name, rows[("stream", name)], flush=True)
-        rows[("naive", "small")] = _run_case("naive", sets["small"]["dir"])
+        for arenas in _ARENAS:
+            for name in ("small", "big"):
+                env = {"MALLOC_ARENA_MAX": arenas} if arenas else {}
+                rows[("stream", name, arenas)] = _run_case("stream", sets[name]["dir"], **env)
+                print("stream", name, arenas, rows[("stream", name, arenas)], flush=True)
+        rows[("naive", "small", None)] = _run_case("naive", sets["small"]["dir"])
         if _NAIVE_BIG.value:
-            rows[("naive", "big")] = _run_case("naive", sets["big"]["dir"])
+            rows[("naive", "big", None)] = _run_case("naive", sets["big"]["dir"])
         speeds = {"reader_speed": [], "bare_speed": []}
         for _ in range(_SPEED_RUNS.value):
             for case in speeds:
@@ -221,24 +228,28 @@ def main(argv):
 
 
 def _print_tables(sets, rows, speeds):
-    small, big = rows[("stream", "small")], rows[("stream", "big")]
-    print("\n| case | set | examples | peak RSS | vs streaming small |")
-    print("|---|---|---|---|---|")
-    for (case, name), row in rows.items():
+    print("\n| case | malloc | set | examples | peak RSS | vs streaming small, same malloc |")
+    print("|---|---|---|---|---|---|")
+    for (case, name, arenas), row in rows.items():
         size = f"{sets[name]['bytes'] / 1e9:.2f} GB"
-        ratio = row["peak_mb"] / small["peak_mb"]
+        ratio = row["peak_mb"] / rows[("stream", "small", arenas)]["peak_mb"]
         label = "image_dataset (streaming)" if case == "stream" else "numpy + from_tensor_slices"
-        print(f"| {label} | {size} | {sets[name]['examples']} | {row['peak_mb'] / 1024:.2f} GiB | "
-              f"{ratio:.2f}× |")
-    if ("naive", "big") not in rows:
+        malloc = f"MALLOC_ARENA_MAX={arenas}" if arenas else "default"
+        print(f"| {label} | {malloc} | {size} | {sets[name]['examples']} | "
+              f"{row['peak_mb'] / 1024:.2f} GiB | {ratio:.2f}× |")
+    if ("naive", "big", None) not in rows:
         per_image = 224 * 224 * 3 / 2**30  # uint8 array + the from_tensor_slices copy
-        estimate = rows[("naive", "small")]["baseline_mb"] / 1024 + 2 * per_image * sets["big"][
+        estimate = rows[("naive", "small", None)]["baseline_mb"] / 1024 + 2 * per_image * sets["big"][
             "examples"]
-        print(f"| numpy + from_tensor_slices | {sets['big']['bytes'] / 1e9:.2f} GB | "
+        print(f"| numpy + from_tensor_slices | default | {sets['big']['bytes'] / 1e9:.2f} GB | "
               f"{sets['big']['examples']} | not run: ≈ {estimate:.1f} GiB (estimated, 2 × "
               "uint8 images) | |")
-    growth = big["peak_mb"] / small["peak_mb"] - 1
-    print(f"\nstreaming peak RSS growth, big vs small set: {growth * 100:+.1f}% (target < 5%)")
+    for arenas in _ARENAS:
+        growth = (rows[("stream", "big", arenas)]["peak_mb"]
+                  / rows[("stream", "small", arenas)]["peak_mb"] - 1)
+        malloc = f"MALLOC_ARENA_MAX={arenas}" if arenas else "default malloc"
+        print(f"streaming peak RSS growth, big vs small set, {malloc}: {growth * 100:+.1f}% "
+              "(target < 5%)")
     reader, bare = max(speeds["reader_speed"]), max(speeds["bare_speed"])
     print("\n| pipeline (decode + resize 224, batch "
           f"{_BATCH_SIZE.value}) | images/s (best of {len(speeds['bare_speed'])}) | runs | ratio |")
