@@ -244,6 +244,7 @@ def _print_tables(sets, rows, speeds):
         print(f"| numpy + from_tensor_slices | default | {sets['big']['bytes'] / 1e9:.2f} GB | "
               f"{sets['big']['examples']} | not run: ≈ {estimate:.1f} GiB (estimated, 2 × "
               "uint8 images) | |")
+    print()
     for arenas in _ARENAS:
         growth = (rows[("stream", "big", arenas)]["peak_mb"]
                   / rows[("stream", "small", arenas)]["peak_mb"] - 1)
