@@ -120,6 +120,40 @@ def test_existing_set_is_not_overwritten_silently(written, tmp_path):
     assert manifest.num_examples == 2 and len(os.listdir(tmp_path)) == 2
 
 
+def _stored_features(manifest):
+    rows = []
+    for record in tf.data.TFRecordDataset(manifest.files):
+        feature = tf.train.Example.FromString(record.numpy()).features.feature
+        rows.append({key: (f.int64_list.value or f.bytes_list.value)[0]
+                     for key, f in feature.items()})
+    return rows
+
+
+def test_dataset_sources_raw_and_encoded(tmp_path):
+    rng = np.random.default_rng(7)
+    grey = rng.integers(0, 256, size=(5, 6), dtype=np.uint8)
+    rgba = rng.integers(0, 256, size=(7, 3, 4), dtype=np.uint8)
+    rgb = rng.integers(0, 256, size=(4, 9, 3), dtype=np.uint8)
+    encoded = [tf.io.encode_png(grey[..., None]).numpy(), tf.io.encode_png(rgba).numpy(),
+               tf.io.encode_jpeg(rgb).numpy()]
+    # Encoded bytes (as tfds gives with SkipDecoding) are stored as given; shapes from headers.
+    manifest = tfmem.write_image_tfrecords(
+        tf.data.Dataset.from_tensor_slices((encoded, [0, 1, 2])), tmp_path / "encoded")
+    rows = _stored_features(manifest)
+    assert [r["image"] for r in rows] == encoded
+    assert [(r["height"], r["width"], r["channels"]) for r in rows] == [(5, 6, 1), (7, 3, 4),
+                                                                          (4, 9, 3)]
+    assert manifest.class_names == ("0", "1", "2") and manifest.image_formats == ("jpeg", "png")
+    # Raw uint8 images (dicts, as tfds without as_supervised) are encoded as lossless PNG.
+    raw = tf.data.Dataset.from_tensors({"image": rgb, "label": 1}).repeat(2)
+    manifest = tfmem.write_image_tfrecords(raw, tmp_path / "raw", class_names=["x", "y"])
+    assert [tf.io.decode_png(r["image"]).numpy().tolist() for r in _stored_features(manifest)] == [
+        rgb.tolist()] * 2
+    with pytest.raises(ValueError, match=r"Label 1 of example 0 is out of range for 1 class"):
+        tfmem.write_image_tfrecords(raw, tmp_path / "bad", class_names=["x"])
+    assert not os.listdir(tmp_path / "bad")  # the partial shard was removed
+
+
 def _write_image_folder(root):
     rng = np.random.default_rng(3)
     files = {}
