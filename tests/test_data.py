@@ -98,6 +98,19 @@ def test_training_batches_are_full_shuffled_and_complete(written):
             assert np.min(np.abs(expected - image).reshape(NUM_EXAMPLES, -1).max(1)) < 1e-3
 
 
+def test_cache_keeps_decoded_images_and_reshuffles_each_epoch(written):
+    images, labels, manifest = written
+    dataset = tfmem.image_dataset(manifest.directory, image_size=(HEIGHT, WIDTH), batch_size=40,
+                                  training=True, cache=True, seed=3)
+    epochs = [batch for _ in range(2) for batch in dataset]  # exhausted: the cache completes
+    for x, y in epochs:  # every example once per epoch, pixels intact after the cache
+        order = [int(np.flatnonzero((images == image).all(axis=(1, 2, 3)))[0])
+                 for image in x.numpy().astype(np.uint8)]
+        assert sorted(order) == list(range(NUM_EXAMPLES))
+        np.testing.assert_array_equal(y.numpy(), labels[order])
+    assert not np.array_equal(epochs[0][1].numpy(), epochs[1][1].numpy())  # new order
+
+
 def test_numpy_input_errors_come_before_any_file(tmp_path):
     images, labels = _source(6)
     with pytest.raises(ValueError, match=r"Label 3 \(at index \d\; \d such labels\) is out of "
