@@ -4,6 +4,8 @@ The public API is re-exported here explicitly; everything else is private.
 """
 
 from tfmem._version import __version__
+
+__all__ = ["__version__"]  # each section below adds its names with `__all__ += [...]`
 from tfmem import _tf  # noqa: F401  (fails early, naming the extra to install)
 
 # -- data: streaming TFRecord pipeline --
@@ -15,17 +17,28 @@ from tfmem.schema import Schema, detect_schema
 from tfmem.tfds_data import tfds_image_dataset
 from tfmem.tfrecords import write_image_tfrecords
 
-# -- accumulation: AccumModel --
-
-# -- distribute / precision: Runtime --
-
-# -- planner / probe: memory plan and guard --
-
-# -- models / metrics --
-
-__all__ = ["__version__"]
-__all__ += [  # data
+__all__ += [
     "auto_shard_policy", "image_dataset", "inspect_tfrecords", "DEMO_CLASS_NAMES", "demo_examples",
     "make_demo_dataset", "Manifest", "Shard", "read_manifest", "Schema", "detect_schema",
     "write_image_tfrecords", "tfds_image_dataset",
 ]
+
+# -- accumulation: AccumModel --
+from tfmem.accumulation import AccumModel
+
+__all__ += ["AccumModel"]
+
+# -- distribute / precision: Runtime --
+from tfmem.distribute import Runtime, detect
+from tfmem.precision import policy_for, set_policy
+from tfmem.report import describe
+
+__all__ += ["Runtime", "detect", "describe", "policy_for", "set_policy"]
+
+# -- planner / probe: memory plan and guard --
+
+# -- models / metrics --
+from tfmem import models
+from tfmem.metrics import MAE, MSE, PSNR, SSIM, mae, mse, psnr, ssim
+
+__all__ += ["models", "MAE", "MSE", "PSNR", "SSIM", "mae", "mse", "psnr", "ssim"]
