@@ -30,6 +30,7 @@ import json
 import os
 import pickle
 import resource
+import signal
 import subprocess
 import sys
 import tempfile
@@ -253,16 +254,26 @@ def _run_child(spec_path: str, result_path: str, spec: dict, timeout: float) -> 
         with open(result_path) as result_file:
             result = json.load(result_file)
         return Measurement(size, result["peak_bytes"], result["baseline_bytes"], False)
-    reason = watchdog.reason or _last_error_line(stderr) or f"exit status {child.returncode}"
+    if child.returncode is not None and child.returncode < 0:
+        # TensorFlow often dies of a signal after the kernel refuses an allocation under
+        # RLIMIT_DATA (it reports the OOM, or not, then aborts or segfaults).
+        status = (f"killed by {signal.Signals(-child.returncode).name}; under the child's "
+                  "RLIMIT_DATA this is usually a refused allocation")
+    else:
+        status = f"exit status {child.returncode}"
+    reason = watchdog.reason or f"{_last_error_line(stderr)} ({status})"
     return Measurement(size, watchdog.highest, 0, True, reason)
 
 
 def _last_error_line(stderr: str) -> str:
-    lines = [line for line in (stderr or "").splitlines() if line.strip()]
-    for line in reversed(lines):
-        if "Error" in line or "error" in line:
-            return line.strip()[:300]
-    return lines[-1].strip()[:300] if lines else ""
+    """The line that says why a child failed: an out-of-memory report first, else an error."""
+    lines = [line.strip() for line in (stderr or "").splitlines() if line.strip()]
+    for markers in (("RESOURCE_EXHAUSTED", "OOM when allocating", "MemoryError", "bad_alloc"),
+                    ("Error",)):
+        for line in reversed(lines):
+            if any(marker in line for marker in markers):
+                return line[:300]
+    return lines[-1][:300] if lines else ""
 
 
 def _resident_bytes(pid: int) -> int | None:
