@@ -355,8 +355,9 @@ def _child_main(spec_path: str, result_path: str) -> None:
     targets = np.zeros((size,) + tuple(model.output_shape[1:]), "float32")
     # One batch repeated: the data costs one batch, as a streaming pipeline's current batch does.
     dataset = tf.data.Dataset.from_tensors((images, targets)).repeat(spec["num_steps"])
-    if spec["device"] == "cpu":
-        _reset_peak_resident()  # loading a saved model reads the file once; not part of training
+    if spec["device"] == "cpu" and "path" in spec:
+        # Reading the saved file is a transient a real run (which builds the model) never has.
+        _reset_peak_resident()
     model.fit(dataset, epochs=1, verbose=0)
     if spec["device"] == "gpu":
         peak, baseline = tf.config.experimental.get_memory_info("GPU:0")["peak"], 0
