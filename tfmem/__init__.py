@@ -4,6 +4,8 @@ The public API is re-exported here explicitly; everything else is private.
 """
 
 from tfmem._version import __version__
+
+__all__ = ["__version__"]  # each section below adds its names with `__all__ += [...]`
 from tfmem import _tf  # noqa: F401  (fails early, naming the extra to install)
 
 # -- data: streaming TFRecord pipeline --
@@ -11,14 +13,16 @@ from tfmem import _tf  # noqa: F401  (fails early, naming the extra to install)
 # -- accumulation: AccumModel --
 
 # -- distribute / precision: Runtime --
+from tfmem.distribute import Runtime, detect
+from tfmem.precision import policy_for, set_policy
+from tfmem.report import describe
+
+__all__ += ["Runtime", "detect", "describe", "policy_for", "set_policy"]
 
 # -- planner / probe: memory plan and guard --
-from tfmem.planner import MemoryPlan, MemoryPlanError, plan  # noqa: E402
-from tfmem.probe import probe  # noqa: E402
+from tfmem.planner import MemoryPlan, MemoryPlanError, plan
+from tfmem.probe import probe
 
-_PLANNER_API = ["MemoryPlan", "MemoryPlanError", "plan", "probe"]
+__all__ += ["MemoryPlan", "MemoryPlanError", "plan", "probe"]
 
 # -- models / metrics --
-
-__all__ = ["__version__"]
-__all__ += _PLANNER_API

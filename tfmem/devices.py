@@ -63,6 +63,7 @@ ACCELERATORS: dict[str, Accelerator] = {
         _gpu("a100-40gb", 40960, "NVIDIA A100 40 GB"),
         _gpu("a100-80gb", 81920, "NVIDIA A100 80 GB"),
         _gpu("h100", 81559, "NVIDIA H100 80 GB"),
+        _gpu("h200", 143771, "NVIDIA H200 141 GB"),
         _tpu("tpu-v2-8", 8, 8, "TPU v2-8: 8 cores × 8 GiB HBM (Colab's legacy TPU)"),
         _tpu("tpu-v3-8", 16, 8, "TPU v3-8: 8 cores × 16 GiB HBM (Kaggle 'TPU v3-8')"),
         _tpu("tpu-v4-8", 32, 4, "TPU v4-8: 4 chips × 32 GiB HBM"),
@@ -81,6 +82,7 @@ _DEVICE_KIND_PATTERNS: list[tuple[str, str]] = [
     (r"a100.*80\s*gb", "a100-80gb"),
     (r"a100", "a100-40gb"),
     (r"h100", "h100"),
+    (r"h200", "h200"),
     (r"v100.*32\s*gb", "v100-32gb"),
     (r"v100", "v100-16gb"),
     (r"\bl4\b", "l4"),
@@ -96,12 +98,35 @@ _DEVICE_KIND_PATTERNS: list[tuple[str, str]] = [
 ]
 
 
+# Cloud TPU accelerator types, as TPU VMs put them in `TPU_ACCELERATOR_TYPE` ("v3-8",
+# "v5litepod-8", "v6e-1"): version, an optional variant, and the TensorCore (v2-v4, v5p) or
+# chip (v5e, v6e) count. Memory per replica is the same for every size of one version, so an
+# unlisted size ("v5litepod-4") maps to the listed entry of its version.
+_TPU_ACCELERATOR_TYPE = re.compile(
+    r"^v(?P<version>[2-6])(?P<variant>litepod|lite|e|p)?-(?P<size>\d+)$"
+)
+_TPU_VARIANTS = {None: "", "p": "p", "e": "e", "lite": "e", "litepod": "e"}
+
+
+def _from_tpu_accelerator_type(key: str) -> str | None:
+    match = _TPU_ACCELERATOR_TYPE.match(key)
+    if match is None:
+        return None
+    family = f"tpu-v{match['version']}{_TPU_VARIANTS[match['variant']]}"
+    exact = f"{family}-{match['size']}"
+    if exact in ACCELERATORS:
+        return exact
+    same_family = [name for name in ACCELERATORS if name.rsplit("-", 1)[0] == family]
+    return same_family[-1] if same_family else None
+
+
 def lookup(name: str) -> Accelerator:
     """Returns the table entry for a command-line name or a framework's device name.
 
     Args:
-        name: a key of `ACCELERATORS` (`"t4"`, `"tpu-v3-8"`, …) or a device name as TensorFlow
-            or JAX report it (`"Tesla T4"`, `"NVIDIA A100-SXM4-80GB"`, `"TPU v3"`).
+        name: a key of `ACCELERATORS` (`"t4"`, `"tpu-v3-8"`, …), a device name as TensorFlow
+            or JAX report it (`"Tesla T4"`, `"NVIDIA A100-SXM4-80GB"`, `"TPU v3"`), or a Cloud
+            TPU accelerator type as in `TPU_ACCELERATOR_TYPE` (`"v3-8"`, `"v5litepod-8"`).
 
     Raises:
         ValueError: the name matches no known accelerator; the message lists the valid names.
@@ -113,6 +138,9 @@ def lookup(name: str) -> Accelerator:
     key = name.strip().lower()
     if key in ACCELERATORS:
         return ACCELERATORS[key]
+    accelerator_type = _from_tpu_accelerator_type(key)
+    if accelerator_type is not None:
+        return ACCELERATORS[accelerator_type]
     for pattern, table_name in _DEVICE_KIND_PATTERNS:
         if re.search(pattern, key):
             return ACCELERATORS[table_name]
