@@ -220,3 +220,31 @@ def test_known_architecture_parameter_bytes(builder, total, trainable):
     assert p.parameter_bytes == 4 * total
     assert p.gradient_bytes == 4 * trainable
     assert p.optimizer_bytes == 2 * 4 * trainable
+
+
+def test_guard_auto_picks_k_so_the_global_batch_holds():
+    model = activation_model()
+    loose = tfmem.plan(model, global_batch_size=96, memory_budget=100 * GIB, num_replicas=2)
+    budget = (loose.peak_bytes(12, 4) + loose.peak_bytes(16, 3)) // 2
+    auto = planner.guard(model, global_batch_size=96, num_replicas=2,
+                         memory_budget=int(budget / 0.8) + 1)
+    # 48 per replica: the largest dividing micro-batch under the budget is 12, so k = 4.
+    assert (auto.micro_batch_size, auto.accumulation_steps) == (12, 4)
+    assert auto.micro_batch_size * auto.accumulation_steps * auto.num_replicas == 96
+    with pytest.raises(tfmem.MemoryPlanError, match="micro-batch 12 × 4 steps fits"):
+        planner.guard(model, global_batch_size=96, num_replicas=2, accumulation_steps=2,
+                      memory_budget=int(budget / 0.8) + 1)
+    kept = planner.guard(model, global_batch_size=96, num_replicas=2, accumulation_steps=2,
+                         memory_budget=int(budget / 0.8) + 1, allow_over_budget=True)
+    assert kept.global_batch_size == 96
+
+
+def test_detected_runtime_plans_on_this_host():
+    runtime = tfmem.detect(prefer="cpu")
+    p = tfmem.plan(small_model(), global_batch_size=2 * runtime.num_replicas, runtime=runtime)
+    assert p.device_kind == "cpu" and p.num_replicas == runtime.num_replicas
+    assert p.memory_per_replica >= runtime.memory_per_replica
+    unknown = types.SimpleNamespace(memory_per_replica=None, num_replicas=1, kind="gpu",
+                                    device_name="Some GPU")
+    with pytest.raises(ValueError, match="pass `device=`"):
+        tfmem.plan(small_model(), global_batch_size=2, runtime=unknown)

@@ -199,7 +199,17 @@ def _budget(runtime, memory_budget, device) -> tuple[str, str, int, int]:
     if runtime is not None:
         kind = str(getattr(runtime, "kind", "cpu")).lower()
         label = getattr(runtime, "device_name", None) or kind
-        return label, kind, int(runtime.memory_per_replica), int(runtime.num_replicas)
+        if runtime.memory_per_replica is None:
+            raise ValueError(
+                f"The runtime does not know the memory of its {kind} ({label!r}): pass "
+                "`device=` (a name from tfmem.devices.ACCELERATORS) or `memory_budget=` bytes."
+            )
+        memory, replicas = int(runtime.memory_per_replica), int(runtime.num_replicas)
+        if kind == "cpu":
+            # Host RAM that was free at detection: this process's own share comes on top,
+            # as for device="cpu" below (the plan counts the whole process).
+            memory += _own_resident_bytes() // replicas
+        return label, kind, memory, replicas
     if memory_budget is not None:
         if memory_budget <= 0:
             raise ValueError(f"`memory_budget` must be positive bytes, got {memory_budget}.")
@@ -434,3 +444,37 @@ class MemoryPlanError(ValueError):
                       "a device with more memory.")
         super().__init__(head + advice + " Pass `allow_over_budget=True` to run anyway.\n"
                          + _format_table(plan, micro_batch_size, accumulation_steps))
+
+
+def guard(
+    model: keras.Model,
+    *,
+    global_batch_size: int,
+    accumulation_steps: int | str | None = "auto",
+    allow_over_budget: bool = False,
+    **plan_kwargs: Any,
+) -> MemoryPlan:
+    """Plans a run and stops it before the first step if it cannot fit (AccumModel's check).
+
+    Args:
+        model: the model about to train.
+        global_batch_size: samples per update over all replicas.
+        accumulation_steps: the k the run will use, or "auto"/None for the plan's choice.
+        allow_over_budget: True returns the plan without raising (the explicit override).
+        **plan_kwargs: passed to `plan` (optimizer, precision, runtime/memory_budget/device…).
+
+    Returns:
+        The `MemoryPlan`; with "auto", its `accumulation_steps` is the k to use.
+
+    Raises:
+        MemoryPlanError: the setting (or, with "auto", every setting) exceeds the budget.
+
+    Example:
+        >>> k = guard(model, global_batch_size=64, device="t4").accumulation_steps
+    """
+    memory_plan = plan(model, global_batch_size=global_batch_size, **plan_kwargs)
+    steps = None if accumulation_steps in (None, "auto") else accumulation_steps
+    if isinstance(steps, str):
+        raise ValueError(f"`accumulation_steps` must be a positive int or 'auto', got {steps!r}.")
+    check(memory_plan, accumulation_steps=steps, allow_over_budget=allow_over_budget)
+    return memory_plan
