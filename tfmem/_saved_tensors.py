@@ -17,8 +17,12 @@ TensorFlow registers for the ops Keras 3 emits (`tensorflow/python/ops/nn_grad.p
 - Add/Subtract/Concatenate/Reshape/padding/cropping/average pools/nearest upsampling/
   Rescaling: gradients need only shapes, nothing is kept.
 - Multiply/Maximum/Minimum keep their inputs; MaxPooling keeps input and output
-  (`MaxPoolGrad`); Dropout keeps its mask (`x * mask`) in the compute dtype.
-- Anything else is counted as keeping its inputs and outputs (an upper bound) and named in
+  (`MaxPoolGrad`); Dropout (`stateless_dropout`: `where(mask, x * scale, 0)`) keeps its
+  boolean mask, one byte per element.
+- Any other layer (a custom block such as MBConv) is traced once per configuration and
+  input shape with TensorFlow: forward and `GradientTape` backward in one graph, and the
+  forward tensors the backward ops read are the saved ones (`traced_saved_tensors`). Without
+  TensorFlow it is counted as keeping its inputs and outputs (an upper bound) and named in
   the plan's notes.
 
 A layer whose output needs no gradient (frozen weights and no trainable layer before it)
@@ -69,12 +73,14 @@ class SavedTensors:
         largest_tensor_bytes: bytes of the largest single tensor of the forward pass (one sample).
         input_bytes: bytes of one sample of the model's inputs, as fed (float32 images).
         unknown_layers: class names counted as keeping inputs and outputs (an upper bound).
+        traced_layers: class names measured by tracing their TensorFlow gradient graph.
     """
 
     saved_bytes: int
     largest_tensor_bytes: int
     input_bytes: int
     unknown_layers: tuple[str, ...]
+    traced_layers: tuple[str, ...] = ()
 
 
 def _sample_bytes(shape, dtype) -> int:
@@ -101,6 +107,8 @@ class _Walker:
         self.needs_grad: set[int] = set()
         self.largest = 0
         self.unknown: set[str] = set()
+        self.traced_layers: set[str] = set()
+        self.trace_cache: dict = {}
         self._tensors: list = []  # keep walked tensors alive so their ids stay unique
 
     def key(self, tensor) -> int:
@@ -214,11 +222,38 @@ class _Walker:
         elif isinstance(layer, _GLOBAL_MAX_POOLS):
             self.keep(inputs[0])
         elif isinstance(layer, _DROPOUTS):
-            self.keep_new(inputs[0].shape, compute)  # the mask, in the input's dtype
+            self.keep_new(inputs[0].shape, "bool")  # SelectV2's keep-mask, one byte each
         else:
-            self.unknown.add(type(layer).__name__)
-            for tensor in list(inputs) + list(outputs):
-                self.keep(tensor)
+            self.traced(layer, inputs, outputs)
+
+    def traced(self, layer, inputs, outputs) -> None:
+        try:
+            cache_key = (type(layer), repr(sorted((k, v) for k, v in layer.get_config().items()
+                                                  if k != "name")),
+                         tuple((tuple(t.shape[1:]), str(t.dtype)) for t in inputs),
+                         layer.trainable)
+        except (NotImplementedError, TypeError):
+            cache_key = None
+        result = self.trace_cache.get(cache_key) if cache_key else None
+        if result is None:
+            try:
+                result = traced_saved_tensors(layer, inputs)
+            except Exception as error:  # noqa: BLE001 - any trace failure: fall back, say so
+                self.unknown.add(f"{type(layer).__name__} ({type(error).__name__})")
+                for tensor in list(inputs) + list(outputs):
+                    self.keep(tensor)
+                return
+            if cache_key:
+                self.trace_cache[cache_key] = result
+        self.traced_layers.add(type(layer).__name__)
+        input_indices, output_indices, internal, largest = result
+        for index in input_indices:
+            self.keep(inputs[index])
+        for index in output_indices:
+            self.keep(outputs[index])
+        for nbytes in internal:
+            self.sizes[("new", len(self.sizes))] = nbytes
+        self.largest = max(self.largest, largest)
 
 
 def saved_tensors(model: keras.Model) -> SavedTensors:
@@ -249,4 +284,81 @@ def saved_tensors(model: keras.Model) -> SavedTensors:
         largest_tensor_bytes=int(walker.largest),
         input_bytes=int(sum(_sample_bytes(t.shape, t.dtype) for t in inputs)),
         unknown_layers=tuple(sorted(walker.unknown)),
+        traced_layers=tuple(sorted(walker.traced_layers)),
     )
+
+
+# Ops whose outputs alias an input's buffer, and ops that read only a tensor's shape (the
+# dataflow executor runs those as soon as the forward tensor exists, so they keep nothing).
+_ALIASING_OPS = {"Reshape", "Identity", "IdentityN", "Squeeze", "ExpandDims", "StopGradient"}
+_SHAPE_OPS = {"Shape", "ShapeN", "Size", "Rank", "BroadcastGradientArgs", "ZerosLike",
+              "OnesLike"}
+
+
+def traced_saved_tensors(layer, inputs):
+    """Which tensors the TensorFlow backward of `layer(*inputs)` reads, from its graph.
+
+    Builds forward and `GradientTape` backward of one call in a `tf.function` with a
+    symbolic batch dimension; every forward tensor with that batch dimension that a backward
+    op (one created by `tape.gradient`) reads is saved. Reshape-like ops share their input's
+    buffer and are followed to it; shape-only reads keep nothing.
+
+    Returns:
+        (indices of inputs kept, indices of outputs kept, bytes per sample of each other
+        kept tensor, bytes per sample of the largest forward tensor).
+    """
+    import tensorflow as tf
+
+    boundary = {}
+
+    @tf.function(autograph=False)
+    def forward_backward(*xs):
+        with tf.GradientTape() as tape:
+            tape.watch(xs)
+            ys = tf.nest.flatten(layer(*xs, training=True))
+            loss = tf.add_n([tf.reduce_sum(tf.cast(y, tf.float32)) for y in ys])
+        boundary["ops"] = len(tf.compat.v1.get_default_graph().get_operations())
+        boundary["outputs"] = ys
+        return tape.gradient(loss, list(xs) + layer.trainable_variables)
+
+    specs = [tf.TensorSpec((None,) + tuple(t.shape[1:]), t.dtype) for t in inputs]
+    graph = forward_backward.get_concrete_function(*specs).graph
+    operations = graph.get_operations()
+    forward = {op.name for op in operations[:boundary["ops"]]}
+
+    def root(tensor):
+        while tensor.op.type in _ALIASING_OPS and tensor.op.inputs:
+            index = tensor.value_index if tensor.op.type == "IdentityN" else 0
+            tensor = tensor.op.inputs[index]
+        return tensor
+
+    def per_sample(tensor) -> int | None:
+        shape = tensor.shape
+        if shape.rank is None or shape.rank == 0 or shape[0] is not None:
+            return None  # not a batch tensor: a weight, a constant or a shape
+        if not shape[1:].is_fully_defined() or tensor.dtype == tf.resource:
+            return None
+        return int(np.prod(shape[1:], dtype=np.int64)) * tensor.dtype.size
+
+    saved = {}
+    for op in operations[boundary["ops"]:]:
+        if op.type in _SHAPE_OPS:
+            continue
+        for tensor in op.inputs:
+            tensor = root(tensor)
+            if tensor.op.name in forward and per_sample(tensor):
+                saved[tensor.ref()] = tensor
+    placeholders = [t for t in graph.inputs if t.dtype != tf.resource][:len(inputs)]
+    input_refs = {t.ref(): i for i, t in enumerate(placeholders)}
+    output_refs = {root(t).ref(): i for i, t in enumerate(boundary["outputs"])}
+    kept_inputs, kept_outputs, internal = [], [], []
+    for ref, tensor in saved.items():
+        if ref in input_refs:
+            kept_inputs.append(input_refs[ref])
+        elif ref in output_refs:
+            kept_outputs.append(output_refs[ref])
+        else:
+            internal.append(per_sample(tensor))
+    largest = max((per_sample(t) or 0 for op in operations[:boundary["ops"]]
+                   for t in op.outputs), default=0)
+    return kept_inputs, kept_outputs, internal, largest

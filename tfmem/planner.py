@@ -296,6 +296,9 @@ def plan(
             # inf/nan before applying: a second gradient set is alive at once.
             mixed += nbytes(trainable)
     notes = []
+    if saved.traced_layers:
+        notes.append("measured by tracing their TensorFlow gradient graph: "
+                     + ", ".join(saved.traced_layers))
     if saved.unknown_layers:
         notes.append("counted as keeping inputs and outputs (unknown to the planner): "
                      + ", ".join(saved.unknown_layers))
