@@ -286,3 +286,46 @@ def test_custom_block_is_traced_not_guessed():
     # conv keeps its input (the model input), silu keeps its input (the conv output).
     assert p.activation_bytes_per_sample == 8 * 8 * 4 * 4 * 2
     assert any("Residual" in note and "tracing" in note for note in p.notes)
+
+
+def test_plan_script_prints_the_plan_and_draws_it(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    png = tmp_path / "plan.png"
+    result = subprocess.run(
+        [sys.executable, os.path.join(root, "scripts", "plan.py"), "--model", "mobilenetv2",
+         "--global-batch-size", "48", "--device", "t4", "--image-size", "32",
+         "--num-classes", "10", "--optimizer", "sgd", f"--plot={png}"],
+        capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    assert result.returncode == 0, result.stderr[-2000:]
+    reference = tfmem.plan(
+        keras.applications.MobileNetV2(weights=None, input_shape=(32, 32, 3), classes=10),
+        global_batch_size=48, optimizer="sgd", device="t4")
+    total = planner.format_bytes(reference.peak_bytes(reference.micro_batch_size))
+    assert f"total (peak per replica)" in result.stdout and total in result.stdout
+    assert (f"choice: micro-batch {reference.micro_batch_size} × "
+            f"{reference.accumulation_steps}") in result.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.skipif(
+    not __import__("os").environ.get("TFMEM_SLOW_TESTS"),
+    reason="builds the 209M-parameter EfficientNetV2-XL (~1.5 min, 2 GB); set TFMEM_SLOW_TESTS=1")
+def test_efficientnetv2_xl_golden_plan():
+    models = pytest.importorskip("tfmem.models")
+    if not hasattr(models, "build"):
+        pytest.skip("tfmem.models.build is not installed in this checkout")
+    model = models.build("efficientnetv2-xl", num_classes=1000, image_size=384)
+    p = tfmem.plan(model, global_batch_size=64, optimizer="adam", device="v100-32gb")
+    assert p.num_parameters == 208_896_832
+    assert p.parameter_bytes == 4 * 208_896_832
+    assert p.optimizer_bytes == 2 * p.gradient_bytes == 8 * p.num_trainable_parameters
+    # Measured on CPU (FACTS.md): batch 1 → 2 adds ≈ 1.7-1.8 GiB per sample at 384 px.
+    per_sample = p.peak_bytes(2, 1) - p.peak_bytes(1, 1)
+    assert 1.6 * GIB < per_sample < 1.95 * GIB
+    # fp32 on a 32 GB V100 under the 80% rule: micro-batch 8 × 8 steps for the global 64.
+    assert (p.micro_batch_size, p.accumulation_steps) == (8, 8)

@@ -8,9 +8,10 @@ variables and graph; each comment says where it comes from. Nothing here trains 
 
 Example:
     >>> model = keras.applications.ResNet50(weights=None, input_shape=(224, 224, 3))
-    >>> p = plan(model, global_batch_size=64, optimizer="adam", device="v100-16gb")
+    >>> p = plan(model, global_batch_size=256, optimizer="adam", device="v100-16gb",
+    ...          precision="mixed_float16")
     >>> p.micro_batch_size, p.accumulation_steps  # doctest: +SKIP
-    (32, 2)
+    (128, 2)
     >>> print(p.table())  # doctest: +SKIP
 """
 
@@ -103,6 +104,7 @@ class MemoryPlan:
 
     @property
     def per_replica_batch_size(self) -> int:
+        """Samples each replica contributes to one update: global batch ÷ replicas."""
         return self.global_batch_size // self.num_replicas
 
     @property
