@@ -15,10 +15,10 @@ import sys
 from absl import app, flags
 
 import tfmem
-from tfmem import devices, planner
+from tfmem import devices, models, planner
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", None, "Model name, e.g. resnet50, efficientnetv2-b0, densenet121.")
+flags.DEFINE_string("model", None, f"Model name: {', '.join(models.MODELS)}.")
 flags.DEFINE_integer("global_batch_size", None, "Samples per optimizer update, all replicas.")
 flags.DEFINE_string("device", "cpu", f"cpu or one of: {', '.join(devices.ACCELERATORS)}.")
 flags.DEFINE_integer("image_size", 224, "Height and width of the input images.")
@@ -29,31 +29,6 @@ flags.DEFINE_enum("precision", "float32", ["float32", "mixed_float16", "mixed_bf
 flags.DEFINE_float("safety", 0.8, "Fraction of the device memory to plan for.")
 flags.DEFINE_string("plot", None, "Write memory vs micro-batch to this PNG file.")
 flags.mark_flags_as_required(["model", "global_batch_size"])
-
-# keras.applications builders used while `tfmem.models` is not installed.
-_APPLICATIONS = {
-    "resnet50": "ResNet50", "resnet101": "ResNet101", "densenet121": "DenseNet121",
-    "mobilenetv2": "MobileNetV2", "efficientnetv2-b0": "EfficientNetV2B0",
-    "efficientnetv2-s": "EfficientNetV2S", "efficientnetv2-m": "EfficientNetV2M",
-    "efficientnetv2-l": "EfficientNetV2L",
-}
-
-
-def build_model(name: str, image_size: int, num_classes: int):
-    """Builds `name` with `tfmem.models` when available, else from keras.applications."""
-    try:
-        from tfmem import models
-    except ImportError:
-        models = None
-    if hasattr(models, "build"):
-        return models.build(name, num_classes=num_classes, image_size=image_size)
-    import keras
-
-    if name not in _APPLICATIONS:
-        raise ValueError(f"Unknown model {name!r}; known here: {', '.join(_APPLICATIONS)}.")
-    builder = getattr(keras.applications, _APPLICATIONS[name])
-    return builder(weights=None, input_shape=(image_size, image_size, 3), classes=num_classes)
-
 
 def draw(plan, path: str) -> None:
     """Predicted peak per replica against the micro-batch, with the budget and the choice."""
@@ -92,7 +67,7 @@ def main(argv):
     import keras
 
     keras.mixed_precision.set_global_policy(FLAGS.precision)
-    model = build_model(FLAGS.model, FLAGS.image_size, FLAGS.num_classes)
+    model = models.build(FLAGS.model, num_classes=FLAGS.num_classes, image_size=FLAGS.image_size)
     plan = tfmem.plan(model, global_batch_size=FLAGS.global_batch_size,
                       optimizer=FLAGS.optimizer, precision=FLAGS.precision,
                       device=FLAGS.device, safety=FLAGS.safety)

@@ -302,9 +302,8 @@ def test_plan_script_prints_the_plan_and_draws_it(tmp_path):
         capture_output=True, text=True, timeout=300,
         env=dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", "")))
     assert result.returncode == 0, result.stderr[-2000:]
-    reference = tfmem.plan(
-        keras.applications.MobileNetV2(weights=None, input_shape=(32, 32, 3), classes=10),
-        global_batch_size=48, optimizer="sgd", device="t4")
+    reference = tfmem.plan(tfmem.models.build("mobilenetv2", num_classes=10, image_size=32),
+                           global_batch_size=48, optimizer="sgd", device="t4")
     total = planner.format_bytes(reference.peak_bytes(reference.micro_batch_size))
     assert f"total (peak per replica)" in result.stdout and total in result.stdout
     assert (f"choice: micro-batch {reference.micro_batch_size} × "
