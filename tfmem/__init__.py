@@ -11,6 +11,9 @@ from tfmem import _tf  # noqa: F401  (fails early, naming the extra to install)
 # -- data: streaming TFRecord pipeline --
 
 # -- accumulation: AccumModel --
+from tfmem.accumulation import AccumModel
+
+__all__ += ["AccumModel"]
 
 # -- distribute / precision: Runtime --
 from tfmem.distribute import Runtime, detect
