@@ -328,3 +328,48 @@ def test_efficientnetv2_xl_golden_plan():
     assert 1.6 * GIB < per_sample < 1.95 * GIB
     # fp32 on a 32 GB V100 under the 80% rule: micro-batch 8 × 8 steps for the global 64.
     assert (p.micro_batch_size, p.accumulation_steps) == (8, 8)
+
+
+def _accum_data(global_batch=64):
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    images = rng.uniform(0, 1, (global_batch, 16, 16, 3)).astype("float32")
+    labels = rng.integers(0, 10, global_batch)
+    return tf.data.Dataset.from_tensor_slices((images, labels)).batch(global_batch,
+                                                                      drop_remainder=True)
+
+
+def _accum_model(accumulation_steps):
+    base = activation_model()
+    model = tfmem.AccumModel.wrap(base, accumulation_steps=accumulation_steps)
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    return model
+
+
+def _budget_between_16x4_and_32x2(model):
+    loose = tfmem.plan(model, global_batch_size=64, optimizer="sgd", memory_budget=100 * GIB)
+    return int((loose.peak_bytes(16, 4) + loose.peak_bytes(32, 2)) / 2 / 0.8) + 1
+
+
+def test_accum_fit_is_stopped_before_the_first_step_when_over_budget():
+    model = _accum_model(accumulation_steps=1)
+    before = [w.copy() for w in model.get_weights()]
+    budget = _budget_between_16x4_and_32x2(model)
+    with pytest.raises(tfmem.MemoryPlanError, match="micro-batch 16 × 4 steps fits"):
+        model.fit(_accum_data(), epochs=1, verbose=0, memory_budget=budget)
+    assert int(model.optimizer.iterations) == 0
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+    model.fit(_accum_data(), epochs=1, verbose=0, memory_budget=budget, check_memory=False)
+    assert int(model.optimizer.iterations) == 1  # the explicit override runs
+
+
+def test_accum_auto_takes_k_from_the_plan():
+    model = _accum_model(accumulation_steps="auto")
+    model.fit(_accum_data(), epochs=1, verbose=0,
+              memory_budget=_budget_between_16x4_and_32x2(model))
+    assert model.accumulation_steps == 4  # 64 = micro-batch 16 × 4 steps
+    assert int(model.optimizer.iterations) == 1
+    assert model.get_config()["accumulation_steps"] == "auto"
+    with pytest.raises(ValueError, match="is chosen when `fit` starts"):
+        _accum_model("auto").train_on_batch(*next(iter(_accum_data())))
