@@ -178,9 +178,12 @@ class AccumModel(keras.Model):
             warnings.warn("AccumModel: memory check skipped, the data has no static batch "
                           "size (batch it with drop_remainder=True to check).")
             return
+        replicas = self.distribute_strategy.num_replicas_in_sync
+        per_replica, remainder = divmod(global_batch, replicas)
+        if remainder or (not auto and per_replica % self.accumulation_steps):
+            return  # the step itself raises, with the sizes that would divide
         if memory_budget is not None:
-            budget = dict(memory_budget=memory_budget,
-                          num_replicas=self.distribute_strategy.num_replicas_in_sync)
+            budget = dict(memory_budget=memory_budget, num_replicas=replicas)
         else:
             from tfmem.distribute import Runtime  # strategy → device memory
 
