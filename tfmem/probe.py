@@ -192,6 +192,12 @@ def probe(
     if kind not in ("cpu", "gpu"):
         raise ValueError(f"`probe` measures this machine's CPU or GPU, not a {kind}: plan for "
                          "the TPU with `tfmem.plan`, or probe on a GPU/CPU host.")
+    if kind == "gpu":
+        import tensorflow as tf
+
+        if not tf.config.list_physical_devices("GPU"):
+            raise ValueError(f"The plan is for a GPU ({estimate.device}) but this machine has "
+                             "none: probe on the GPU machine, or plan with `tfmem.plan` alone.")
     ceiling = _PROBE_FRACTION * estimate.budget_bytes
     if micro_batch_sizes is None:
         upper = min(estimate.max_micro_batch, max(estimate.per_replica_batch_size, 2))
@@ -232,6 +238,8 @@ def _run_child(spec_path: str, result_path: str, spec: dict, timeout: float) -> 
     # The child must import the same tfmem and the module of a pickled `model_fn`.
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if spec["device"] == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU probe must not put its tensors on a GPU
     child = subprocess.Popen(
         [sys.executable, "-m", "tfmem.probe", spec_path, result_path],
         env=env,
