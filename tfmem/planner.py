@@ -31,14 +31,16 @@ from tfmem._plan_report import MemoryPlanError, format_bytes, format_table
 
 # -- The CPU runtime term (host RAM only; zero in accelerator memory) --------------------------
 # Measured on this project's reference machine (TF 2.21 / Keras 3.15.1 CPU with oneDNN,
-# 2026-11-21; benchmarks/planner_accuracy.py): `import tensorflow, keras` holds ~750 MiB of
-# resident set before any model exists. On top of the tensors, a traced training step costs
-# about 1.6 MiB per model variable (its gradient, optimizer-update and assign ops, the
-# optimizer's Python objects, the traced function graphs and the oneDNN/BFC pools): fitted
-# as 15 MiB + 1.63 MiB × variables on MobileNetV2 (262 variables), ResNet50 (320) and
-# DenseNet121 (606) at 64 px with Adam, each within 3%. It is not a tensor count, which is
-# why tensor-only planners miss ~0.5 GB on small models. Other TF builds and optimizers
-# differ: `tfmem.probe` replaces the whole term with a measurement.
+# 2026-11-21): `import tensorflow, keras` holds ~750 MiB of resident set before any model
+# exists. On top of the tensors, a traced training step costs about 1.6 MiB per model
+# variable (its gradient, optimizer-update and assign ops, the optimizer's Python objects, the
+# traced function graphs, oneDNN primitives and allocator pools): fitted as
+# 15 MiB + 1.63 MiB × variables on MobileNetV2 (262 variables), ResNet50 (320) and
+# DenseNet121 (606) at 64 px with Adam; held out, it predicts EfficientNetV2B0 within 7%
+# (benchmarks/planner_accuracy.py) and EfficientNetV2-XL at 384 px (1806 variables; FACTS.md:
+# 7.5 / 9.3 GiB at batch 1 / 2) within 3%. It is not a tensor count, which is why
+# tensor-only planners miss ~0.5 GB on small models. Other TF builds and optimizers differ:
+# `tfmem.probe` replaces the whole term with a measurement.
 _CPU_IMPORT_BYTES = 750 * 2**20
 _CPU_GRAPH_BASE_BYTES = 15 * 2**20
 _CPU_BYTES_PER_VARIABLE = int(1.63 * 2**20)
