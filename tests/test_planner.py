@@ -108,8 +108,10 @@ def test_activation_bytes_equal_hand_count_float32():
         + small  # multiply keeps the dropout output (its other input is the sigmoid output)
         + small + 10 * 4  # head dense keeps the (flattened, same buffer) product; softmax output
     )
-    p = tfmem.plan(activation_model(), global_batch_size=4, memory_budget=GIB)
+    model = activation_model()
+    p = tfmem.plan(model, global_batch_size=4, memory_budget=GIB)
     assert p.activation_bytes_per_sample == hand == 50792
+    assert p.parameter_bytes == 4 * model.count_params()  # not the dropout's seed state
     assert p.workspace_bytes_per_sample == 2 * big
     assert p.input_bytes_per_sample == 16 * 16 * 3 * 4
 

@@ -319,8 +319,9 @@ def plan(
         memory_per_replica=memory,
         safety=safety,
         global_batch_size=global_batch_size,
-        # Every variable (trainable and BN moving statistics) in its own dtype.
-        parameter_bytes=nbytes(model.variables),
+        # Every weight (trainable and BN moving statistics) in its own dtype; not the few
+        # bytes of dropout seed states.
+        parameter_bytes=nbytes(model.weights),
         # tape.gradient returns one gradient per trainable variable, in the variable's dtype,
         # all alive together until `apply_gradients`.
         gradient_bytes=nbytes(trainable),
