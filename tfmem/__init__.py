@@ -36,6 +36,10 @@ from tfmem.report import describe
 __all__ += ["Runtime", "detect", "describe", "policy_for", "set_policy"]
 
 # -- planner / probe: memory plan and guard --
+from tfmem.planner import MemoryPlan, MemoryPlanError, plan
+from tfmem.probe import probe
+
+__all__ += ["MemoryPlan", "MemoryPlanError", "plan", "probe"]
 
 # -- models / metrics --
 from tfmem import models
