@@ -1,0 +1,321 @@
+"""Gradient accumulation inside one train step: `AccumModel`.
+
+`AccumModel` is a `keras.Model` whose `train_step` receives the **global** batch
+(per replica), runs it as `k = accumulation_steps` micro-batches and applies
+**one** optimizer update. Only the activations of one micro-batch are alive at
+a time, so activation memory scales with the micro-batch, not the global batch.
+
+Semantics (the single reference; `tfmem/accumulation_jax.py` mirrors it):
+
+* **Split.** A global batch of `B` rows (per replica) is reshaped to
+  `[k, B // k, ...]`; micro-batch `i` is the contiguous rows
+  `[i * B/k, (i + 1) * B/k)` of `x`, `y` and `sample_weight` alike. `B` must be
+  divisible by `k`: a static `B` that is not raises `ValueError` when the step
+  is traced; a dynamic one (a partial last batch) fails the step with an
+  `InvalidArgumentError` carrying the same advice (batch with
+  `drop_remainder=True`).
+* **Loss normalisation.** Keras reduces a compiled loss with
+  `"sum_over_batch_size"`: `L = sum_j(w_j * l_j) / N`, where `N` counts the
+  loss *elements* (rows × any trailing dims), **not** the sum of sample
+  weights. A micro-batch loss is therefore `L_i = sum_{j in i}(w_j l_j) / (N/k)`
+  and the window loss `(1/k) * sum_i L_i` equals the big-batch loss exactly,
+  with or without sample weights (zero weights included). Regularisation
+  losses, added once to every `L_i`, also average to themselves. Reductions
+  that normalise per call by something else (`"sum"`,
+  `"mean_with_sample_weight"`, `"none"`) cannot be recombined by a mean and are
+  rejected with a `ValueError` when the step is traced.
+* **Gradients.** `g = (1/k) * sum_i grad(scale * L_i)`, accumulated in
+  float32 in `tf.while_loop` carried tensors (one extra float32 copy of the
+  trainable weights), then one `optimizer.apply_gradients(g)`: one gradient
+  all-reduce per update under `tf.distribute`, one `optimizer.iterations`
+  increment, one learning-rate schedule step. Weights that get no gradient
+  stay `None`, as in a plain step.
+* **Mixed precision.** `scale` is the `LossScaleOptimizer`'s current scale
+  (1 otherwise). The sum of scaled micro-batch gradients is unscaled once by
+  the optimizer; a non-finite gradient in any micro-batch makes the sum
+  non-finite, so the whole update is skipped and the scale lowered. A window
+  is never applied partially.
+* **BatchNormalization.** Each micro-batch is normalised with its own
+  statistics (as in any accumulation). The moving statistics `s` (moving
+  mean, moving variance, and the renorm statistics) of every
+  `BatchNormalization` layer take one momentum step per window with the
+  micro-batch statistics averaged:
+  `s <- momentum * s + (1 - momentum) * (1/k) * sum_i stat_i`, where `stat_i`
+  is micro-batch `i`'s batch mean (or biased variance). Other stateful layers
+  (dropout seeds, custom state) update once per micro-batch, as they would in
+  `k` forward passes.
+* **Metrics and the logged loss** are accumulated over the `k` micro-batches
+  (each metric sees every row once) and reported once per global batch, so
+  callbacks and the progress bar count real updates.
+"""
+
+from __future__ import annotations
+
+import numbers
+import warnings
+
+import keras
+import tensorflow as tf
+from keras.src.losses.loss import unscale_loss_for_distribution
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+# Reductions for which "mean of the k micro-batch losses" == "big-batch loss".
+_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
+
+
+def _validate_accumulation_steps(value) -> int:
+    """Returns `value` as an int, or raises: the one place that checks it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(
+            f"`accumulation_steps` must be a positive integer; received {value!r} "
+            f"of type {type(value).__name__}. Pass the number of micro-batches each "
+            "global batch is split into, e.g. `accumulation_steps=4`."
+        )
+    if value < 1:
+        raise ValueError(
+            f"`accumulation_steps` must be >= 1; received {value}. Use 1 for no "
+            "accumulation, or k > 1 to split each global batch into k micro-batches."
+        )
+    return int(value)
+
+
+def _nearest_multiples(batch_size: int, k: int) -> str:
+    lower, upper = (batch_size // k) * k, (batch_size // k + 1) * k
+    return f"{lower} or {upper}" if lower > 0 else f"{upper}"
+
+
+@keras.saving.register_keras_serializable(package="tfmem")
+class AccumModel(keras.Model):
+    """A `keras.Model` that accumulates gradients over micro-batches in one step.
+
+    Build it like a functional model, or wrap an existing one with
+    `AccumModel.wrap`. `compile`, `fit`, `evaluate` and `predict` are the
+    plain Keras ones; only `train_step` differs (see the module docstring for
+    the exact split, normalisation, mixed-precision and BatchNorm semantics).
+    Batch the data by the *global* batch size: each step splits it into
+    `accumulation_steps` micro-batches.
+
+    Args:
+        *args: Forwarded to `keras.Model` (`inputs`, `outputs`).
+        accumulation_steps: Number of micro-batches `k` per global batch.
+        **kwargs: Forwarded to `keras.Model` (`name`, ...).
+
+    Raises:
+        ValueError: If `accumulation_steps` is not an integer >= 1.
+
+    Example:
+
+    ```python
+    inputs = keras.Input((32, 32, 3))
+    x = keras.layers.Conv2D(8, 3, activation="relu")(inputs)
+    outputs = keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(x))
+    model = tfmem.AccumModel(inputs, outputs, accumulation_steps=4)
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(images, labels, batch_size=256)  # 4 micro-batches of 64, 1 update
+    ```
+    """
+
+    def __init__(self, *args, accumulation_steps: int = 1, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.accumulation_steps = accumulation_steps
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Number of micro-batches each global batch is split into."""
+        return self._accumulation_steps
+
+    @accumulation_steps.setter
+    def accumulation_steps(self, value) -> None:
+        self._accumulation_steps = _validate_accumulation_steps(value)
+        # A compiled step has `k` baked into its graph; retrace on change.
+        self.train_function = None
+
+    @classmethod
+    def wrap(cls, model: keras.Model, accumulation_steps: int = 1) -> "AccumModel":
+        """Wraps a functional or `Sequential` model, sharing its layers and weights.
+
+        The returned model is not compiled (compile it as usual). Layers are
+        shared, not copied, so training either model trains both.
+
+        Args:
+            model: A built functional or `Sequential` model, e.g. from
+                `keras.applications`.
+            accumulation_steps: Number of micro-batches per global batch.
+
+        Returns:
+            An `AccumModel` with the same inputs, outputs and name.
+
+        Raises:
+            TypeError: If `model` has no symbolic inputs/outputs (a subclassed
+                or unbuilt model).
+
+        Example:
+
+        ```python
+        base = keras.applications.EfficientNetV2B0(weights=None, input_shape=(96, 96, 3))
+        model = tfmem.AccumModel.wrap(base, accumulation_steps=8)
+        ```
+        """
+        if not isinstance(model, keras.Model):
+            raise TypeError(
+                f"`AccumModel.wrap` expects a keras.Model; received {type(model).__name__}."
+            )
+        try:
+            inputs, outputs = model.inputs, model.outputs
+        except (AttributeError, ValueError):
+            inputs = outputs = None
+        if not inputs or not outputs:
+            raise TypeError(
+                f"`AccumModel.wrap` needs a functional or built Sequential model, but "
+                f"{model.name!r} ({type(model).__name__}) has no symbolic inputs/outputs. "
+                "Call it on a `keras.Input` instead: `inputs = keras.Input(shape); "
+                "AccumModel(inputs, model(inputs), accumulation_steps=k)`."
+            )
+        # Keep the original nesting: a single-input model takes a tensor, not a list.
+        inputs = model._inputs_struct if hasattr(model, "_inputs_struct") else inputs
+        outputs = model._outputs_struct if hasattr(model, "_outputs_struct") else outputs
+        return cls(inputs, outputs, accumulation_steps=accumulation_steps, name=model.name)
+
+    def get_config(self) -> dict:
+        config = super().get_config()
+        config["accumulation_steps"] = self.accumulation_steps
+        return config
+
+    # `Model.from_config` revives functional configs through `cls(inputs=...,
+    # outputs=..., **config)`, which passes `accumulation_steps` back to __init__.
+
+    def train_step(self, data):
+        k = self.accumulation_steps
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        self._check_optimizer()
+        first = next(t for t in tf.nest.flatten(x) if t is not None)
+        batch_size = first.shape[0]
+        if batch_size is not None and batch_size % k:
+            raise ValueError(
+                f"The batch each replica receives ({batch_size} rows) must be divisible "
+                f"by `accumulation_steps` ({k}). Use a batch of "
+                f"{_nearest_multiples(batch_size, k)} rows per replica (global batch = "
+                "rows per replica × replicas), or change `accumulation_steps`."
+            )
+        dynamic_batch = tf.shape(first)[0]
+        checks = []
+        if batch_size is None:
+            checks.append(
+                tf.debugging.assert_equal(
+                    dynamic_batch % k,
+                    0,
+                    message=(
+                        f"AccumModel: the batch of this step is not divisible by "
+                        f"accumulation_steps={k} (typically the partial last batch of "
+                        "an epoch). Batch the dataset with drop_remainder=True, or make "
+                        "the number of samples a multiple of the global batch size."
+                    ),
+                )
+            )
+        with tf.control_dependencies(checks):
+            split = tf.nest.map_structure(
+                lambda t: None if t is None else _split(t, k), (x, y, sample_weight)
+            )
+
+        variables = list(self.trainable_variables)
+        if not variables:
+            warnings.warn("The model does not have any trainable weights.")
+        bn_variables = self._batch_norm_statistics()
+        bn_start = [tf.identity(v.value) for v in bn_variables]
+        has_gradient = [False] * len(variables)
+
+        def body(i, loss_sum, grad_sums, bn_sums):
+            x_i, y_i, w_i = tf.nest.map_structure(
+                lambda t: None if t is None else t[i], split
+            )
+            with tf.GradientTape() as tape:
+                y_pred = self(x_i, training=True) if self._call_has_training_arg else self(x_i)
+                loss = self._compute_loss(
+                    x=x_i, y=y_i, y_pred=y_pred, sample_weight=w_i, training=True
+                )
+                scaled = self.optimizer.scale_loss(loss) if self.optimizer else loss
+            grads = tape.gradient(scaled, variables) if variables else []
+            for index, grad in enumerate(grads):
+                has_gradient[index] = has_gradient[index] or grad is not None
+            grad_sums = [
+                acc if g is None else acc + tf.cast(tf.convert_to_tensor(g), tf.float32)
+                for acc, g in zip(grad_sums, grads)
+            ]
+            # Collect this micro-batch's BN update, then rewind the statistics so
+            # every micro-batch steps from the same start (module docstring).
+            bn_sums = [acc + v.value for acc, v in zip(bn_sums, bn_variables)]
+            for v, start in zip(bn_variables, bn_start):
+                v.assign(start)
+            self.compute_metrics(x_i, y_i, y_pred, sample_weight=w_i)
+            return i + 1, loss_sum + tf.cast(loss, tf.float32), grad_sums, bn_sums
+
+        _, loss_sum, grad_sums, bn_sums = tf.while_loop(
+            lambda i, *_: i < k,
+            body,
+            (
+                tf.constant(0),
+                tf.constant(0.0, tf.float32),
+                [tf.zeros(v.shape, tf.float32) for v in variables],
+                [tf.zeros_like(s) for s in bn_start],
+            ),
+            # Sequential micro-batches: running them in parallel would keep
+            # several micro-batches of activations alive and defeat the purpose.
+            parallel_iterations=1,
+            maximum_iterations=k,
+        )
+        # The compiled loss is built while the loop body traces, so check it here.
+        self._check_loss_reductions()
+        for v, total in zip(bn_variables, bn_sums):
+            v.assign(total / k)
+
+        loss = loss_sum / k
+        self._loss_tracker.update_state(
+            unscale_loss_for_distribution(loss),
+            sample_weight=dynamic_batch,
+        )
+        if variables:
+            grads = [s / k if used else None for s, used in zip(grad_sums, has_gradient)]
+            self.optimizer.apply_gradients(zip(grads, variables))
+        return self.get_metrics_result()
+
+    def _batch_norm_statistics(self) -> list:
+        return [
+            v
+            for layer in self._flatten_layers(include_self=False)
+            if isinstance(layer, keras.layers.BatchNormalization)
+            for v in layer.non_trainable_variables
+        ]
+
+    def _check_optimizer(self) -> None:
+        if getattr(self.optimizer, "gradient_accumulation_steps", None):
+            raise ValueError(
+                "The optimizer has `gradient_accumulation_steps="
+                f"{self.optimizer.gradient_accumulation_steps}` and the model has "
+                f"`accumulation_steps={self.accumulation_steps}`: both accumulate. "
+                "Remove `gradient_accumulation_steps` from the optimizer; AccumModel "
+                "accumulates inside each step."
+            )
+
+    def _check_loss_reductions(self) -> None:
+        """Rejects losses whose micro-batch mean would differ from the big-batch loss."""
+        compile_loss = getattr(self, "_compile_loss", None)
+        for entry in getattr(compile_loss, "_flat_losses", None) or []:
+            reduction = getattr(entry.loss, "reduction", "sum_over_batch_size")
+            if reduction not in _MEAN_REDUCTIONS:
+                raise ValueError(
+                    f"AccumModel needs losses reduced with 'sum_over_batch_size' (the "
+                    f"Keras default), but {entry.name or entry.loss!r} uses "
+                    f"reduction={reduction!r}: averaging {self.accumulation_steps} "
+                    "micro-batch losses reduced that way does not give the big-batch "
+                    "loss. Use the loss's default reduction."
+                )
+
+
+def _split(tensor, k: int) -> tf.Tensor:
+    """`[B, ...]` -> `[k, B // k, ...]`; row block `i` is micro-batch `i`."""
+    tensor = tf.convert_to_tensor(tensor)
+    shape = tf.shape(tensor)
+    split = tf.reshape(tensor, tf.concat([[k, shape[0] // k], shape[1:]], axis=0))
+    static = tensor.shape
+    rows = None if static[0] is None else static[0] // k
+    return tf.ensure_shape(split, [k, rows] + static[1:].as_list()) if static.rank else split
