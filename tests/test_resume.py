@@ -87,8 +87,10 @@ def test_run_killed_mid_epoch_resumes_to_the_uninterrupted_weights(tmp_path):
     # 3 epochs × 12 updates, counted once each although the run was cut in two.
     assert summary["iterations"] == 36
     assert len(summary["history"]["loss"]) == 3
-    # Only the latest weights file is kept beside state.json.
-    assert sorted(os.listdir(tmp_path / "resumed")) == ["backup-7.weights.h5", "state.json"]
+    # Only the latest weights file is kept beside state.json. Saves: epoch 1 at steps 5, 10
+    # and its end (generations 0-2), epoch 2 at step 5 (3), killed; resumed: epoch 2 at step
+    # 10 and its end (4, 5), epoch 3 at steps 5, 10 and its end (6-8).
+    assert sorted(os.listdir(tmp_path / "resumed")) == ["backup-8.weights.h5", "state.json"]
 
 
 def test_finished_run_started_again_trains_nothing(tmp_path):
