@@ -163,6 +163,7 @@ def fit_resumable(
             epochs=epoch + 1,
             steps_per_epoch=steps_per_epoch - step,
             validation_data=validation_data,
+            shuffle=False,  # each epoch's order comes from make_dataset(epoch)
             callbacks=[saver, *callbacks],
             verbose=verbose,
         )
