@@ -32,6 +32,7 @@ import tensorflow as tf  # noqa: E402
 
 import tfmem  # noqa: E402
 from tfmem import cli, models, planner  # noqa: E402
+from tfmem import manifest as manifest_lib  # noqa: E402
 
 _MODEL = flags.DEFINE_string("model", "small-cnn", "A name of tfmem.models.MODELS.")
 _DATA = flags.DEFINE_string(
@@ -95,19 +96,18 @@ def _demo_data(output: str, image_size: int) -> tuple[str, str]:
 
 def _dataset_facts(data: str) -> tuple[int, int]:
     """(num_classes, num_examples) from the manifest, or from the flags without one."""
-    try:
+    if manifest_lib.has_manifest(data):
         manifest = tfmem.read_manifest(data)
         return manifest.num_classes, manifest.num_examples
-    except FileNotFoundError:
-        if _NUM_CLASSES.value is None or _NUM_EXAMPLES.value is None:
-            raise ValueError(
-                f"{data!r} has no tfmem manifest.json, so its size and classes are unknown. "
-                "Pass --num-classes and --num-examples (e.g. from the dataset's description)."
-            ) from None
-        return _NUM_CLASSES.value, _NUM_EXAMPLES.value
+    if _NUM_CLASSES.value is None or _NUM_EXAMPLES.value is None:
+        raise ValueError(
+            f"{data!r} has no tfmem manifest.json, so its size and classes are unknown. "
+            "Pass --num-classes and --num-examples (e.g. from the dataset's description).")
+    return _NUM_CLASSES.value, _NUM_EXAMPLES.value
 
 
-def _accumulation_steps(memory_plan: tfmem.MemoryPlan) -> int:
+def _accumulation_steps(memory_plan: tfmem.MemoryPlan, runtime: tfmem.Runtime) -> int:
+    """k from the flag ('auto': the plan's choice), checked against the batch and the budget."""
     if _ACCUMULATION_STEPS.value == "auto":
         planner.check(memory_plan, allow_over_budget=_ALLOW_OVER_BUDGET.value)
         return memory_plan.accumulation_steps or 1
@@ -116,6 +116,7 @@ def _accumulation_steps(memory_plan: tfmem.MemoryPlan) -> int:
     except ValueError:
         raise ValueError(f"--accumulation-steps must be 'auto' or a positive int, got "
                          f"{_ACCUMULATION_STEPS.value!r}.") from None
+    runtime.split_global_batch(_GLOBAL_BATCH_SIZE.value, steps)  # divisible? suggests sizes
     planner.check(memory_plan, accumulation_steps=steps,
                   allow_over_budget=_ALLOW_OVER_BUDGET.value)
     return steps
@@ -161,7 +162,7 @@ def main(argv):
         precision=precision, runtime=None if _DEVICE.value else runtime,
         device=_DEVICE.value)
     print(memory_plan.table())
-    accumulation_steps = _accumulation_steps(memory_plan)
+    accumulation_steps = _accumulation_steps(memory_plan, runtime)
     micro_batch = runtime.split_global_batch(_GLOBAL_BATCH_SIZE.value, accumulation_steps)
     print(f"global batch {_GLOBAL_BATCH_SIZE.value} = micro-batch {micro_batch} × "
           f"{accumulation_steps} accumulation steps × {runtime.num_replicas} replicas")
