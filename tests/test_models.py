@@ -93,6 +93,25 @@ def test_blocks_save_and_load_as_keras_file(tmp_path):
                                rtol=1e-5, atol=1e-6)
 
 
+def test_blocks_and_head_under_mixed_precision():
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")  # the TPU policy
+    try:
+        backbone = efficientnetv2_xl.efficientnetv2_backbone(
+            ("r1_k3_s2_e4_i32_o16_c1", "r2_k3_s2_e4_i16_o24_se0.25"),
+            input_shape=(32, 32, 3))
+        model = models.build("unet", num_classes=2, image_size=32)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    features = backbone(RNG.uniform(-1, 1, (1, 32, 32, 3)).astype("float32"))
+    assert keras.backend.standardize_dtype(features.dtype) == "bfloat16"
+    assert {v.dtype for v in backbone.weights} == {"float32"}  # master weights
+    assert tuple(features.shape) == (1, 4, 4, 1280)
+    probabilities = model(_pixels((1, 32, 32, 3)))
+    # The classifier stays float32 so the softmax is accurate.
+    assert keras.backend.standardize_dtype(probabilities.dtype) == "float32"
+    np.testing.assert_allclose(np.asarray(probabilities).sum(-1), 1.0, rtol=1e-5)
+
+
 def test_block_string_parsing():
     args = efficientnetv2_xl.parse_block_string("r32_k3_s2_e6_i256_o512_se0.25")
     assert (args.num_repeat, args.kernel_size, args.strides, args.expand_ratio,
@@ -105,14 +124,10 @@ def test_block_string_parsing():
 
 # --- keras.applications families -----------------------------------------------------
 
-@pytest.mark.parametrize("name, expected", [
-    # Keras's documented sizes of the include_top=True ImageNet models.
-    ("efficientnetv2-b0", 7_200_312),
-    ("resnet50", 25_636_712),
-])
-def test_classifier_matches_keras_applications_parameter_count(name, expected):
-    model = models.build(name, num_classes=1000, image_size=32)
-    assert model.count_params() == expected
+def test_classifier_matches_keras_applications_parameter_count():
+    # Keras's size of EfficientNetV2B0 with its 1000-class top.
+    model = models.build("efficientnetv2-b0", num_classes=1000, image_size=32)
+    assert model.count_params() == 7_200_312
     assert model.output_shape == (None, 1000)
 
 
@@ -124,8 +139,11 @@ def test_classifier_matches_keras_applications_parameter_count(name, expected):
 def test_preprocessing_layer_matches_keras_preprocess_input(mode, reference):
     images = _pixels((2, 5, 5, 3))
     expected = reference(images.copy())
-    actual = np.asarray(applications.ImagePreprocessing(mode)(images))
+    layer = applications.ImagePreprocessing(mode)
+    actual = np.asarray(layer(images))
     np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-4)
+    clone = applications.ImagePreprocessing.from_config(layer.get_config())
+    np.testing.assert_array_equal(np.asarray(clone(images)), actual)
 
 
 def test_every_model_declares_raw_pixel_range_and_sizes():
@@ -138,6 +156,8 @@ def test_every_model_declares_raw_pixel_range_and_sizes():
 def test_freeze_backbone_trains_only_the_head():
     model = models.build("mobilenetv2", num_classes=3, image_size=32, freeze_backbone=True)
     backbone = _backbone(model)
+    # keras.applications.MobileNetV2 (3,538,984 with 1000 classes) with a 3-class head.
+    assert model.count_params() == 3_538_984 - (1280 * 1000 + 1000) + (1280 * 3 + 3)
     assert sum(int(np.prod(w.shape)) for w in model.trainable_weights) == 1280 * 3 + 3
     before = _values(backbone.weights)  # includes BN moving statistics
     # The bias: a random-init MobileNetV2 in inference mode emits ~1e-12 features,
@@ -165,6 +185,11 @@ def test_keras_notop_h5_file_fills_the_backbone(tmp_path):
     model = models.build("mobilenetv2", num_classes=2, image_size=32, weights=path)
     for expected, actual in zip(_values(source.weights), _values(_backbone(model).weights)):
         np.testing.assert_array_equal(expected, actual)
+    # The file *with* the 1000-class top has more layers than the backbone.
+    with_top = tmp_path / "mobilenet_v2.h5"
+    keras.applications.MobileNetV2(weights=None, input_shape=(32, 32, 3)).save(with_top)
+    with pytest.raises(ValueError, match=r"pass Keras's `\*_notop\.h5` file"):
+        models.build("mobilenetv2", num_classes=2, image_size=32, weights=with_top)
 
 
 def test_whole_model_weights_round_trip_and_mismatch(tmp_path):
@@ -210,6 +235,8 @@ def test_bad_arguments(tmp_path):
         models.build("efficientnetv2-xl", num_classes=2, image_size=32, weights=bad)
     with pytest.raises(ValueError, match="no pretrained backbone"):
         models.build("unet", num_classes=2, image_size=32, freeze_backbone=True)
+    with pytest.raises(TypeError, match="image_size"):
+        models.build("unet", num_classes=2, image_size=32.0)
     with pytest.raises(ValueError, match="dropout"):
         models.build("unet", num_classes=2, image_size=32, dropout=1.0)
 

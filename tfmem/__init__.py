@@ -44,3 +44,7 @@ from tfmem.probe import probe
 __all__ += ["MemoryPlan", "MemoryPlanError", "plan", "probe"]
 
 # -- models / metrics --
+from tfmem import models
+from tfmem.metrics import MAE, MSE, PSNR, SSIM, mae, mse, psnr, ssim
+
+__all__ += ["models", "MAE", "MSE", "PSNR", "SSIM", "mae", "mse", "psnr", "ssim"]

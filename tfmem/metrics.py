@@ -31,8 +31,8 @@ image; the Keras metrics average those values over all images seen.
 Example:
     >>> import numpy as np
     >>> clean = np.full((16, 16, 3), 100.0)
-    >>> float(psnr(clean, clean + 10.0, data_range=255))  # 10·log10(255² / 100)
-    28.130803608679106
+    >>> round(float(psnr(clean, clean + 10.0, data_range=255)), 4)  # 10·log10(255² / 100)
+    28.1308
     >>> model.compile(..., metrics=[PSNR(data_range=1.0), SSIM(data_range=1.0)])  # doctest: +SKIP
 """
 
@@ -86,9 +86,10 @@ def _prepare(y_true, y_pred, data_range, clip_predictions, metric):
     """Validates shapes and range; returns float32 batches, (low, high), and the
     per-image validity (all True unless traced under JAX)."""
     low, high = _resolve_range(data_range)
-    y_true = ops.convert_to_tensor(y_true, dtype="float32")
-    y_pred = ops.convert_to_tensor(y_pred, dtype="float32")
-    if tuple(y_true.shape) != tuple(y_pred.shape) or len(y_true.shape) not in (3, 4):
+    # uint8 pixels and float16 model outputs are scored in float32.
+    y_true = ops.cast(ops.convert_to_tensor(y_true), "float32")
+    y_pred = ops.cast(ops.convert_to_tensor(y_pred), "float32")
+    if not _same_shape(y_true.shape, y_pred.shape) or len(y_true.shape) not in (3, 4):
         raise ValueError(
             f"{metric}: y_true and y_pred must both be (height, width, channels) or "
             f"(batch, height, width, channels) with the same shape; got "
@@ -100,6 +101,11 @@ def _prepare(y_true, y_pred, data_range, clip_predictions, metric):
         y_pred = ops.clip(y_pred, low, high)
     valid = _check_range(y_true, y_pred, low, high, metric)
     return y_true, y_pred, (low, high), valid, single
+
+
+def _same_shape(a, b) -> bool:
+    # Unknown (None) dimensions of a traced batch match anything.
+    return len(a) == len(b) and all(x is None or y is None or x == y for x, y in zip(a, b))
 
 
 def _check_range(y_true, y_pred, low, high, metric):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import numbers
 import os
 import types
 from typing import Callable
@@ -126,8 +127,9 @@ def spec(name: str) -> ModelSpec:
 def _image_shape(model_spec: ModelSpec, image_size) -> tuple[int, int, int]:
     if image_size is None:
         image_size = model_spec.default_image_size
-    sizes = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
-    if len(sizes) != 2 or not all(isinstance(s, int) and not isinstance(s, bool)
+    sizes = (image_size, image_size) if isinstance(image_size, numbers.Integral) else (
+        tuple(image_size) if isinstance(image_size, (tuple, list)) else ())
+    if len(sizes) != 2 or not all(isinstance(s, numbers.Integral) and not isinstance(s, bool)
                                   for s in sizes):
         raise TypeError(
             f"`image_size` must be an int or (height, width) of ints; got {image_size!r}.")
@@ -144,7 +146,7 @@ def _image_shape(model_spec: ModelSpec, image_size) -> tuple[int, int, int]:
                 f"{model_spec.name} needs height and width divisible by {multiple} (it "
                 f"pools {multiple}× and upsamples back); got image_size={image_size!r}. "
                 f"Try {max(lower, low)} or {upper}.")
-    return (*sizes, 3)
+    return (*(int(s) for s in sizes), 3)
 
 
 def _check_weights(weights: str | os.PathLike | None, name: str, keras_family: bool):
@@ -231,7 +233,15 @@ def build(
             name=name)
     else:
         if family is not None:
-            backbone = family.backbone(input_shape, backbone_weights)
+            try:
+                backbone = family.backbone(input_shape, backbone_weights)
+            except ValueError as error:
+                if backbone_weights is None:
+                    raise
+                raise ValueError(
+                    f"{backbone_weights!r} does not fit the {name} backbone: pass Keras's "
+                    f"`*_notop.h5` file for {name} (the file with the classifier top does "
+                    f"not fit). Keras says: {error}") from error
             scale = (applications.ImagePreprocessing(family.preprocessing, name="preprocess")
                      if family.preprocessing else None)
         else:

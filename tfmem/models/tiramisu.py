@@ -136,7 +136,7 @@ def fc_densenet(
 
     Example:
         >>> fc_densenet(56, input_shape=(32, 32, 3), num_classes=11).count_params()
-        1375964
+        1397963
     """
     if depth not in VARIANTS:
         raise ValueError(f"FC-DenseNet depth must be one of {sorted(VARIANTS)}; got {depth}.")

@@ -57,7 +57,7 @@ def unet(
 
     Example:
         >>> unet(input_shape=(64, 64, 3), num_classes=2).count_params()
-        1946226
+        1945538
     """
     inputs = keras.Input(input_shape, name="image")
     x, skips = layers.Rescaling(1.0 / 255, name="scale")(inputs), []
