@@ -47,6 +47,9 @@ Semantics (the single reference; `tfmem/accumulation_jax.py` mirrors it):
 * **Metrics and the logged loss** are accumulated over the `k` micro-batches
   (each metric sees every row once) and reported once per global batch, so
   callbacks and the progress bar count real updates.
+* **Not exact:** losses that use Keras masks (normalised by the valid entries
+  of each micro-batch); `BatchNormalization(synchronized=True)` under a
+  strategy is untested.
 """
 
 from __future__ import annotations
@@ -57,7 +60,6 @@ import warnings
 import keras
 import tensorflow as tf
 from keras.src.losses.loss import unscale_loss_for_distribution
-from keras.src.trainers.data_adapters import data_adapter_utils
 
 # Reductions for which "mean of the k micro-batch losses" == "big-batch loss".
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
@@ -186,7 +188,7 @@ class AccumModel(keras.Model):
 
     def train_step(self, data):
         k = self.accumulation_steps
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         self._check_optimizer()
         first = next(t for t in tf.nest.flatten(x) if t is not None)
         batch_size = first.shape[0]
@@ -276,7 +278,24 @@ class AccumModel(keras.Model):
         if variables:
             grads = [s / k if used else None for s, used in zip(grad_sums, has_gradient)]
             self.optimizer.apply_gradients(zip(grads, variables))
-        return self.get_metrics_result()
+        logs = self.get_metrics_result()
+        if _multi_worker(self.distribute_strategy):
+            # Keras 3.15 reduces step logs across workers with
+            # `strategy.reduce("MEAN", v, axis=0)`, which fails on scalars
+            # (tensorflow/tensorflow#72388); a leading length-1 axis makes it the mean.
+            logs = {name: tf.expand_dims(value, 0) for name, value in logs.items()}
+        return logs
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # Keras 3.15's TF trainer `strategy.reduce`s the first distributed batch
+        # only to read its shapes; MultiWorkerMirroredStrategy cannot reduce a
+        # nested (x, y) batch ("Attempt to convert a value (PerReplica ...)",
+        # cf. keras-team/keras#20329), so plain `fit` fails there. One replica's
+        # batch has the same shapes as that mean, so every strategy builds the same.
+        if iterator is not None and self._distribute_strategy is not None:
+            data_batch = _first_local_batch(self._distribute_strategy, iterator)
+            iterator = None
+        return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
     def _batch_norm_statistics(self) -> list:
         return [
@@ -309,6 +328,25 @@ class AccumModel(keras.Model):
                     "micro-batch losses reduced that way does not give the big-batch "
                     "loss. Use the loss's default reduction."
                 )
+
+
+def _multi_worker(strategy) -> bool:
+    return isinstance(
+        strategy, tf.distribute.MultiWorkerMirroredStrategy
+    ) and strategy.extended._in_multi_worker_mode()
+
+
+def _first_local_batch(strategy, iterator):
+    """The first batch of a Keras epoch iterator, first local replica's values."""
+    for _, _, batches in iterator:
+        batch = next(batches)
+        break
+    return tf.nest.map_structure(
+        lambda v: strategy.experimental_local_results(v)[0]
+        if isinstance(v, tf.distribute.DistributedValues)
+        else v,
+        batch,
+    )
 
 
 def _split(tensor, k: int) -> tf.Tensor:

@@ -202,7 +202,9 @@ def build(
         A `keras.Model`; its classifier computes in float32 under mixed precision.
 
     Raises:
-        ValueError: unknown name, image too small, bad weights path or bad arguments.
+        ValueError: unknown name, image too small or not a multiple of the network's
+            stride, missing/unfitting weights file, bad `num_classes` or `dropout`.
+        TypeError: `image_size` that is not an int or a pair of ints.
 
     Example:
         >>> model = build("resnet50", num_classes=5, image_size=64, freeze_backbone=True)
@@ -244,7 +246,7 @@ def build(
                     f"not fit). Keras says: {error}") from error
             scale = (applications.ImagePreprocessing(family.preprocessing, name="preprocess")
                      if family.preprocessing else None)
-        else:
+        else:  # the one classification model not in keras.applications
             backbone = efficientnetv2_xl.efficientnetv2_backbone(
                 efficientnetv2_xl.XL_BLOCKS, input_shape=input_shape,
                 name="efficientnetv2-xl_backbone")
