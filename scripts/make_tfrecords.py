@@ -69,7 +69,7 @@ def write(source: str, output: str, progress: ProgressBar) -> tfmem.Manifest:
         import tensorflow_datasets as tfds
 
         builder = tfds.builder(source.removeprefix("tfds:"), data_dir=_DATA_DIR.value)
-        dataset = builder.as_dataset(split=_SPLIT.value, as_supervised=True,
+        dataset = builder.as_dataset(split=_SPLIT.value,
                                      decoders={"image": tfds.decode.SkipDecoding()})
         return tfmem.write_image_tfrecords(
             dataset, output, shard_size_mb=_SHARD_SIZE_MB.value,

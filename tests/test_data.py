@@ -98,6 +98,19 @@ def test_training_batches_are_full_shuffled_and_complete(written):
             assert np.min(np.abs(expected - image).reshape(NUM_EXAMPLES, -1).max(1)) < 1e-3
 
 
+def test_cache_keeps_decoded_images_and_reshuffles_each_epoch(written):
+    images, labels, manifest = written
+    dataset = tfmem.image_dataset(manifest.directory, image_size=(HEIGHT, WIDTH), batch_size=40,
+                                  training=True, cache=True, seed=3)
+    epochs = [batch for _ in range(2) for batch in dataset]  # exhausted: the cache completes
+    for x, y in epochs:  # every example once per epoch, pixels intact after the cache
+        order = [int(np.flatnonzero((images == image).all(axis=(1, 2, 3)))[0])
+                 for image in x.numpy().astype(np.uint8)]
+        assert sorted(order) == list(range(NUM_EXAMPLES))
+        np.testing.assert_array_equal(y.numpy(), labels[order])
+    assert not np.array_equal(epochs[0][1].numpy(), epochs[1][1].numpy())  # new order
+
+
 def test_numpy_input_errors_come_before_any_file(tmp_path):
     images, labels = _source(6)
     with pytest.raises(ValueError, match=r"Label 3 \(at index \d\; \d such labels\) is out of "
@@ -118,6 +131,40 @@ def test_existing_set_is_not_overwritten_silently(written, tmp_path):
         tfmem.write_image_tfrecords((images[:4], labels[:4]), tmp_path)
     manifest = tfmem.write_image_tfrecords((images[:2], labels[:2]), tmp_path, overwrite=True)
     assert manifest.num_examples == 2 and len(os.listdir(tmp_path)) == 2
+
+
+def _stored_features(manifest):
+    rows = []
+    for record in tf.data.TFRecordDataset(manifest.files):
+        feature = tf.train.Example.FromString(record.numpy()).features.feature
+        rows.append({key: (f.int64_list.value or f.bytes_list.value)[0]
+                     for key, f in feature.items()})
+    return rows
+
+
+def test_dataset_sources_raw_and_encoded(tmp_path):
+    rng = np.random.default_rng(7)
+    grey = rng.integers(0, 256, size=(5, 6), dtype=np.uint8)
+    rgba = rng.integers(0, 256, size=(7, 3, 4), dtype=np.uint8)
+    rgb = rng.integers(0, 256, size=(4, 9, 3), dtype=np.uint8)
+    encoded = [tf.io.encode_png(grey[..., None]).numpy(), tf.io.encode_png(rgba).numpy(),
+               tf.io.encode_jpeg(rgb).numpy()]
+    # Encoded bytes (as tfds gives with SkipDecoding) are stored as given; shapes from headers.
+    manifest = tfmem.write_image_tfrecords(
+        tf.data.Dataset.from_tensor_slices((encoded, [0, 1, 2])), tmp_path / "encoded")
+    rows = _stored_features(manifest)
+    assert [r["image"] for r in rows] == encoded
+    assert [(r["height"], r["width"], r["channels"]) for r in rows] == [(5, 6, 1), (7, 3, 4),
+                                                                          (4, 9, 3)]
+    assert manifest.class_names == ("0", "1", "2") and manifest.image_formats == ("jpeg", "png")
+    # Raw uint8 images (dicts, as tfds without as_supervised) are encoded as lossless PNG.
+    raw = tf.data.Dataset.from_tensors({"image": rgb, "label": 1}).repeat(2)
+    manifest = tfmem.write_image_tfrecords(raw, tmp_path / "raw", class_names=["x", "y"])
+    assert [tf.io.decode_png(r["image"]).numpy().tolist() for r in _stored_features(manifest)] == [
+        rgb.tolist()] * 2
+    with pytest.raises(ValueError, match=r"Label 1 of example 0 is out of range for 1 class"):
+        tfmem.write_image_tfrecords(raw, tmp_path / "bad", class_names=["x"])
+    assert not os.listdir(tmp_path / "bad")  # the partial shard was removed
 
 
 def _write_image_folder(root):
@@ -200,6 +247,11 @@ def test_interrupted_write_leaves_no_complete_looking_shard(tmp_path):
             _record_lengths(tmp_path / name))
     with pytest.raises(ValueError, match="holds tfmem shards but no manifest.json"):
         tfmem.image_dataset(str(tmp_path), image_size=(4, 4), batch_size=2, training=False)
+    # A killed run (no chance to clean up) leaves its hidden temporary file; the next write
+    # into the directory removes it along with the old shards.
+    (tmp_path / ".shard-00002.tfrecord.tmp-999").write_bytes(b"half a shard")
+    manifest = tfmem.write_image_tfrecords((images, labels), tmp_path, overwrite=True)
+    assert sorted(os.listdir(tmp_path)) == ["manifest.json", "shard-00000.tfrecord"]
 
 
 @pytest.fixture()
@@ -241,9 +293,10 @@ def test_truncated_shard_of_foreign_data_is_reported(written, tmp_path):
     (tmp_path / "part.tfrecord").write_bytes(data[:-5])  # cut inside the last record
     dataset = tfmem.image_dataset(str(tmp_path / "part.tfrecord"), image_size=(4, 4),
                                   batch_size=4, training=False, schema=_unlabelled())
+    last_record_start = len(data) - _record_lengths(manifest.files[0])[-1] - 16
     with pytest.raises(tf.errors.InvalidArgumentError,
-                       match=rf"stop at byte {len(data) - _record_lengths(manifest.files[0])[-1] - 16}"
-                             rf" of {len(data) - 5}.*skipped an unknown number"):
+                       match=rf"stop at byte {last_record_start} of {len(data) - 5}.*"
+                             r"skipped an unknown number"):
         list(dataset)
 
 

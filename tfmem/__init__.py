@@ -14,11 +14,14 @@ from tfmem.demo import CLASS_NAMES as DEMO_CLASS_NAMES
 from tfmem.demo import demo_examples, make_demo_dataset
 from tfmem.manifest import Manifest, Shard, read_manifest
 from tfmem.schema import Schema, detect_schema
+from tfmem.tfds_data import tfds_image_dataset
 from tfmem.tfrecords import write_image_tfrecords
 
-__all__ += ["auto_shard_policy", "image_dataset", "inspect_tfrecords", "DEMO_CLASS_NAMES",
-            "demo_examples", "make_demo_dataset", "Manifest", "Shard", "read_manifest",
-            "Schema", "detect_schema", "write_image_tfrecords"]
+__all__ += [
+    "auto_shard_policy", "image_dataset", "inspect_tfrecords", "DEMO_CLASS_NAMES", "demo_examples",
+    "make_demo_dataset", "Manifest", "Shard", "read_manifest", "Schema", "detect_schema",
+    "write_image_tfrecords", "tfds_image_dataset",
+]
 
 # -- accumulation: AccumModel --
 from tfmem.accumulation import AccumModel

@@ -162,7 +162,8 @@ def read_manifest(dir_or_pattern: str | os.PathLike) -> Manifest:
         try:
             data = json.loads(file.read())
         except json.JSONDecodeError as error:
-            raise ValueError(f"{path!r} is not valid JSON ({error}); write the set again.") from None
+            raise ValueError(
+                f"{path!r} is not valid JSON ({error}); write the set again.") from None
     if not isinstance(data, dict) or data.get("format") != _FORMAT:
         raise ValueError(
             f"{path!r} is not a tfmem manifest (expected \"format\": {_FORMAT!r}); "

@@ -158,7 +158,8 @@ def read_first_record(path: str) -> dict[str, FeatureInfo]:
     except tf.errors.OpError as error:
         raise ValueError(f"Cannot read a TFRecord from {path!r}: {error.message}") from None
     if record is None:
-        raise ValueError(f"{path!r} holds no records: expected a TFRecord file of tf.train.Example.")
+        raise ValueError(
+            f"{path!r} holds no records: expected a TFRecord file of tf.train.Example.")
     example = tf.train.Example()
     try:
         example.ParseFromString(record.numpy())
@@ -216,7 +217,7 @@ def detect_schema(path: str, features: Mapping[str, FeatureInfo] | None = None) 
             and shows the call to make.
 
     Example:
-        >>> tfmem.detect_schema("/kaggle/input/flowers/train/00-224x224-798.tfrec")  # doctest: +SKIP
+        >>> tfmem.detect_schema("/kaggle/input/flowers/00-224x224-798.tfrec")  # doctest: +SKIP
         Schema(image_key='image', label_key='class', id_key='id', label_offset=0, ...)
     """
     if features is None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import random
 import struct
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -264,6 +264,8 @@ def _prepare_directory(output_dir: str, overwrite: bool) -> None:
             f"{os.path.basename(existing[0])!r}). Write into an empty directory, or pass "
             "overwrite=True (`--overwrite`) to replace it."
         )
+    # Hidden leftovers of a run that was killed mid-shard (nothing else could remove them).
+    existing += tf.io.gfile.glob(os.path.join(output_dir, ".shard-*.tfrecord.tmp-*"))
     for path in existing:
         tf.io.gfile.remove(path)
 
