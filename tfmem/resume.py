@@ -111,6 +111,7 @@ def fit_resumable(
     validation_data: tf.data.Dataset | None = None,
     callbacks: Sequence[keras.callbacks.Callback] = (),
     verbose: Any = "auto",
+    **fit_kwargs: Any,
 ) -> dict[str, list[float]]:
     """Trains a compiled model for `epochs`, resuming from `backup_dir` if a run was killed.
 
@@ -127,6 +128,8 @@ def fit_resumable(
         validation_data: evaluated at the end of each epoch, as in `fit`.
         callbacks: further Keras callbacks, passed to each epoch's `fit`.
         verbose: as in `fit`.
+        **fit_kwargs: further arguments of the model's `fit` (e.g. `AccumModel.fit`'s
+            `check_memory=False` when the plan was already checked).
 
     Returns:
         The history over all epochs of the run, resumed ones included: `{"loss": [...], ...}`.
@@ -166,6 +169,7 @@ def fit_resumable(
             shuffle=False,  # each epoch's order comes from make_dataset(epoch)
             callbacks=[saver, *callbacks],
             verbose=verbose,
+            **fit_kwargs,
         )
         for key, values in result.history.items():
             history.setdefault(key, []).extend(float(value) for value in values)
