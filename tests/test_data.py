@@ -347,9 +347,9 @@ def test_input_context_reads_a_disjoint_part_per_pipeline(written, tmp_path, sha
     assert sorted(parts[0] + parts[1]) == list(range(NUM_EXAMPLES))
 
 
-def test_mirrored_strategy_consumes_the_stream_on_two_cpus(written):
+def test_mirrored_strategy_consumes_the_stream_on_two_cpus(written, two_cpu_strategy):
     images, labels, manifest = written
-    strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+    strategy = two_cpu_strategy
 
     def dataset_fn(context):
         return tfmem.image_dataset(manifest.directory, image_size=(HEIGHT, WIDTH), batch_size=8,
