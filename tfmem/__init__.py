@@ -35,6 +35,11 @@ from tfmem.report import describe
 
 __all__ += ["Runtime", "detect", "describe", "policy_for", "set_policy"]
 
+# -- resume: training that survives a killed process --
+from tfmem.resume import fit_resumable
+
+__all__ += ["fit_resumable"]
+
 # -- planner / probe: memory plan and guard --
 from tfmem.planner import MemoryPlan, MemoryPlanError, plan
 from tfmem.probe import probe
