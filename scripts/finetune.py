@@ -192,7 +192,8 @@ def main(argv):
         backup_dir=os.path.join(output, "backup"),
         save_every_steps=_SAVE_EVERY_STEPS.value or max(steps_per_epoch // 4, 1),
         validation_data=validation,
-        callbacks=[keras.callbacks.TensorBoard(os.path.join(output, "logs"))], verbose=2)
+        callbacks=[keras.callbacks.TensorBoard(os.path.join(output, "logs"))], verbose=2,
+        check_memory=False)  # checked above against the detected runtime (or overridden)
     seconds = time.perf_counter() - start
     accum.save(os.path.join(output, "model.keras"))
     results = {
