@@ -19,3 +19,17 @@ _cpus = tf.config.list_physical_devices("CPU")
 tf.config.set_logical_device_configuration(
     _cpus[0], [tf.config.LogicalDeviceConfiguration()] * NUM_LOGICAL_CPUS
 )
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def two_cpu_strategy():
+    """One `MirroredStrategy` over the two logical CPUs, shared by every test that needs one.
+
+    Several MirroredStrategy objects in one process hand out colliding collective instance
+    keys ("Shape mismatch in the collective instance 100"), so tests share this one instead
+    of building their own.
+    """
+    return tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])

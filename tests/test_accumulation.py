@@ -194,8 +194,8 @@ def test_bfloat16_matches_plain_big_batch(dtype_policy):
     assert _rel_diff(accum.get_weights(), plain.get_weights()) <= 2e-2
 
 
-def test_mirrored_strategy_matches_single_device():
-    strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+def test_mirrored_strategy_matches_single_device(two_cpu_strategy):
+    strategy = two_cpu_strategy
     x, y, w = _data((6,), 48)
     keras.utils.set_random_seed(3)
     plain = _dense()

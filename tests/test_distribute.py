@@ -124,8 +124,9 @@ def test_detect_on_a_cpu_machine_uses_the_default_strategy():
     assert float(variable * 3) == 6.0
 
 
-def test_mirrored_strategy_on_two_logical_cpus_is_described_and_splits_the_batch():
-    strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+def test_mirrored_strategy_on_two_logical_cpus_is_described_and_splits_the_batch(
+        two_cpu_strategy):
+    strategy = two_cpu_strategy
     runtime = Runtime.from_strategy(strategy)
     assert (runtime.kind, runtime.num_replicas, runtime.num_workers) == ("cpu", 2, 1)
     # Two replicas in one process share the host's RAM.
@@ -368,10 +369,10 @@ class TestTPUDecisionWithoutHardware:
 
         assert tfmem.detect(hardware=Hardware(), connect_tpu=connect).kind == "cpu"
 
-    def test_connected_strategy_is_described_as_a_tpu_runtime(self):
+    def test_connected_strategy_is_described_as_a_tpu_runtime(self, two_cpu_strategy):
         # Wiring only: a real two-replica strategy stands in for the TPUStrategy that
         # connect() returns on a TPU; kind, memory and name come from the TPU branch.
-        stand_in = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+        stand_in = two_cpu_strategy
         attempts = []
 
         def connect(name):
@@ -461,10 +462,10 @@ def test_jax_backend_delegates_to_distribute_jax(monkeypatch):
 # ---------------------------------------------------------------- describe() and tfmem-env
 
 
-def test_describe_prints_the_runtime_and_versions():
+def test_describe_prints_the_runtime_and_versions(two_cpu_strategy):
     import platform
 
-    runtime = Runtime.from_strategy(tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"]))
+    runtime = Runtime.from_strategy(two_cpu_strategy)
     runtime = dataclasses.replace(runtime, notes=("fell back from a TPU",))
     rows = _rows(tfmem.describe(runtime))
     assert rows["device kind"] == "cpu" and rows["replicas"] == "2" and rows["workers"] == "1"

@@ -9,6 +9,19 @@ __all__ = ["__version__"]  # each section below adds its names with `__all__ += 
 from tfmem import _tf  # noqa: F401  (fails early, naming the extra to install)
 
 # -- data: streaming TFRecord pipeline --
+from tfmem.data import auto_shard_policy, image_dataset, inspect_tfrecords
+from tfmem.demo import CLASS_NAMES as DEMO_CLASS_NAMES
+from tfmem.demo import demo_examples, make_demo_dataset
+from tfmem.manifest import Manifest, Shard, read_manifest
+from tfmem.schema import Schema, detect_schema
+from tfmem.tfds_data import tfds_image_dataset
+from tfmem.tfrecords import write_image_tfrecords
+
+__all__ += [
+    "auto_shard_policy", "image_dataset", "inspect_tfrecords", "DEMO_CLASS_NAMES", "demo_examples",
+    "make_demo_dataset", "Manifest", "Shard", "read_manifest", "Schema", "detect_schema",
+    "write_image_tfrecords", "tfds_image_dataset",
+]
 
 # -- accumulation: AccumModel --
 from tfmem.accumulation import AccumModel
@@ -22,7 +35,16 @@ from tfmem.report import describe
 
 __all__ += ["Runtime", "detect", "describe", "policy_for", "set_policy"]
 
+# -- resume: training that survives a killed process --
+from tfmem.resume import fit_resumable
+
+__all__ += ["fit_resumable"]
+
 # -- planner / probe: memory plan and guard --
+from tfmem.planner import MemoryPlan, MemoryPlanError, plan
+from tfmem.probe import probe
+
+__all__ += ["MemoryPlan", "MemoryPlanError", "plan", "probe"]
 
 # -- models / metrics --
 from tfmem import models

@@ -47,6 +47,10 @@ Semantics (the single reference; `tfmem/accumulation_jax.py` mirrors it):
 * **Metrics and the logged loss** are accumulated over the `k` micro-batches
   (each metric sees every row once) and reported once per global batch, so
   callbacks and the progress bar count real updates.
+* **Memory.** `fit` plans the run before the first step (`tfmem.planner.guard`):
+  a global batch whose micro-batch does not fit the replica's memory raises
+  `tfmem.MemoryPlanError` naming the setting that would fit (`check_memory=False`
+  runs anyway); `accumulation_steps="auto"` takes `k` from that plan.
 * **Not exact:** losses that use Keras masks (normalised by the valid entries
   of each micro-batch); `BatchNormalization(synchronized=True)` under a
   strategy is untested.
@@ -61,17 +65,22 @@ import keras
 import tensorflow as tf
 from keras.src.losses.loss import unscale_loss_for_distribution
 
+from tfmem import planner
+
 # Reductions for which "mean of the k micro-batch losses" == "big-batch loss".
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 
 
-def _validate_accumulation_steps(value) -> int:
-    """Returns `value` as an int, or raises: the one place that checks it."""
+def _validate_accumulation_steps(value) -> int | str:
+    """Returns `value` as an int (or "auto"), or raises: the one place that checks it."""
+    if value == "auto":
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(
             f"`accumulation_steps` must be a positive integer; received {value!r} "
             f"of type {type(value).__name__}. Pass the number of micro-batches each "
-            "global batch is split into, e.g. `accumulation_steps=4`."
+            "global batch is split into, e.g. `accumulation_steps=4`, or \"auto\" to "
+            "take it from the memory plan when `fit` starts."
         )
     if value < 1:
         raise ValueError(
@@ -99,11 +108,13 @@ class AccumModel(keras.Model):
 
     Args:
         *args: Forwarded to `keras.Model` (`inputs`, `outputs`).
-        accumulation_steps: Number of micro-batches `k` per global batch.
+        accumulation_steps: Number of micro-batches `k` per global batch, or
+            "auto": `fit` picks the smallest `k` whose micro-batch fits the
+            replica's memory (`tfmem.plan`).
         **kwargs: Forwarded to `keras.Model` (`name`, ...).
 
     Raises:
-        ValueError: If `accumulation_steps` is not an integer >= 1.
+        ValueError: If `accumulation_steps` is not an integer >= 1 or "auto".
 
     Example:
 
@@ -117,13 +128,14 @@ class AccumModel(keras.Model):
     ```
     """
 
-    def __init__(self, *args, accumulation_steps: int = 1, **kwargs):
+    def __init__(self, *args, accumulation_steps: int | str = 1, **kwargs):
         super().__init__(*args, **kwargs)
         self.accumulation_steps = accumulation_steps
+        self._auto_accumulation = accumulation_steps == "auto"
 
     @property
-    def accumulation_steps(self) -> int:
-        """Number of micro-batches each global batch is split into."""
+    def accumulation_steps(self) -> int | str:
+        """Number of micro-batches each global batch is split into ("auto" until `fit`)."""
         return self._accumulation_steps
 
     @accumulation_steps.setter
@@ -131,6 +143,63 @@ class AccumModel(keras.Model):
         self._accumulation_steps = _validate_accumulation_steps(value)
         # A compiled step has `k` baked into its graph; retrace on change.
         self.train_function = None
+
+    def fit(self, x=None, y=None, batch_size=None, *args, check_memory: bool = True,
+            memory_budget: int | None = None, **kwargs):
+        """`keras.Model.fit`, after checking the memory plan of the run.
+
+        Args:
+            x, y, batch_size, *args, **kwargs: as `keras.Model.fit`; batch by the
+                *global* batch size.
+            check_memory: False skips the check (the explicit override); with
+                `accumulation_steps="auto"` the plan still picks `k`.
+            memory_budget: bytes per replica; default: what the distribution
+                strategy's devices have (`tfmem.Runtime.from_strategy`).
+
+        Raises:
+            tfmem.MemoryPlanError: the global batch's micro-batches do not fit,
+                with the breakdown and the `accumulation_steps` that would.
+        """
+        self._plan_memory(x, batch_size, check_memory, memory_budget)
+        return super().fit(x, y, batch_size, *args, **kwargs)
+
+    def _plan_memory(self, x, batch_size, check_memory, memory_budget):
+        auto = self._auto_accumulation
+        if not (check_memory or auto):
+            return
+        global_batch = _global_batch_size(x, batch_size)
+        if global_batch is None:
+            if auto:
+                raise ValueError(
+                    'accumulation_steps="auto" needs the global batch size before the '
+                    "first step, and the data has no static batch dimension. Batch the "
+                    "dataset with `drop_remainder=True`, or set `accumulation_steps`."
+                )
+            warnings.warn("AccumModel: memory check skipped, the data has no static batch "
+                          "size (batch it with drop_remainder=True to check).")
+            return
+        replicas = self.distribute_strategy.num_replicas_in_sync
+        per_replica, remainder = divmod(global_batch, replicas)
+        if remainder or (not auto and per_replica % self.accumulation_steps):
+            return  # the step itself raises, with the sizes that would divide
+        if memory_budget is not None:
+            budget = dict(memory_budget=memory_budget, num_replicas=replicas)
+        else:
+            from tfmem.distribute import Runtime  # strategy → device memory
+
+            budget = dict(runtime=Runtime.from_strategy(self.distribute_strategy))
+            if budget["runtime"].memory_per_replica is None and not auto:
+                warnings.warn("AccumModel: memory check skipped, the device memory is "
+                              "unknown; pass fit(..., memory_budget=bytes) to check.")
+                return
+        precision = self.dtype_policy.name
+        memory_plan = planner.guard(
+            self, global_batch_size=global_batch,
+            accumulation_steps="auto" if auto else self.accumulation_steps,
+            allow_over_budget=not check_memory and not auto, optimizer=self.optimizer,
+            precision=precision if precision.startswith("mixed_") else "float32", **budget)
+        if auto:
+            self.accumulation_steps = memory_plan.accumulation_steps
 
     @classmethod
     def wrap(cls, model: keras.Model, accumulation_steps: int = 1) -> "AccumModel":
@@ -180,7 +249,8 @@ class AccumModel(keras.Model):
 
     def get_config(self) -> dict:
         config = super().get_config()
-        config["accumulation_steps"] = self.accumulation_steps
+        config["accumulation_steps"] = (
+            "auto" if self._auto_accumulation else self.accumulation_steps)
         return config
 
     # `Model.from_config` revives functional configs through `cls(inputs=...,
@@ -194,6 +264,11 @@ class AccumModel(keras.Model):
             return accumulation_jax.train_step(self, *args)
         (data,) = args
         k = self.accumulation_steps
+        if k == "auto":
+            raise ValueError(
+                'accumulation_steps="auto" is chosen when `fit` starts; call `fit`, or set '
+                "`model.accumulation_steps = k` before `train_on_batch`."
+            )
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         self._check_optimizer()
         first = next(t for t in tf.nest.flatten(x) if t is not None)
@@ -335,6 +410,17 @@ class AccumModel(keras.Model):
                     "micro-batch losses reduced that way does not give the big-batch "
                     "loss. Use the loss's default reduction."
                 )
+
+
+def _global_batch_size(x, batch_size) -> int | None:
+    """Rows per step of `fit(x, batch_size=...)` over all replicas, if static."""
+    if isinstance(x, tf.data.Dataset):
+        spec = tf.nest.flatten(x.element_spec)[0]
+        return spec.shape[0] if spec.shape.rank else None
+    arrays = tf.nest.flatten(x)
+    if not arrays or not hasattr(arrays[0], "shape"):
+        return None  # a generator or PyDataset: batched by the user, size unknown here
+    return min(batch_size or 32, int(arrays[0].shape[0]))  # Keras's default batch is 32
 
 
 def _multi_worker(strategy) -> bool:

@@ -26,6 +26,8 @@ from typing import Callable
 import keras
 from keras import ops
 
+from tfmem.models import small_cnn
+
 _IMAGENET_RGB_MEAN = (0.485, 0.456, 0.406)
 _IMAGENET_RGB_STD = (0.229, 0.224, 0.225)
 _CAFFE_BGR_MEAN = (103.939, 116.779, 123.68)
@@ -117,6 +119,8 @@ def _families() -> dict[str, ApplicationFamily]:
     # MobileNetV3 is left out: its Keras head has an extra 1x1 conv after pooling that
     # a plain pooled-Dense head would silently drop.
     table["mobilenetv2"] = ApplicationFamily(apps.MobileNetV2, 224, "tf", 0.0)
+    # Not from keras.applications: the demo's tiny CNN, built with the same signature.
+    table["small-cnn"] = ApplicationFamily(small_cnn.small_cnn, 32, "tf", 0.0)
     return table
 
 

@@ -1,0 +1,222 @@
+r"""Fine-tune an image classifier from TFRecords without running out of memory.
+
+    python scripts/finetune.py                      # the demo: a few minutes on 2 CPU cores
+    python scripts/finetune.py --model efficientnetv2-xl --dry-run --device v100-32gb
+    python scripts/finetune.py --model efficientnetv2-xl --data '/data/train-*.tfrec' \
+        --validation-data '/data/val-*.tfrec' --num-classes 104 --global-batch-size 64 \
+        --image-size 384 --weights /kaggle/input/xl/xl.weights.h5 --output runs/xl
+
+What it does: detects the runtime (TPU / multi-worker / GPUs / CPU) and its precision, builds
+the model inside the strategy's scope, plans the memory of the run (prints the breakdown and
+refuses a setting over 80% of the device, naming one that fits), streams the TFRecords,
+trains an `AccumModel` (global batch = micro-batch × accumulation steps × replicas), evaluates
+and writes to `--output`: `backup/` (resume point), `logs/` (TensorBoard), `model.keras` and
+`metrics.json`. Started again with the same `--output` after a kill, it resumes from the last
+saved step.
+
+Expected result of the first command (2 shared CPU cores, 2026-11-21): the demo set is
+written, 2 epochs of the small CNN train in about a minute, and it prints a validation
+accuracy near 0.9 against a chance level of 0.25.
+"""
+
+import json
+import os
+import time
+
+from absl import flags
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tfmem  # noqa: E402
+from tfmem import cli, models, planner  # noqa: E402
+from tfmem import manifest as manifest_lib  # noqa: E402
+
+_MODEL = flags.DEFINE_string("model", "small-cnn", "A name of tfmem.models.MODELS.")
+_DATA = flags.DEFINE_string(
+    "data", "demo", "'demo' (the embedded demo set, written under --output), a directory of "
+    "TFRecords, or a glob such as 'gs://bucket/train-*.tfrec'.")
+_VALIDATION_DATA = flags.DEFINE_string(
+    "validation_data", None, "TFRecords to evaluate on (with --data demo: the demo's "
+    "held-out set).")
+_NUM_CLASSES = flags.DEFINE_integer(
+    "num_classes", None, "Classes, for data without a tfmem manifest.json.")
+_NUM_EXAMPLES = flags.DEFINE_integer(
+    "num_examples", None, "Training examples, for data without a manifest.json.")
+_GLOBAL_BATCH_SIZE = flags.DEFINE_integer(
+    "global_batch_size", 64, "Samples per optimizer update, over all replicas.")
+_ACCUMULATION_STEPS = flags.DEFINE_string(
+    "accumulation_steps", "auto", "'auto' (the planner picks the largest micro-batch that "
+    "fits) or a number k of micro-batches per global batch.")
+_EPOCHS = flags.DEFINE_integer("epochs", 2, "Training epochs.")
+_IMAGE_SIZE = flags.DEFINE_integer("image_size", None, "Height and width; default: the "
+                                   "model's training size (the demo set's 32 for --data demo).")
+_PRECISION = flags.DEFINE_enum(
+    "precision", "auto", ["auto", "float32", "mixed_float16", "mixed_bfloat16"],
+    "'auto': bf16 on TPU, fp16 on GPUs with compute capability >= 7, float32 on CPU.")
+_WEIGHTS = flags.DEFINE_string("weights", None, "Local weights file (nothing is downloaded).")
+_FREEZE_BACKBONE = flags.DEFINE_bool(
+    "freeze_backbone", False, "Train only the new head (transfer learning); default trains "
+    "every layer (full fine-tuning, which needs gradients and optimizer slots for all).")
+_OPTIMIZER = flags.DEFINE_enum("optimizer", "adam", ["adam", "adamw", "sgd", "rmsprop"],
+                               "Optimizer.")
+_LEARNING_RATE = flags.DEFINE_float("learning_rate", 1e-3, "Learning rate.")
+_OUTPUT = flags.DEFINE_string("output", "runs/finetune", "Run directory (resumes if it has "
+                              "a backup).")
+_DEVICE = flags.DEFINE_string(
+    "device", None, "Plan for this device instead of the detected one (e.g. v100-32gb, "
+    "tpu-v3-8; see tfmem.devices.ACCELERATORS). Only with --dry-run.")
+_PREFER = flags.DEFINE_enum("prefer", None, ["tpu", "gpu", "cpu"], "Force a device kind.")
+_ALLOW_OVER_BUDGET = flags.DEFINE_bool(
+    "allow_over_budget", False, "Train even when the plan exceeds the memory budget.")
+_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Build the model, print its parameters and "
+                             "the memory plan, train nothing.")
+_SAVE_EVERY_STEPS = flags.DEFINE_integer(
+    "save_every_steps", None, "Save a resume point every this many updates (default: 4 "
+    "times per epoch).")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of weights, shuffling and augmentation.")
+_DETERMINISTIC = flags.DEFINE_bool(
+    "deterministic", False, "Deterministic ops (slower): a resumed run then ends with exactly "
+    "the weights of an uninterrupted one.")
+
+
+def _demo_data(output: str, image_size: int) -> tuple[str, str]:
+    """Writes the demo train/validation sets once under `output` and returns their paths."""
+    paths = []
+    for split, num_examples, seed in (("train", 2048, 0), ("validation", 512, 1)):
+        path = os.path.join(output, "demo-data", split)
+        if not os.path.exists(os.path.join(path, "manifest.json")):
+            tfmem.make_demo_dataset(path, num_examples=num_examples, image_size=image_size,
+                                    seed=seed, overwrite=True)
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def _dataset_facts(data: str) -> tuple[int, int]:
+    """(num_classes, num_examples) from the manifest, or from the flags without one."""
+    if manifest_lib.has_manifest(data):
+        manifest = tfmem.read_manifest(data)
+        return manifest.num_classes, manifest.num_examples
+    if _NUM_CLASSES.value is None or _NUM_EXAMPLES.value is None:
+        raise ValueError(
+            f"{data!r} has no tfmem manifest.json, so its size and classes are unknown. "
+            "Pass --num-classes and --num-examples (e.g. from the dataset's description).")
+    return _NUM_CLASSES.value, _NUM_EXAMPLES.value
+
+
+def _accumulation_steps(memory_plan: tfmem.MemoryPlan, runtime: tfmem.Runtime) -> int:
+    """k from the flag ('auto': the plan's choice), checked against the batch and the budget."""
+    if _ACCUMULATION_STEPS.value == "auto":
+        planner.check(memory_plan, allow_over_budget=_ALLOW_OVER_BUDGET.value)
+        return memory_plan.accumulation_steps or 1
+    try:
+        steps = int(_ACCUMULATION_STEPS.value)
+    except ValueError:
+        raise ValueError(f"--accumulation-steps must be 'auto' or a positive int, got "
+                         f"{_ACCUMULATION_STEPS.value!r}.") from None
+    runtime.split_global_batch(_GLOBAL_BATCH_SIZE.value, steps)  # divisible? suggests sizes
+    planner.check(memory_plan, accumulation_steps=steps,
+                  allow_over_budget=_ALLOW_OVER_BUDGET.value)
+    return steps
+
+
+def main(argv):
+    del argv
+    spec = models.spec(_MODEL.value)  # unknown name → the list of valid ones
+    if spec.task != "classification":
+        raise ValueError(
+            f"{spec.name} is a {spec.task} model; finetune.py trains image classifiers. "
+            f"Size it with: python scripts/plan.py --model {spec.name} ...")
+    if _DEVICE.value and not _DRY_RUN.value:
+        raise ValueError(f"--device {_DEVICE.value} plans for another machine; it only goes "
+                         "with --dry-run (training always runs on the detected runtime).")
+    if _DETERMINISTIC.value:
+        tf.config.experimental.enable_op_determinism()
+    keras.utils.set_random_seed(_SEED.value)
+    runtime = tfmem.detect(prefer=_PREFER.value)
+    precision = (tfmem.policy_for(runtime) if _PRECISION.value == "auto"
+                 else _PRECISION.value)
+    tfmem.set_policy(policy=precision)
+    print(tfmem.describe(runtime))
+
+    output = _OUTPUT.value
+    if _DATA.value == "demo":
+        image_size = _IMAGE_SIZE.value or 32
+        train_data, validation_data = _demo_data(output, image_size)
+    else:
+        image_size = _IMAGE_SIZE.value or spec.default_image_size
+        train_data, validation_data = _DATA.value, _VALIDATION_DATA.value
+    num_classes, num_examples = _dataset_facts(train_data)
+
+    with runtime.scope():
+        model = models.build(spec.name, num_classes=num_classes, image_size=image_size,
+                             weights=_WEIGHTS.value, freeze_backbone=_FREEZE_BACKBONE.value)
+        optimizer = keras.optimizers.get({"class_name": _OPTIMIZER.value,
+                                          "config": {"learning_rate": _LEARNING_RATE.value}})
+    print(f"{spec.name}: {model.count_params():,} parameters "
+          f"({sum(int(tf.size(w)) for w in model.trainable_weights):,} trainable)")
+    memory_plan = tfmem.plan(
+        model, global_batch_size=_GLOBAL_BATCH_SIZE.value, optimizer=optimizer,
+        precision=precision, runtime=None if _DEVICE.value else runtime,
+        device=_DEVICE.value)
+    print(memory_plan.table())
+    accumulation_steps = _accumulation_steps(memory_plan, runtime)
+    micro_batch = runtime.split_global_batch(_GLOBAL_BATCH_SIZE.value, accumulation_steps)
+    print(f"global batch {_GLOBAL_BATCH_SIZE.value} = micro-batch {micro_batch} × "
+          f"{accumulation_steps} accumulation steps × {runtime.num_replicas} replicas")
+    if _DRY_RUN.value:
+        return
+
+    steps_per_epoch = num_examples // _GLOBAL_BATCH_SIZE.value
+    if steps_per_epoch < 1:
+        raise ValueError(f"--global-batch-size {_GLOBAL_BATCH_SIZE.value} is larger than the "
+                         f"{num_examples} training examples; use at most {num_examples}.")
+    with runtime.scope():
+        accum = tfmem.AccumModel.wrap(model, accumulation_steps=accumulation_steps)
+        accum.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(),
+                      metrics=["accuracy"])
+    options = dict(image_size=(image_size, image_size), data_range=spec.data_range)
+
+    def make_dataset(epoch):
+        return tfmem.image_dataset(train_data, batch_size=_GLOBAL_BATCH_SIZE.value,
+                                   training=True, seed=_SEED.value + epoch, **options)
+
+    validation = (tfmem.image_dataset(validation_data, batch_size=_GLOBAL_BATCH_SIZE.value,
+                                      training=False, **options)
+                  if validation_data else None)
+    start = time.perf_counter()
+    history = tfmem.fit_resumable(
+        accum, make_dataset, epochs=_EPOCHS.value, steps_per_epoch=steps_per_epoch,
+        backup_dir=os.path.join(output, "backup"),
+        save_every_steps=_SAVE_EVERY_STEPS.value or max(steps_per_epoch // 4, 1),
+        validation_data=validation,
+        callbacks=[keras.callbacks.TensorBoard(os.path.join(output, "logs"))], verbose=2,
+        check_memory=False)  # checked above against the detected runtime (or overridden)
+    seconds = time.perf_counter() - start
+    accum.save(os.path.join(output, "model.keras"))
+    results = {
+        "model": spec.name, "num_parameters": model.count_params(), "data": train_data,
+        "num_examples": num_examples, "num_classes": num_classes, "epochs": _EPOCHS.value,
+        "global_batch_size": _GLOBAL_BATCH_SIZE.value, "micro_batch_size": micro_batch,
+        "accumulation_steps": accumulation_steps, "num_replicas": runtime.num_replicas,
+        "device": runtime.device_name, "precision": precision,
+        "planned_peak_bytes": memory_plan.peak_bytes(micro_batch, accumulation_steps),
+        "budget_bytes": memory_plan.budget_bytes, "history": history,
+        "train_seconds_this_run": seconds,
+    }
+    if validation is not None:
+        loss, accuracy = accum.evaluate(validation, verbose=0)
+        results["validation"] = {"loss": loss, "accuracy": accuracy}
+        print(f"finetune: validation accuracy {accuracy:.3f} after {_EPOCHS.value} epochs "
+              f"(chance {1 / num_classes:.3f}), {spec.name}, global batch "
+              f"{_GLOBAL_BATCH_SIZE.value} = {micro_batch} × {accumulation_steps} × "
+              f"{runtime.num_replicas}")
+    with open(os.path.join(output, "metrics.json"), "w") as file:
+        json.dump(results, file, indent=2)
+    print(f"finetune: wrote {os.path.join(output, 'metrics.json')}")
+
+
+if __name__ == "__main__":
+    cli.run(main)

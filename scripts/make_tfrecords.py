@@ -1,0 +1,104 @@
+r"""Writes an image-classification set to sharded TFRecords, or inspects existing ones.
+
+    python scripts/make_tfrecords.py --source photos/ --output /data/photos-tfrecords
+    python scripts/make_tfrecords.py --source demo --output /tmp/demo --num_examples 2048
+    python scripts/make_tfrecords.py --source tfds:tf_flowers --split train --output /data/flowers
+    python scripts/make_tfrecords.py --inspect '/kaggle/input/flowers/*.tfrec'
+
+`--source` is an image folder laid out `root/<class_name>/<image>.{jpg,jpeg,png}`, `demo`
+(the embedded shapes set) or `tfds:NAME` (a tfds dataset already prepared in `--data_dir`;
+nothing is downloaded). Prints a progress bar and a summary line, e.g. on 2 CPU cores:
+`wrote 2048 examples in 6 shards, 5.9 MB, in 4.1 s to /tmp/demo`.
+`--inspect PATH` prints the feature keys, types and the first record's image shape of any
+TFRecord files, and the schema tfmem detects for them.
+"""
+
+import os
+import sys
+import time
+
+from absl import app, flags
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tfmem  # noqa: E402
+
+_SOURCE = flags.DEFINE_string("source", None, "Image folder, 'demo' or 'tfds:NAME'.")
+_OUTPUT = flags.DEFINE_string("output", None, "Directory for the shards and manifest.json.")
+_INSPECT = flags.DEFINE_string("inspect", None, "TFRecord file, directory or glob to describe.")
+_SHARD_SIZE_MB = flags.DEFINE_float("shard_size_mb", 128, "Shard size in MB (10**6 bytes).")
+_ENCODING = flags.DEFINE_enum("encoding", "png", ["png", "jpeg"], "How arrays are stored.")
+_SKIP_UNREADABLE = flags.DEFINE_bool("skip_unreadable", False, "Skip and count bad images.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace a set already in --output.")
+_NUM_EXAMPLES = flags.DEFINE_integer("num_examples", 2048, "Demo set: number of images.")
+_IMAGE_SIZE = flags.DEFINE_integer("image_size", 32, "Demo set: image height and width.")
+_SEED = flags.DEFINE_integer("seed", 0, "Demo set pixels / folder writing order.")
+_SPLIT = flags.DEFINE_string("split", "train", "tfds: split to write.")
+_DATA_DIR = flags.DEFINE_string("data_dir", None, "tfds: where the dataset is prepared.")
+
+
+class ProgressBar:
+    """A one-line progress bar on stderr, redrawn at most every 0.2 s."""
+
+    def __init__(self):
+        self.start = self.last = time.perf_counter()
+
+    def __call__(self, done: int, num_bytes: int, total: int | None, force=False) -> None:
+        now = time.perf_counter()
+        if now - self.last < 0.2 and done != total and not force:
+            return
+        self.last = now
+        rate = done / max(now - self.start, 1e-9)
+        if total:
+            filled = int(30 * done / total)
+            bar = f"[{'#' * filled}{'.' * (30 - filled)}] {done}/{total}"
+        else:
+            bar = f"{done} examples"
+        sys.stderr.write(f"\r{bar} {num_bytes / 1e6:.1f} MB {rate:.0f} ex/s")
+        sys.stderr.flush()
+
+
+def write(source: str, output: str, progress: ProgressBar) -> tfmem.Manifest:
+    if source == "demo":
+        # The demo's own small shards unless --shard_size_mb is given.
+        size = {"shard_size_mb": _SHARD_SIZE_MB.value} if _SHARD_SIZE_MB.present else {}
+        return tfmem.make_demo_dataset(output, num_examples=_NUM_EXAMPLES.value,
+                                       image_size=_IMAGE_SIZE.value, seed=_SEED.value,
+                                       overwrite=_OVERWRITE.value, progress=progress, **size)
+    if source.startswith("tfds:"):
+        import tensorflow_datasets as tfds
+
+        builder = tfds.builder(source.removeprefix("tfds:"), data_dir=_DATA_DIR.value)
+        dataset = builder.as_dataset(split=_SPLIT.value,
+                                     decoders={"image": tfds.decode.SkipDecoding()})
+        return tfmem.write_image_tfrecords(
+            dataset, output, shard_size_mb=_SHARD_SIZE_MB.value,
+            class_names=builder.info.features["label"].names, overwrite=_OVERWRITE.value,
+            progress=progress)
+    return tfmem.write_image_tfrecords(
+        source, output, shard_size_mb=_SHARD_SIZE_MB.value, encoding=_ENCODING.value,
+        seed=_SEED.value, skip_unreadable=_SKIP_UNREADABLE.value, overwrite=_OVERWRITE.value,
+        progress=progress)
+
+
+def main(argv):
+    del argv
+    if _INSPECT.value:
+        print(tfmem.inspect_tfrecords(_INSPECT.value))
+        return
+    if not _SOURCE.value or not _OUTPUT.value:
+        raise app.UsageError("Give --source and --output (or --inspect PATH).")
+    start = time.perf_counter()
+    progress = ProgressBar()
+    manifest = write(_SOURCE.value, _OUTPUT.value, progress)
+    num_read = manifest.num_examples + len(manifest.skipped)
+    progress(manifest.num_examples, manifest.num_bytes, num_read, force=True)
+    sys.stderr.write("\n")
+    skipped = f", skipped {len(manifest.skipped)} unreadable file(s)" if manifest.skipped else ""
+    print(f"wrote {manifest.num_examples} examples in {len(manifest.shards)} shards, "
+          f"{manifest.num_bytes / 1e6:.1f} MB, in {time.perf_counter() - start:.1f} s to "
+          f"{manifest.directory}{skipped}")
+
+
+if __name__ == "__main__":
+    app.run(main)

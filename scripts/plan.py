@@ -1,0 +1,95 @@
+"""Print the memory plan of a training run before running it.
+
+    python scripts/plan.py --model resnet50 --global_batch_size 64 --device v100-16gb \
+        --image_size 224 --optimizer adam --precision mixed_float16 --plot resnet50.png
+
+Any machine, no accelerator needed (it builds the model on the CPU to read its graph; a few
+seconds for ResNet50, about a minute for EfficientNetV2-XL). Prints the breakdown per replica,
+the micro-batch × accumulation steps that reach the global batch within 80% of the device,
+and, with --plot, draws predicted memory against the micro-batch with the budget line
+(needs matplotlib: `pip install 'tfmem[plot]'`). Flags accept dashes or underscores.
+"""
+
+import sys
+
+from absl import app, flags
+
+import tfmem
+from tfmem import devices, models, planner
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", None, f"Model name: {', '.join(models.MODELS)}.")
+flags.DEFINE_integer("global_batch_size", None, "Samples per optimizer update, all replicas.")
+flags.DEFINE_string("device", "cpu", f"cpu or one of: {', '.join(devices.ACCELERATORS)}.")
+flags.DEFINE_integer("image_size", 224, "Height and width of the input images.")
+flags.DEFINE_integer("num_classes", 1000, "Classes of the classifier head.")
+flags.DEFINE_string("optimizer", "adam", "Keras optimizer name (sgd, adam, adamw, rmsprop, …).")
+flags.DEFINE_enum("precision", "float32", ["float32", "mixed_float16", "mixed_bfloat16"],
+                  "Keras dtype policy of the run.")
+flags.DEFINE_float("safety", 0.8, "Fraction of the device memory to plan for.")
+flags.DEFINE_string("plot", None, "Write memory vs micro-batch to this PNG file.")
+flags.mark_flags_as_required(["model", "global_batch_size"])
+
+def draw(plan, path: str) -> None:
+    """Predicted peak per replica against the micro-batch, with the budget and the choice."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        raise ImportError("--plot needs matplotlib: `pip install 'tfmem[plot]'`.") from error
+    top = max(plan.per_replica_batch_size, int(1.25 * max(plan.max_micro_batch, 1)), 2)
+    sizes = list(range(1, top + 1))
+    gib = 2**30
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    axes.plot(sizes, [plan.peak_bytes(b, 1) / gib for b in sizes], label="one step of micro-batch b")
+    axes.axhline(plan.budget_bytes / gib, color="tab:red", linestyle="--",
+                 label=f"budget ({plan.safety:.0%} of {plan.memory_per_replica / gib:.1f} GiB)")
+    axes.axhline(plan.memory_per_replica / gib, color="tab:gray", linestyle=":",
+                 label=f"{plan.device} memory per replica")
+    if plan.fits:
+        chosen = plan.peak_bytes(plan.micro_batch_size, plan.accumulation_steps) / gib
+        axes.plot([plan.micro_batch_size], [chosen], "o", color="tab:green",
+                  label=f"chosen: {plan.micro_batch_size} × {plan.accumulation_steps} steps")
+    axes.set_xlabel("micro-batch size per replica")
+    axes.set_ylabel("predicted peak memory (GiB)")
+    axes.set_title(f"{plan.model_name}, {plan.optimizer}, {plan.precision}, "
+                   f"global batch {plan.global_batch_size}")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def main(argv):
+    del argv
+    import keras
+
+    keras.mixed_precision.set_global_policy(FLAGS.precision)
+    model = models.build(FLAGS.model, num_classes=FLAGS.num_classes, image_size=FLAGS.image_size)
+    plan = tfmem.plan(model, global_batch_size=FLAGS.global_batch_size,
+                      optimizer=FLAGS.optimizer, precision=FLAGS.precision,
+                      device=FLAGS.device, safety=FLAGS.safety)
+    print(plan.table())
+    if plan.fits:
+        print(f"choice: micro-batch {plan.micro_batch_size} × {plan.accumulation_steps} "
+              f"accumulation step(s) × {plan.num_replicas} replica(s); the largest single "
+              f"step that fits is {plan.max_micro_batch}")
+    else:
+        try:
+            planner.check(plan)
+        except tfmem.MemoryPlanError as error:
+            print(str(error).split("\n")[0])
+    if FLAGS.plot:
+        draw(plan, FLAGS.plot)
+        print(f"wrote {FLAGS.plot}")
+    return 0 if plan.fits else 1
+
+
+if __name__ == "__main__":
+    # absl flags use underscores; accept the dashed spelling too (--global-batch-size).
+    sys.argv = [sys.argv[0]] + [
+        "--" + arg[2:].partition("=")[0].replace("-", "_") + "".join(arg.partition("=")[1:])
+        if arg.startswith("--") else arg for arg in sys.argv[1:]]
+    app.run(main)

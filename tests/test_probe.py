@@ -1,0 +1,86 @@
+"""The probe runs real training steps in real child processes under a real memory limit."""
+
+import sys
+
+import keras
+import pytest
+
+import tfmem
+from tfmem.probe import measure
+
+GIB, MIB = 2**30, 2**20
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="the probe reads /proc for resident memory")
+
+
+def conv_model():
+    """Three 64-channel convs at 64×64: ~5 MiB of kept activations per sample, so that
+    the growth over the batch sizes below (~0.6 GiB) dwarfs the allocator's ~20 MiB jitter."""
+    inputs = keras.Input((64, 64, 3))
+    x = keras.layers.Conv2D(64, 3, padding="same", activation="relu")(inputs)
+    x = keras.layers.Conv2D(64, 3, padding="same", activation="relu")(x)
+    x = keras.layers.Conv2D(64, 3, padding="same", activation="relu")(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, keras.layers.Dense(10)(x))
+
+
+def test_probe_line_predicts_a_separate_run():
+    model = conv_model()
+    calibrated = tfmem.probe(model, global_batch_size=128, optimizer="adam",
+                             memory_budget=6 * GIB, micro_batch_sizes=(16, 64))
+    line = calibrated.measured
+    assert line.micro_batch_sizes == (16, 64)
+    # The per-sample slope is real and of the size the graph predicts (within 25%).
+    estimate = tfmem.plan(model, global_batch_size=128, memory_budget=6 * GIB)
+    estimated_slope = estimate.peak_bytes(2, 1) - estimate.peak_bytes(1, 1)
+    assert line.per_sample_bytes > 0
+    assert abs(line.per_sample_bytes / estimated_slope - 1) < 0.25
+    # A separate fresh run at 128 (outside the probed range): the calibrated prediction of the
+    # growth above TensorFlow's import baseline is within 10% of the measured growth.
+    separate = measure(model, micro_batch_size=128, input_shape=(64, 64, 3),
+                       memory_limit=6 * GIB, optimizer="adam")
+    assert not separate.stopped, separate.reason
+    predicted = line.fixed_bytes + line.per_sample_bytes * 128
+    growth, predicted_growth = (separate.peak_bytes - separate.baseline_bytes,
+                                predicted - separate.baseline_bytes)
+    assert abs(predicted_growth / growth - 1) < 0.10, (predicted_growth / MIB, growth / MIB)
+    # The calibrated plan chooses on the measured line: 128 × 1 fits a 6 GiB budget.
+    assert (calibrated.micro_batch_size, calibrated.accumulation_steps) == (128, 1)
+    assert "measured fixed (probe)" in calibrated.table()
+
+
+def test_watchdog_stops_a_child_at_the_limit():
+    limit = 1 * GIB  # TensorFlow alone takes ~0.75 GiB; batch 256 needs ~1.3 GiB more
+    result = measure(conv_model(), micro_batch_size=256, input_shape=(64, 64, 3),
+                                  memory_limit=limit, optimizer="adam", num_steps=1)
+    assert result.stopped
+    assert "stopped by the memory limit" in result.reason
+    # Polled every 20 ms: stopped within a step's growth of the limit, far below the need.
+    assert limit <= result.peak_bytes < limit + 256 * MIB
+
+
+def wide_model():
+    """Tiny input, one huge activation: 16 × 16 × 1024 float32 = 1 MiB per sample."""
+    inputs = keras.Input((16, 16, 3))
+    x = keras.layers.Conv2D(1024, 3, padding="same")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(2)(keras.layers.GlobalAveragePooling2D()(x)))
+
+
+def test_rlimit_refuses_a_huge_allocation_before_it_is_touched():
+    limit = 1 * GIB
+    # At batch 2048 the conv output is one 2 GiB tensor: more than twice what is left under
+    # the limit, so the child's RLIMIT_DATA makes the allocation fail before a page is touched.
+    result = measure(wide_model(), micro_batch_size=2048, input_shape=(16, 16, 3),
+                     memory_limit=limit, optimizer="sgd", num_steps=1)
+    assert result.stopped
+    assert "stopped by the memory limit" not in result.reason  # the kernel said no, not us
+    # TensorFlow reports the refused 2 GiB allocation as an OOM, then often crashes.
+    assert "OOM when allocating" in result.reason or "killed by SIG" in result.reason
+    assert result.peak_bytes < limit
+
+
+def test_probe_refuses_sizes_whose_estimate_is_near_the_budget():
+    with pytest.raises(ValueError, match="under half the budget"):
+        tfmem.probe(conv_model(), global_batch_size=64, memory_budget=2 * GIB,
+                    micro_batch_sizes=(8, 4096))
