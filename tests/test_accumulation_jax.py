@@ -172,6 +172,7 @@ def test_detect_reports_eight_replicas(data_parallel):
     assert runtime["memory_per_replica"] == pytest.approx(expected, rel=0.2)
     assert runtime["global_batch_size_4_2"] == 64
     assert runtime["split_64_2"] == 4
+    assert runtime["current_runtime"] == [8, True]
 
 
 def test_detect_explains_a_missing_or_unknown_device_kind(data_parallel):

@@ -178,7 +178,12 @@ class AccumModel(keras.Model):
             warnings.warn("AccumModel: memory check skipped, the data has no static batch "
                           "size (batch it with drop_remainder=True to check).")
             return
-        replicas = self.distribute_strategy.num_replicas_in_sync
+        runtime = None
+        if keras.backend.backend() == "jax":  # no tf.distribute strategy on JAX
+            from tfmem import distribute_jax
+
+            runtime = distribute_jax.current_runtime()
+        replicas = runtime.num_replicas if runtime else self.distribute_strategy.num_replicas_in_sync
         per_replica, remainder = divmod(global_batch, replicas)
         if remainder or (not auto and per_replica % self.accumulation_steps):
             return  # the step itself raises, with the sizes that would divide
@@ -187,7 +192,7 @@ class AccumModel(keras.Model):
         else:
             from tfmem.distribute import Runtime  # strategy → device memory
 
-            budget = dict(runtime=Runtime.from_strategy(self.distribute_strategy))
+            budget = dict(runtime=runtime or Runtime.from_strategy(self.distribute_strategy))
             if budget["runtime"].memory_per_replica is None and not auto:
                 warnings.warn("AccumModel: memory check skipped, the device memory is "
                               "unknown; pass fit(..., memory_budget=bytes) to check.")

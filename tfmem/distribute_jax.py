@@ -61,27 +61,49 @@ def detect(prefer: str | None = None) -> distribute.Runtime:
             "(`pip install 'jax[tpu]'` on a TPU VM, `pip install 'jax[cuda12]'` for NVIDIA "
             "GPUs), or call detect() without `prefer`."
         ) from None
+    distribution = keras.distribution.DataParallel(devices=found)
+    keras.distribution.set_distribution(distribution)
+    runtime = _describe(found, distribution, num_replicas=len(found))
+    logging.info(
+        "tfmem: JAX backend, %d × %s (%s), DataParallel installed.",
+        runtime.num_replicas,
+        runtime.device_name,
+        runtime.kind,
+    )
+    return runtime
+
+
+def current_runtime() -> distribute.Runtime:
+    """The `Runtime` of the installed `keras.distribution` (or of JAX's default device).
+
+    What `AccumModel.fit` plans memory with on the JAX backend, where no `tf.distribute`
+    strategy exists. Installs nothing.
+
+    Example:
+        >>> tfmem.distribute_jax.current_runtime().num_replicas  # 8 after detect() on a v3-8
+    """
+    distribution = keras.distribution.distribution()
+    if distribution is None:
+        return _describe(jax.devices()[:1], None, num_replicas=1)
+    mesh = distribution.device_mesh
+    found = list(mesh.backend_mesh.devices.flat)
+    batch_shards = int(mesh.shape[mesh.axis_names.index(distribution.batch_dim_name)])
+    return _describe(found, distribution, num_replicas=batch_shards)
+
+
+def _describe(found: list[jax.Device], distribution, num_replicas: int) -> distribute.Runtime:
     kind = found[0].platform
     if kind not in distribute.KINDS:  # e.g. a plugin platform ("METAL"): treat as a GPU
         kind = "gpu"
-    distribution = keras.distribution.DataParallel(devices=found)
-    keras.distribution.set_distribution(distribution)
-    runtime = distribute.Runtime(
+    return distribute.Runtime(
         kind=kind,
         strategy=distribution,
-        num_replicas=len(found),
+        num_replicas=num_replicas,
         num_workers=jax.process_count(),
         memory_per_replica=_memory_per_device(found),
         device_name=hardware.cpu_name() if kind == "cpu" else found[0].device_kind,
         compute_capability=_compute_capability(found[0]),
     )
-    logging.info(
-        "tfmem: JAX backend, %d × %s (%s), DataParallel installed.",
-        runtime.num_replicas,
-        runtime.device_name,
-        kind,
-    )
-    return runtime
 
 
 def _memory_per_device(found: list[jax.Device]) -> int | None:

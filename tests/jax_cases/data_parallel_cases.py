@@ -10,7 +10,7 @@ import numpy as np
 import tensorflow as tf
 from common import compile_model, conv_model, data, emit, relative_difference
 
-from tfmem import devices, probe_jax
+from tfmem import devices, distribute_jax, probe_jax
 from tfmem.distribute import UnavailableDeviceError, detect
 
 GLOBAL_BATCH = 64
@@ -53,6 +53,13 @@ results = {
         "strategy": type(runtime.strategy).__name__,
         "installed": keras.distribution.distribution() is runtime.strategy,
         "errors": errors,
+        # What AccumModel.fit plans with: the installed distribution, as detect() reported it.
+        "current_runtime": [
+            distribute_jax.current_runtime().num_replicas,
+            # host RAM is read again, so only about equal
+            abs(distribute_jax.current_runtime().memory_per_replica / runtime.memory_per_replica - 1)
+            < 0.2,
+        ],
     }
 }
 
