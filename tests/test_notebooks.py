@@ -5,6 +5,7 @@ import pathlib
 import re
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -29,8 +30,10 @@ def _text(notebook) -> str:
                      for output in cell.get("outputs", []))
 
 
-def test_finetune_notebook_trains_the_demo_above_chance(tmp_path, monkeypatch):
-    notebook = _execute("finetune_tpu.ipynb", tmp_path, monkeypatch, OUTPUT=str(tmp_path / "run"), EPOCHS=2)
+@pytest.mark.parametrize("backend", ["tensorflow", "jax"])
+def test_finetune_notebook_trains_the_demo_above_chance(tmp_path, monkeypatch, backend):
+    notebook = _execute("finetune_tpu.ipynb", tmp_path, monkeypatch, KERAS_BACKEND=backend,
+                        OUTPUT=str(tmp_path / "run"), EPOCHS=2)
     text = _text(notebook)
     accuracy = float(re.search(r"validation accuracy ([\d.]+) \(chance 0\.250\)", text).group(1))
     assert accuracy > 0.6
