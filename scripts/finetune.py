@@ -82,12 +82,16 @@ _DETERMINISTIC = flags.DEFINE_bool(
     "the weights of an uninterrupted one.")
 
 
+# The demo set: 2048 training + 512 held-out shapes (tfmem.make_demo_dataset), 4 classes.
+_DEMO_SPLITS = (("train", 2048, 0), ("validation", 512, 1))
+
+
 def _demo_data(output: str, image_size: int) -> tuple[str, str]:
     """Writes the demo train/validation sets once under `output` and returns their paths."""
     paths = []
-    for split, num_examples, seed in (("train", 2048, 0), ("validation", 512, 1)):
-        path = os.path.join(output, "demo-data", split)
-        if not os.path.exists(os.path.join(path, "manifest.json")):
+    for split, num_examples, seed in _DEMO_SPLITS:
+        path = os.path.join(output, "demo-data", f"{image_size}px", split)
+        if not manifest_lib.has_manifest(path):
             tfmem.make_demo_dataset(path, num_examples=num_examples, image_size=image_size,
                                     seed=seed, overwrite=True)
         paths.append(path)
@@ -142,13 +146,14 @@ def main(argv):
     print(tfmem.describe(runtime))
 
     output = _OUTPUT.value
-    if _DATA.value == "demo":
+    demo = _DATA.value == "demo"
+    if demo:  # written only when training starts: a dry run needs its size, not its pixels
         image_size = _IMAGE_SIZE.value or 32
-        train_data, validation_data = _demo_data(output, image_size)
+        num_classes, num_examples = len(tfmem.DEMO_CLASS_NAMES), _DEMO_SPLITS[0][1]
     else:
         image_size = _IMAGE_SIZE.value or spec.default_image_size
         train_data, validation_data = _DATA.value, _VALIDATION_DATA.value
-    num_classes, num_examples = _dataset_facts(train_data)
+        num_classes, num_examples = _dataset_facts(train_data)
 
     with runtime.scope():
         model = models.build(spec.name, num_classes=num_classes, image_size=image_size,
@@ -168,6 +173,8 @@ def main(argv):
           f"{accumulation_steps} accumulation steps × {runtime.num_replicas} replicas")
     if _DRY_RUN.value:
         return
+    if demo:
+        train_data, validation_data = _demo_data(output, image_size)
 
     steps_per_epoch = num_examples // _GLOBAL_BATCH_SIZE.value
     if steps_per_epoch < 1:

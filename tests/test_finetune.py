@@ -118,6 +118,7 @@ def test_dry_run_prints_parameters_and_plan_and_trains_nothing(finetune_main, tm
     assert "budget 12.00 GiB = 80% of 15.00 GiB" in out
     assert "global batch 256 = micro-batch" in out
     assert not (tmp_path / "metrics.json").exists() and not (tmp_path / "backup").exists()
+    assert not (tmp_path / "demo-data").exists()  # a dry run writes no data
 
 
 @pytest.mark.parametrize("args, message", [
