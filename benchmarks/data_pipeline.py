@@ -7,14 +7,16 @@ Writes two TFRecord sets of photo-like 500×375 JPEGs (~50 KB, crops of scikit-i
 photographs) to a temporary directory under /tmp (deleted at the end), then runs each case in
 its own process and prints two tables:
 
-1. Peak RSS (the process's `ru_maxrss`) streaming one epoch of each set through
+1. Peak RSS (the process's own high-water mark, VmHWM) streaming one epoch of each set through
    `tfmem.image_dataset` (decode + resize to 224, shuffle buffer, batch 64), beside the naive
    way: decode everything into a numpy array, then `tf.data.Dataset.from_tensor_slices`.
    Target: streaming the big set peaks < 5% above streaming the small one. Both sets use
    32 MB shards, so both keep `num_parallel_reads` (16) shard readers busy: the reader's memory
    depends on that knob, the shuffle buffer and the batch, not on the size of the set. Run
-   with glibc's default malloc and with MALLOC_ARENA_MAX=2 (fewer per-thread arenas, whose
-   retained free memory grows over a long run).
+   with glibc's default malloc, with MALLOC_ARENA_MAX=2 (fewer per-thread arenas, whose
+   retained free memory grows over a long run) and with tcmalloc through LD_PRELOAD
+   (`apt-get install libtcmalloc-minimal4`; the row is skipped, with a message, without it).
+   `--mid_gb 2` adds a third set in between, to see whether the growth scales with the size.
 2. Images/s of `image_dataset` reading from disk vs a bare `tf.data` decode + resize loop over
    the same JPEG bytes held in memory, same cores, same batch. Target: ratio >= 0.9.
    Each is run 3 times, alternating, and the best run counts (the machine may be shared).
@@ -22,7 +24,6 @@ its own process and prints two tables:
 
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -36,6 +37,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 _SMALL_GB = flags.DEFINE_float("small_gb", 0.5, "Size of the small set in GB.")
 _BIG_GB = flags.DEFINE_float("big_gb", 4.0, "Size of the big set in GB.")
+_MID_GB = flags.DEFINE_float("mid_gb", None, "Also stream a set of this size (GB) in between.")
 _SHARD_SIZE_MB = flags.DEFINE_float(
     "shard_size_mb", 32, "Shard size of both sets: small enough that even the small set has "
     "16 shards, so both read 16 shards at a time and only the dataset size differs.")
@@ -50,14 +52,31 @@ _DIR = flags.DEFINE_string("dir", None, "Internal: the set a case reads.")
 
 IMAGE_SIZE = (224, 224)
 # glibc gives each thread that allocates its own arena (up to 8 per core) and keeps freed memory
-# in them; a long run with many reader threads creeps up that way. Measured both ways.
-_ARENAS = (None, "2")
+# in them; a long run with many reader threads creeps up that way. Measured three ways: default,
+# fewer arenas, and tcmalloc (per-thread caches returned to one central heap) preloaded.
+_TCMALLOC = "libtcmalloc_minimal.so.4"
+_MALLOCS = ("default", "MALLOC_ARENA_MAX=2", "tcmalloc")
 _SOURCE_SIZE = (375, 500)
 _POOL = 64
 
 
+def _malloc_env(malloc: str):
+    """The environment a case runs under for `malloc`, or None when it is not installed."""
+    if malloc == "default":
+        return {}
+    if malloc.startswith("MALLOC_ARENA_MAX="):
+        return {"MALLOC_ARENA_MAX": malloc.split("=")[1]}
+    found = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout.split("\n")
+    paths = [line.split("=> ")[-1].strip() for line in found if f"{_TCMALLOC} " in line]
+    return {"LD_PRELOAD": paths[0]} if paths else None
+
+
 def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    # VmHWM, not ru_maxrss: Linux carries the parent's peak into a child's ru_maxrss across
+    # fork/exec (measured: a child of a 600 MB parent reported 611 MB, VmHWM 11 MB), which here
+    # put a 733 MB floor (the parent that wrote the sets) under every case.
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
 
 
 def _photo_pool():
@@ -110,8 +129,10 @@ def _case_stream(directory: str) -> dict:
     start, images = time.perf_counter(), 0
     for batch, _ in dataset:
         images += batch.shape[0]
+    with open("/proc/self/maps") as maps:  # proof that LD_PRELOAD took effect
+        tcmalloc = _TCMALLOC in maps.read()
     return {"images": images, "seconds": time.perf_counter() - start,
-            "baseline_mb": baseline, "peak_mb": _peak_rss_mb()}
+            "baseline_mb": baseline, "peak_mb": _peak_rss_mb(), "tcmalloc": tcmalloc}
 
 
 def _case_naive(directory: str) -> dict:
@@ -204,52 +225,56 @@ def main(argv):
     try:
         pool = _photo_pool()
         sets = {}
-        for name, gigabytes in [("small", _SMALL_GB.value), ("big", _BIG_GB.value)]:
+        sizes = [("small", _SMALL_GB.value), ("mid", _MID_GB.value), ("big", _BIG_GB.value)]
+        for name, gigabytes in [(n, g) for n, g in sizes if g]:
             sets[name] = _write_set(os.path.join(workdir, name), gigabytes, pool)
             sets[name]["dir"] = os.path.join(workdir, name)
             print(f"wrote {name}: {sets[name]['examples']} examples, {sets[name]['shards']} "
                   f"shards, {sets[name]['bytes'] / 1e9:.2f} GB in {sets[name]['seconds']:.0f} s",
                   flush=True)
-        rows = {}
-        for arenas in _ARENAS:
-            for name in ("small", "big"):
-                env = {"MALLOC_ARENA_MAX": arenas} if arenas else {}
-                rows[("stream", name, arenas)] = _run_case("stream", sets[name]["dir"], **env)
-                print("stream", name, arenas, rows[("stream", name, arenas)], flush=True)
-        rows[("naive", "small", None)] = _run_case("naive", sets["small"]["dir"])
+        rows, mallocs = {}, []
+        for malloc in _MALLOCS:
+            env = _malloc_env(malloc)
+            if env is None:
+                print(f"skipped {malloc}: {_TCMALLOC} not found by `ldconfig -p` "
+                      "(apt-get install libtcmalloc-minimal4)", flush=True)
+                continue
+            mallocs.append(malloc)
+            for name in sets:
+                rows[("stream", name, malloc)] = _run_case("stream", sets[name]["dir"], **env)
+                print("stream", name, malloc, rows[("stream", name, malloc)], flush=True)
+        rows[("naive", "small", "default")] = _run_case("naive", sets["small"]["dir"])
         if _NAIVE_BIG.value:
-            rows[("naive", "big", None)] = _run_case("naive", sets["big"]["dir"])
+            rows[("naive", "big", "default")] = _run_case("naive", sets["big"]["dir"])
         speeds = {"reader_speed": [], "bare_speed": []}
         for _ in range(_SPEED_RUNS.value):
             for case in speeds:
                 speeds[case].append(_run_case(case, sets["small"]["dir"])["images_per_s"])
-        _print_tables(sets, rows, speeds)
+        _print_tables(sets, rows, speeds, mallocs)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _print_tables(sets, rows, speeds):
+def _print_tables(sets, rows, speeds, mallocs):
     print("\n| case | malloc | set | examples | peak RSS | vs streaming small, same malloc |")
     print("|---|---|---|---|---|---|")
-    for (case, name, arenas), row in rows.items():
+    for (case, name, malloc), row in rows.items():
         size = f"{sets[name]['bytes'] / 1e9:.2f} GB"
-        ratio = row["peak_mb"] / rows[("stream", "small", arenas)]["peak_mb"]
+        ratio = row["peak_mb"] / rows[("stream", "small", malloc)]["peak_mb"]
         label = "image_dataset (streaming)" if case == "stream" else "numpy + from_tensor_slices"
-        malloc = f"MALLOC_ARENA_MAX={arenas}" if arenas else "default"
         print(f"| {label} | {malloc} | {size} | {sets[name]['examples']} | "
               f"{row['peak_mb'] / 1024:.2f} GiB | {ratio:.2f}× |")
-    if ("naive", "big", None) not in rows:
-        naive = rows[("naive", "small", None)]  # grows linearly with the number of images
+    if ("naive", "big", "default") not in rows:
+        naive = rows[("naive", "small", "default")]  # grows linearly with the number of images
         scale = sets["big"]["examples"] / sets["small"]["examples"]
         estimate = (naive["baseline_mb"] + (naive["peak_mb"] - naive["baseline_mb"]) * scale) / 1024
         print(f"| numpy + from_tensor_slices | default | {sets['big']['bytes'] / 1e9:.2f} GB | "
               f"{sets['big']['examples']} | not run: ≈ {estimate:.0f} GiB (extrapolated from "
               "the small set) | |")
     print()
-    for arenas in _ARENAS:
-        growth = (rows[("stream", "big", arenas)]["peak_mb"]
-                  / rows[("stream", "small", arenas)]["peak_mb"] - 1)
-        malloc = f"MALLOC_ARENA_MAX={arenas}" if arenas else "default malloc"
+    for malloc in mallocs:
+        growth = (rows[("stream", "big", malloc)]["peak_mb"]
+                  / rows[("stream", "small", malloc)]["peak_mb"] - 1)
         print(f"streaming peak RSS growth, big vs small set, {malloc}: {growth * 100:+.1f}% "
               "(target < 5%)")
     reader, bare = max(speeds["reader_speed"]), max(speeds["bare_speed"])
