@@ -21,7 +21,25 @@ tf.config.set_logical_device_configuration(
 )
 
 
+import socket  # noqa: E402
+
 import pytest  # noqa: E402
+
+
+@pytest.fixture
+def free_ports():
+    """`free_ports(n)`: n localhost ports free right now, for multi-worker `TF_CONFIG`s."""
+
+    def ports(count: int) -> list[int]:
+        sockets = [socket.socket() for _ in range(count)]
+        for sock in sockets:
+            sock.bind(("localhost", 0))
+        numbers = [sock.getsockname()[1] for sock in sockets]
+        for sock in sockets:
+            sock.close()
+        return numbers
+
+    return ports
 
 
 @pytest.fixture(scope="session")

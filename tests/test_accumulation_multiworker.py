@@ -6,7 +6,6 @@ batches; the reference is a single-device plain Keras model in this process.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,17 +18,7 @@ import tfmem  # noqa: F401  (the reference below runs in this process)
 WORKER = Path(__file__).with_name("accumulation_worker.py")
 
 
-def _free_ports(count):
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("localhost", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
-def test_two_workers_match_one_device_with_one_all_reduce_per_update(tmp_path):
+def test_two_workers_match_one_device_with_one_all_reduce_per_update(tmp_path, free_ports):
     global_batch, num_updates, k = 16, 3, 2
     rng = np.random.default_rng(0)
     x = rng.normal(size=(global_batch * num_updates, 6)).astype("float32")
@@ -45,7 +34,7 @@ def test_two_workers_match_one_device_with_one_all_reduce_per_update(tmp_path):
              **{f"w{i}": w for i, w in enumerate(initial)})
 
     output = tmp_path / "out.npz"
-    workers = [f"localhost:{port}" for port in _free_ports(2)]
+    workers = [f"localhost:{port}" for port in free_ports(2)]
     processes = []
     for index in range(2):
         env = dict(os.environ)

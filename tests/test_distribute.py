@@ -10,7 +10,6 @@ import importlib
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 import textwrap
@@ -147,16 +146,6 @@ def test_mirrored_strategy_on_two_logical_cpus_is_described_and_splits_the_batch
         assert tf.distribute.get_strategy() is strategy
 
 
-def _free_ports(count):
-    sockets = [socket.socket() for _ in range(count)]
-    for sock in sockets:
-        sock.bind(("localhost", 0))
-    ports = [sock.getsockname()[1] for sock in sockets]
-    for sock in sockets:
-        sock.close()
-    return ports
-
-
 _WORKER = textwrap.dedent(
     """
     import json, os, sys
@@ -185,10 +174,10 @@ _WORKER = textwrap.dedent(
 )
 
 
-def test_two_process_multi_worker_on_localhost(tmp_path):
+def test_two_process_multi_worker_on_localhost(tmp_path, free_ports):
     script = tmp_path / "worker.py"
     script.write_text(_WORKER)
-    workers = [f"localhost:{port}" for port in _free_ports(2)]
+    workers = [f"localhost:{port}" for port in free_ports(2)]
     processes = []
     for index in range(2):
         environment = dict(
