@@ -188,6 +188,9 @@ def test_guard_message_names_need_budget_and_fitting_setting():
     assert "activations" in message and "allow_over_budget=True" in message
     planner.check(p, accumulation_steps=1, allow_over_budget=True)  # the explicit override
     planner.check(p, accumulation_steps=4)  # 16 × 4 fits: no error
+    with pytest.raises(ValueError, match=r"must divide the per-replica batch \(64\)\. Use a "
+                                         r"per-replica batch of 63 or 66\."):
+        planner.check(p, accumulation_steps=3)
 
 
 def test_guard_when_nothing_fits_says_why():

@@ -66,6 +66,7 @@ import tensorflow as tf
 from keras.src.losses.loss import unscale_loss_for_distribution
 
 from tfmem import planner
+from tfmem.distribute import nearest_multiples
 
 # Reductions for which "mean of the k micro-batch losses" == "big-batch loss".
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
@@ -88,11 +89,6 @@ def _validate_accumulation_steps(value) -> int | str:
             "accumulation, or k > 1 to split each global batch into k micro-batches."
         )
     return int(value)
-
-
-def _nearest_multiples(batch_size: int, k: int) -> str:
-    lower, upper = (batch_size // k) * k, (batch_size // k + 1) * k
-    return f"{lower} or {upper}" if lower > 0 else f"{upper}"
 
 
 @keras.saving.register_keras_serializable(package="tfmem")
@@ -282,7 +278,7 @@ class AccumModel(keras.Model):
             raise ValueError(
                 f"The batch each replica receives ({batch_size} rows) must be divisible "
                 f"by `accumulation_steps` ({k}). Use a batch of "
-                f"{_nearest_multiples(batch_size, k)} rows per replica (global batch = "
+                f"{nearest_multiples(batch_size, k)} rows per replica (global batch = "
                 "rows per replica × replicas), or change `accumulation_steps`."
             )
         dynamic_batch = tf.shape(first)[0]

@@ -48,6 +48,7 @@ import keras
 from keras import tree
 
 from tfmem import accumulation
+from tfmem.distribute import nearest_multiples
 
 
 def train_step(model: keras.Model, state: tuple, data) -> tuple[dict, tuple]:
@@ -187,7 +188,7 @@ def _split(batch, num_steps: int, num_shards: int):
     for size in sizes:
         if size % (num_shards * num_steps):
             rows = size // num_shards if size % num_shards == 0 else size / num_shards
-            nearest = accumulation._nearest_multiples(int(rows), num_steps)
+            nearest = nearest_multiples(int(rows), num_steps)
             raise ValueError(
                 f"The batch each replica receives ({rows} rows = global batch {size} / "
                 f"{num_shards} replicas) must be divisible by `accumulation_steps` "

@@ -150,6 +150,21 @@ def lookup(name: str) -> Accelerator:
     )
 
 
+def resident_bytes(pid: int | str = "self") -> int | None:
+    """Resident set of a process in bytes, from `/proc/<pid>/statm` (Linux); None elsewhere
+    or when the process is gone.
+
+    Example:
+        >>> resident_bytes() > 0   # this process
+        True
+    """
+    try:
+        with open(f"/proc/{pid}/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def host_available_memory() -> int:
     """Bytes of RAM available to a new process on this host (Linux `MemAvailable`).
 

@@ -121,13 +121,10 @@ class Runtime:
         _check_count("accumulation_steps", accumulation_steps)
         divisor = self.num_replicas * accumulation_steps
         if global_batch_size % divisor:
-            below = global_batch_size // divisor * divisor
-            above = below + divisor
-            nearest = f"{below} or {above}" if below else f"{above}"
             raise ValueError(
                 f"`global_batch_size` ({global_batch_size}) must be divisible by replicas × "
                 f"accumulation_steps ({self.num_replicas} × {accumulation_steps} = {divisor}). "
-                f"Try {nearest}."
+                f"Try {nearest_multiples(global_batch_size, divisor)}."
             )
         return global_batch_size // divisor
 
@@ -155,6 +152,17 @@ class Runtime:
             device_types = {"GPU" if hardware.gpus else "CPU"}
         kind = "tpu" if "TPU" in device_types else "gpu" if "GPU" in device_types else "cpu"
         return _describe_strategy(kind, strategy, hardware, ())
+
+
+def nearest_multiples(size: int, divisor: int) -> str:
+    """The multiples of `divisor` on either side of `size`, for error messages.
+
+    Example:
+        >>> nearest_multiples(100, 24)
+        '96 or 120'
+    """
+    below = size // divisor * divisor
+    return f"{below} or {below + divisor}" if below else f"{below + divisor}"
 
 
 def _check_count(name: str, value: int) -> None:

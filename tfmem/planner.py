@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from typing import Any
 
 import keras
 import numpy as np
 
 from tfmem import _saved_tensors, devices
+from tfmem.distribute import nearest_multiples
 from tfmem._optimizer_state import optimizer_slot_bytes
 from tfmem._plan_report import MemoryPlanError, format_bytes, format_table
 
@@ -187,14 +187,6 @@ def _choose(p: MemoryPlan) -> MemoryPlan:
     return dataclasses.replace(p, micro_batch_size=0, accumulation_steps=0)
 
 
-def _own_resident_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:  # not Linux: count nothing already held
-        return 0
-
-
 def _budget(runtime, memory_budget, device) -> tuple[str, str, int, int]:
     """(device label, kind, memory per replica, replicas) from exactly one source."""
     given = [name for name, v in (("runtime", runtime), ("memory_budget", memory_budget),
@@ -213,7 +205,7 @@ def _budget(runtime, memory_budget, device) -> tuple[str, str, int, int]:
         if kind == "cpu":
             # Host RAM that was free at detection: this process's own share comes on top,
             # as for device="cpu" below (the plan counts the whole process).
-            memory += _own_resident_bytes() // replicas
+            memory += (devices.resident_bytes() or 0) // replicas
         return label, kind, memory, replicas
     if memory_budget is not None:
         if memory_budget <= 0:
@@ -222,7 +214,7 @@ def _budget(runtime, memory_budget, device) -> tuple[str, str, int, int]:
     if device is None or device.lower() == "cpu":
         # The plan counts the whole process (TF import included), and this process already
         # holds part of that: what it may grow to is its own resident set plus what is free.
-        own = _own_resident_bytes()
+        own = devices.resident_bytes() or 0  # not Linux: count nothing already held
         return "cpu (this host)", "cpu", devices.host_available_memory() + own, 1
     accelerator = devices.lookup(device)
     return (accelerator.name, accelerator.kind, accelerator.memory_per_replica,
@@ -368,7 +360,8 @@ def check(plan: MemoryPlan, *, accumulation_steps: int | None = None,
         accumulation_steps = per_replica  # micro-batch 1: the smallest it could be
     if accumulation_steps < 1 or per_replica % accumulation_steps:
         raise ValueError(f"`accumulation_steps` ({accumulation_steps}) must divide the "
-                         f"per-replica batch ({per_replica}).")
+                         f"per-replica batch ({per_replica}). Use a per-replica batch of "
+                         f"{nearest_multiples(per_replica, max(accumulation_steps, 1))}.")
     micro = per_replica // accumulation_steps
     needed = plan.peak_bytes(micro, accumulation_steps)
     if needed <= plan.budget_bytes:

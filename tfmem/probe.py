@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from tfmem import planner
+from tfmem import devices, planner
 
 # Fraction of the budget the *estimated* peak of a probe run may reach. The estimate is
 # within ~20% (benchmarks/planner_accuracy.py), so half the budget keeps every probe run
@@ -284,15 +284,6 @@ def _last_error_line(stderr: str) -> str:
     return lines[-1][:300] if lines else ""
 
 
-def _resident_bytes(pid: int) -> int | None:
-    """Resident set of a process from `/proc` (Linux); None where it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 class _Watchdog(threading.Thread):
     """Kills the child when its resident set reaches the limit (no limit: only records)."""
 
@@ -304,7 +295,7 @@ class _Watchdog(threading.Thread):
 
     def run(self) -> None:
         while not self._done.is_set():
-            resident = _resident_bytes(self.pid)
+            resident = devices.resident_bytes(self.pid)
             if resident is None:
                 return
             self.highest = max(self.highest, resident)
