@@ -109,3 +109,23 @@ def test_probe_refuses_sizes_whose_estimate_is_near_the_budget():
     with pytest.raises(ValueError, match="under half the budget"):
         tfmem.probe(conv_model(), global_batch_size=64, memory_budget=2 * GIB,
                     micro_batch_sizes=(8, 4096))
+
+
+def test_default_sizes_span_up_to_half_the_budget():
+    estimate = tfmem.plan(conv_model(), global_batch_size=4096, optimizer="adam",
+                          memory_budget=6 * GIB)
+    sizes = probe_module.default_sizes(estimate)
+    upper = sizes[-1]
+    half = estimate.budget_bytes / 2
+    # The largest size is the last one whose estimated peak is under half the budget...
+    assert estimate.peak_bytes(upper, 1) <= half < estimate.peak_bytes(upper + 1, 1)
+    assert sizes == [upper // 4, upper // 2, upper]
+    # ...and the span is wide: the estimate grows by more than 1 GiB across it.
+    assert estimate.peak_bytes(upper, 1) - estimate.peak_bytes(sizes[0], 1) > GIB
+    # Capped by the per-replica batch: no point measuring beyond what the run will use.
+    small = estimate.replace(global_batch_size=64)
+    assert probe_module.default_sizes(small) == [16, 32, 64]
+    # No room under half the budget: nothing to run (probe() then raises ValueError).
+    tight = estimate.replace(memory_per_replica=GIB)  # half of 80%: 410 MiB < TF's import
+    assert tight.peak_bytes(1, 1) > tight.budget_bytes / 2
+    assert probe_module.default_sizes(tight) == []

@@ -200,10 +200,7 @@ def probe(
                              "none: probe on the GPU machine, or plan with `tfmem.plan` alone.")
     ceiling = _PROBE_FRACTION * estimate.budget_bytes
     if micro_batch_sizes is None:
-        upper = min(estimate.max_micro_batch, max(estimate.per_replica_batch_size, 2))
-        while upper >= 1 and estimate.peak_bytes(upper, 1) > ceiling:
-            upper //= 2
-        micro_batch_sizes = sorted({max(1, upper // 4), max(1, upper // 2), upper})
+        micro_batch_sizes = default_sizes(estimate)
     sizes = sorted(set(int(b) for b in micro_batch_sizes))
     too_big = [b for b in sizes if b < 1 or estimate.peak_bytes(b, 1) > ceiling]
     if len(sizes) < 2 or too_big:
@@ -231,6 +228,28 @@ def probe(
     line = planner.MeasuredLine(int(intercept), int(slope), tuple(sizes),
                                 tuple(r.peak_bytes for r in results))
     return estimate.replace(measured=line)
+
+
+def default_sizes(estimate: planner.MemoryPlan) -> list[int]:
+    """The probe's micro-batch sizes for `estimate`: ¼, ½ and all of the largest plain step
+    whose *estimated* peak stays under half the budget (capped at the per-replica batch).
+
+    The widest span that is still safe: the per-sample slope is measured over hundreds of
+    MiB, well above the allocator's noise, so it extrapolates to the budget. Empty when not
+    even micro-batch 1 is estimated under half the budget (`probe` then raises).
+
+    Example:
+        >>> default_sizes(tfmem.plan(model, global_batch_size=256, memory_budget=6 * 2**30))
+        [13, 27, 55]  # doctest: +SKIP
+    """
+    ceiling = _PROBE_FRACTION * estimate.budget_bytes
+    fixed = estimate.peak_bytes(1, 1)
+    slope = estimate.peak_bytes(2, 1) - fixed
+    upper = 1 + int((ceiling - fixed) // slope) if fixed <= ceiling else 0
+    upper = min(upper, max(estimate.per_replica_batch_size, 2))
+    if upper < 1:
+        return []
+    return sorted({max(1, upper // 4), max(1, upper // 2), upper})
 
 
 def _run_child(spec_path: str, result_path: str, spec: dict, timeout: float) -> Measurement:
