@@ -234,6 +234,28 @@ def test_graph_size_does_not_grow_with_accumulation_steps():
     assert sizes[0] == sizes[1]
 
 
+def test_one_step_is_keras_own_step_without_a_loop():
+    x, y, w = _data((6,), 48)
+    accum, plain = _pair(_dense, 1, optimizer="adam", loss="mse", metrics=["mae"])
+    histories = [model.fit(x, y, sample_weight=w, batch_size=16, shuffle=False,
+                           verbose=0).history for model in (accum, plain)]
+    # The same computation as a plain Keras model, so the same bits.
+    for mine, reference in zip(accum.get_weights(), plain.get_weights()):
+        np.testing.assert_array_equal(mine, reference)
+    assert histories[0] == histories[1]
+    # No while loop and no float32 running sums in the traced step (k = 2 has both).
+    ops = {}
+    for k in (1, 2):
+        model = _dense(tfmem.AccumModel, accumulation_steps=k)
+        model.compile("sgd", "mse")
+        model.optimizer.build(model.trainable_variables)
+        spec = (tf.TensorSpec((16, 6)), tf.TensorSpec((16, 3)))
+        graph = tf.function(model.train_step).get_concrete_function(spec).graph
+        ops[k] = {op.type for op in graph.get_operations()}
+    assert not ops[1] & {"While", "StatelessWhile"}
+    assert ops[2] & {"While", "StatelessWhile"}
+
+
 def test_save_load_round_trip_continues_training(tmp_path):
     x, y, w = _data((6,), 64)
     keras.utils.set_random_seed(4)

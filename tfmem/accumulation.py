@@ -270,8 +270,12 @@ class AccumModel(keras.Model):
                 'accumulation_steps="auto" is chosen when `fit` starts; call `fit`, or set '
                 "`model.accumulation_steps = k` before `train_on_batch`."
             )
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         self._check_optimizer()
+        if k == 1:
+            # Nothing to accumulate: Keras's own step, without the float32 sums and the loop
+            # (the planner counts accumulation buffers only for k > 1).
+            return self._multi_worker_logs(super().train_step(data))
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         first = next(t for t in tf.nest.flatten(x) if t is not None)
         batch_size = first.shape[0]
         if batch_size is not None and batch_size % k:
@@ -360,7 +364,9 @@ class AccumModel(keras.Model):
         if variables:
             grads = [s / k if used else None for s, used in zip(grad_sums, has_gradient)]
             self.optimizer.apply_gradients(zip(grads, variables))
-        logs = self.get_metrics_result()
+        return self._multi_worker_logs(self.get_metrics_result())
+
+    def _multi_worker_logs(self, logs: dict) -> dict:
         if _multi_worker(self.distribute_strategy):
             # Keras 3.15 reduces step logs across workers with
             # `strategy.reduce("MEAN", v, axis=0)`, which fails on scalars
