@@ -1,6 +1,10 @@
 """Foreign TFRecords (Kaggle, ImageNet/TF-slim, tfds): written here with tf.train.Example
 directly, read back through tfmem, pixels/labels/ids and error messages checked."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -216,3 +220,25 @@ def test_tfds_errors_point_to_the_right_call(tfds_dir, tmp_path):
     # tfds shards are tf.train.Examples with `image` + `label`: the glob is detected too.
     (images, labels), = _read_all(f"{version_dir}/tiny_patches-test.tfrecord*")
     assert sorted(labels.tolist()) == sorted(TFDS_LABELS[16:].tolist())
+
+
+def test_make_tfrecords_script_writes_a_prepared_tfds_split(tfds_dir, tmp_path):
+    # As a user runs it: a subprocess that knows the dataset only from its prepared files.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run(
+        [sys.executable, "scripts/make_tfrecords.py", "--source=tfds:tiny_patches",
+         f"--data_dir={tfds_dir}", "--split=train", f"--output={tmp_path / 'out'}"],
+        cwd=root, env=dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="2"),
+        capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1].startswith("wrote 16 examples in 1 shards")
+    manifest = tfmem.read_manifest(tmp_path / "out")
+    assert manifest.num_examples == 16 and manifest.class_names == ("a", "b", "c")
+    # The stored PNGs are tfds's own bytes: every training image and its label, exactly.
+    read = tfmem.image_dataset(tmp_path / "out", image_size=(SIZE, SIZE), batch_size=16,
+                               training=False)
+    (images, labels), = [(x.numpy(), y.numpy()) for x, y in read]
+    found = [int(np.flatnonzero((TFDS_IMAGES[:16] == image).all(axis=(1, 2, 3)))[0])
+             for image in images]
+    assert sorted(found) == list(range(16))
+    np.testing.assert_array_equal(labels, TFDS_LABELS[:16][found])
