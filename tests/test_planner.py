@@ -168,7 +168,7 @@ def test_runtime_duck_type_and_device_table():
     assert (t4.num_replicas, t4.memory_per_replica) == (8, 16 * GIB)
     cpu = tfmem.plan(small_model(), global_batch_size=64, memory_budget=GIB)
     assert cpu.runtime_bytes > 700 * 2**20  # TF's own host RAM is part of a CPU plan
-    with pytest.raises(ValueError, match="multiple of the 8 replicas. Try 64"):
+    with pytest.raises(ValueError, match="multiple of the 8 replicas. Try 56 or 64"):
         tfmem.plan(small_model(), global_batch_size=60, runtime=runtime)
 
 

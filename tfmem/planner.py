@@ -261,10 +261,9 @@ def plan(
     label, kind, memory, replicas = _budget(runtime, memory_budget, device)
     replicas = num_replicas or replicas
     if global_batch_size < 1 or global_batch_size % replicas:
-        near = max(replicas, round(global_batch_size / replicas) * replicas)
         raise ValueError(
             f"`global_batch_size` ({global_batch_size}) must be a positive multiple of the "
-            f"{replicas} replicas. Try {near}."
+            f"{replicas} replicas. Try {nearest_multiples(max(global_batch_size, 0), replicas)}."
         )
     if not 0 < safety <= 1:
         raise ValueError(f"`safety` must be in (0, 1], got {safety}.")
