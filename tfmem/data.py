@@ -355,9 +355,10 @@ def batched(elements: tf.data.Dataset, to_example, *, training: bool, batch_size
     # drop_remainder=True keeps the batch dimension static (TPUs need it) and every step full.
     dataset = dataset.batch(batch_size, drop_remainder=drop_remainder)
     # Decode the next batches while this one trains. A fixed depth, not AUTOTUNE: tf.data's
-    # prefetch autotuner doubles its buffer each time a full buffer drains to empty, and never
-    # shrinks it, so a run with pauses (validation, checkpoints) kept growing (measured: 2.1 GB
-    # vs 1.0 GB peak with a depth of 2 on one epoch of 0.5 GB; benchmarks/data_pipeline.py).
+    # prefetch autotuner doubles its buffer each time a full buffer drains to empty and never
+    # shrinks it, so a run with pauses (validation, checkpoints) keeps growing: one epoch of
+    # 0.5 GB with a 2 s pause every 20 batches peaked at 2.1 GB, vs 1.0 GB with a depth of 2
+    # (benchmarks/data_pipeline.py, 2026-11-21).
     return dataset.prefetch(prefetch_batches)
 
 
