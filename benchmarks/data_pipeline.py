@@ -17,10 +17,11 @@ for the next run instead), then runs each case in its own process and prints thr
    interleave opens 2 ahead of each one it reads), each with a block of ~35 records. A set
    with fewer shards than that window never fills it, which is why the old default of 16
    reads (48 shards open at most: the small set filled 16 of them, the big ones all 48) grew
-   by ~50–100 MB; `--compare_reads 16` (on by default) streams the small and big sets with it
-   again. Run with glibc's default malloc, with MALLOC_ARENA_MAX=2 (fewer per-thread arenas)
-   and with tcmalloc through LD_PRELOAD (`apt-get install libtcmalloc-minimal4`; the row is
-   skipped, with a message, without it). `--mid_gb 2` adds a third set in between.
+   by 15–20% (2026-11-21); `--compare_reads 16` (on by default) streams the small and big
+   sets with it again. Run with glibc's default malloc, with MALLOC_ARENA_MAX=2 (fewer
+   per-thread arenas) and with tcmalloc through LD_PRELOAD (`apt-get install
+   libtcmalloc-minimal4`; the row is skipped, with a message, without it). `--mid_gb 2` adds
+   a third set in between.
 2. Peak RSS of one epoch of the small set whose consumer pauses 2 s every 20 batches (as
    validation or a checkpoint does), with `prefetch_batches` at its default and at
    `tf.data.AUTOTUNE`: tf.data's prefetch autotuner doubles its buffer each time a full buffer
