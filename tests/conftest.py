@@ -51,3 +51,22 @@ def two_cpu_strategy():
     of building their own.
     """
     return tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+
+
+@pytest.fixture
+def constant_inputs():
+    """`constant_inputs(dataset, op)`: the constant arguments, in order, of the `op` node
+    nearest the output on the dataset's main chain (tf.data's own record of what that
+    transformation was built with).
+    """
+
+    def inputs(dataset: tf.data.Dataset, op: str) -> list:
+        graph = tf.compat.v1.GraphDef.FromString(dataset._as_serialized_graph().numpy())
+        nodes = {node.name: node for node in graph.node}
+        node = next(node for node in graph.node if node.op == "_Retval")  # the output
+        while node.op != op:  # down the main chain: a dataset's first input is its input
+            node = nodes[node.input[0]]
+        return [tf.make_ndarray(nodes[name].attr["value"].tensor).item() for name in node.input
+                if nodes[name].op == "Const"]
+
+    return inputs

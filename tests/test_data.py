@@ -1,7 +1,9 @@
 """Writing and streaming TFRecords: real files in tmp_path, values checked against the source."""
 
+import math
 import os
 import struct
+import time
 
 import keras
 import numpy as np
@@ -109,6 +111,73 @@ def test_cache_keeps_decoded_images_and_reshuffles_each_epoch(written):
         assert sorted(order) == list(range(NUM_EXAMPLES))
         np.testing.assert_array_equal(y.numpy(), labels[order])
     assert not np.array_equal(epochs[0][1].numpy(), epochs[1][1].numpy())  # new order
+
+
+def test_reader_memory_is_set_by_its_arguments(written, constant_inputs):
+    images, labels, manifest = written
+    assert len(manifest.shards) == 20  # more than any cycle_length below, except "all"
+    dataset = tfmem.image_dataset(manifest.directory, image_size=(4, 4), batch_size=8,
+                                  training=True, seed=0)
+    assert constant_inputs(dataset, "PrefetchDataset") == [2]  # prefetch_batches default
+    # ParallelInterleaveDatasetV4: cycle_length (num_parallel_reads), block_length, ...
+    assert constant_inputs(dataset, "ParallelInterleaveDatasetV4")[:2] == [4, 1]
+    assert sorted(np.concatenate([y for _, y in dataset])) == sorted(labels)  # 40 of 40
+    asked = tfmem.image_dataset(manifest.directory, image_size=(4, 4), batch_size=8,
+                                training=False, num_parallel_reads=3, prefetch_batches=5)
+    assert constant_inputs(asked, "PrefetchDataset") == [5]
+    assert constant_inputs(asked, "ParallelInterleaveDatasetV4")[0] == 3
+    first, again = (np.concatenate([y for _, y in asked]) for _ in range(2))
+    assert sorted(first) == sorted(labels)
+    np.testing.assert_array_equal(first, again)  # 3 shards interleaved, in a fixed order
+    autotuned = tfmem.image_dataset(manifest.directory, image_size=(4, 4), batch_size=8,
+                                    training=False, num_parallel_reads=100,
+                                    prefetch_batches=tf.data.AUTOTUNE)
+    assert constant_inputs(autotuned, "PrefetchDataset") == [tf.data.AUTOTUNE]
+    assert constant_inputs(autotuned, "ParallelInterleaveDatasetV4")[0] == 20  # all the shards
+
+
+def test_reader_decodes_at_most_prefetch_batches_ahead(tmp_path, monkeypatch):
+    """Pauses that let the buffer fill, then bursts that drain it (as validation runs or
+    checkpoints do): the reader never gets more than `prefetch_batches` + the batches being
+    built ahead of the consumer. With tf.data.AUTOTUNE the same loop measured 10 batches
+    ahead instead of 4 (2 cores), and growing with every drained burst."""
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, size=(800, 6, 5, 3), dtype=np.uint8)
+    tfmem.write_image_tfrecords((images, rng.integers(0, 3, 800)), str(tmp_path),
+                                class_names=["a", "b", "c"], shard_size_mb=0.02, shuffle=False)
+    decoded = []
+    example_fn = tfmem.data.example_fn
+
+    def counting_example_fn(*args, **kwargs):
+        to_example = example_fn(*args, **kwargs)
+
+        def counted(features):
+            def tick():
+                decoded.append(1)
+                time.sleep(0.002)  # decoding takes time, so that a burst drains the buffer
+                return np.int64(0)
+
+            with tf.control_dependencies([tf.py_function(tick, [], tf.int64)]):
+                return to_example(features)
+
+        return counted
+
+    monkeypatch.setattr(tfmem.data, "example_fn", counting_example_fn)
+    batch_size = 8
+    dataset = tfmem.image_dataset(str(tmp_path), image_size=(6, 5), batch_size=batch_size,
+                                  training=False)
+    iterator, consumed, ahead = iter(dataset), 0, []
+    for _ in range(8):
+        time.sleep(0.4)
+        ahead.append(len(decoded) - consumed * batch_size)
+        for _ in range(8):
+            next(iterator)
+            consumed += 1
+    del iterator  # stop the pipeline's py_function threads before the interpreter exits
+    # 2 prefetched + the batch being built + the batches tf.data's fused map-and-batch keeps
+    # (ceil(cores / batch_size)).
+    in_flight = 2 + 1 + math.ceil(os.cpu_count() / batch_size)
+    assert max(ahead) <= in_flight * batch_size, ahead
 
 
 def test_numpy_input_errors_come_before_any_file(tmp_path):
@@ -385,6 +454,14 @@ def test_bad_reader_arguments_say_what_is_expected(written):
     with pytest.raises(ValueError, match=r"has no labels.*training=False"):
         tfmem.image_dataset(manifest.directory, image_size=(4, 4), batch_size=2, training=True,
                             schema=_unlabelled())
+    for bad in (0, 1.5):
+        expected = r"`prefetch_batches` must be a positive int \(e.g. 2\) or tf.data.AUTOTUNE"
+        with pytest.raises(ValueError, match=rf"{expected}, got {bad}\."):
+            tfmem.image_dataset(manifest.directory, image_size=(4, 4), batch_size=2,
+                                training=False, prefetch_batches=bad)
+    with pytest.raises(ValueError, match=r"`num_parallel_reads` must be a positive int"):
+        tfmem.image_dataset(manifest.directory, image_size=(4, 4), batch_size=2, training=False,
+                            num_parallel_reads=0)
 
 
 def test_demo_set_is_deterministic_and_balanced(tmp_path):

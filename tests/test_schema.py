@@ -183,7 +183,7 @@ def tfds_dir(tmp_path_factory):
     return data_dir
 
 
-def test_tfds_prepared_split_streams_with_the_same_batching(tfds_dir):
+def test_tfds_prepared_split_streams_with_the_same_batching(tfds_dir, constant_inputs):
     test = tfmem.tfds_image_dataset("tiny_patches", split="test", data_dir=tfds_dir,
                                     image_size=(SIZE, SIZE), batch_size=3, training=False,
                                     data_range=(0, 1))
@@ -200,6 +200,12 @@ def test_tfds_prepared_split_streams_with_the_same_batching(tfds_dir):
     train = tfmem.tfds_image_dataset("tiny_patches", split="train", data_dir=tfds_dir,
                                      image_size=(4, 4), batch_size=6, training=True, seed=0)
     assert [tuple(x.shape) for x, _ in train] == [(6, 4, 4, 3)] * 2  # 16 // 6, remainder dropped
+    assert constant_inputs(train, "PrefetchDataset") == [2]  # the same tail as image_dataset
+    bounded = tfmem.tfds_image_dataset("tiny_patches", split="train", data_dir=tfds_dir,
+                                       image_size=(4, 4), batch_size=6, training=True,
+                                       prefetch_batches=1, num_parallel_reads=1)
+    assert constant_inputs(bounded, "PrefetchDataset") == [1]
+    assert [len(y) for _, y in bounded] == [6, 6]
     context = tf.distribute.InputContext(1, 0, num_replicas_in_sync=2)
     split = tfmem.tfds_image_dataset("tiny_patches", split="train", data_dir=tfds_dir,
                                      image_size=(4, 4), batch_size=8, training=True,

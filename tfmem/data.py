@@ -1,8 +1,10 @@
 """The streaming reader: `image_dataset` turns TFRecord shards into batches of images.
 
 Nothing here holds the dataset in memory: files are listed, read in parallel by an
-`interleave`, and each record is parsed, decoded and resized on the fly. Memory stays at a
-few batches plus the shuffle buffer of *encoded* records, whatever the size of the set.
+`interleave`, and each record is parsed, decoded and resized on the fly. Memory is bounded by
+three arguments, whatever the size of the set: `prefetch_batches` (decoded batches waiting,
+plus the one being built), `shuffle_buffer_size` (*encoded* records) and `num_parallel_reads`
+(open shards, each holding a few dozen encoded records).
 
 Each shard is checked while it streams: the bytes of the records read must add up to the
 file's size, so a truncated or corrupted shard (bad CRC) is caught and named instead of
@@ -188,7 +190,8 @@ def image_dataset(
     cache: bool = False,
     skip_corrupt: bool = False,
     drop_remainder: bool | None = None,
-    num_parallel_reads: int = 16,
+    num_parallel_reads: int = 4,
+    prefetch_batches: int = 2,
     seed: int | None = None,
     num_workers: int | None = None,
     input_context: tf.distribute.InputContext | None = None,
@@ -198,7 +201,9 @@ def image_dataset(
     The pipeline: shard files (shuffled when training) → parallel `interleave` of
     `TFRecordDataset`s → shuffle buffer of encoded records (training) → parse, decode, resize
     (parallel) → optional flip → batch → prefetch. Order is deterministic for evaluation and
-    not when training (faster: whichever file is ready first is read).
+    not when training (faster: whichever file is ready first is read). Memory does not grow
+    with the set: it is set by `prefetch_batches`, `shuffle_buffer_size` and
+    `num_parallel_reads` (see each).
 
     Args:
         path_or_pattern: a directory written by `write_image_tfrecords` (its manifest gives
@@ -221,7 +226,16 @@ def image_dataset(
             go on, instead of raising an error that names the shard.
         drop_remainder: drop the last partial batch; default: `training` (static shapes, as
             TPUs need, and every step sees a full batch).
-        num_parallel_reads: shards read at the same time.
+        num_parallel_reads: shards read at the same time. tf.data opens two more shards per
+            read ahead of time, and each open shard holds ~35 encoded records and a 256 KB
+            read buffer (≈ 1.7 MB with 42 KB JPEGs): ≈ 3 × this × 1.7 MB in all. 4 kept two
+            cores decoding at full speed from a local disk; raise it for remote storage
+            (GCS), where each read waits on the network.
+        prefetch_batches: decoded batches prepared while the model trains on the current one
+            (memory: this × batch × height × width × channels × 4 bytes, plus the batch being
+            built). A fixed number bounds memory; `tf.data.AUTOTUNE` lets tf.data grow the
+            buffer, which it does every time a full buffer drains (e.g. after each
+            validation run) and never undoes.
         seed: seed of the shuffles (the file order always has one, so that all workers of
             a cluster shard the same file list).
         num_workers: workers of a multi-worker cluster, for the auto-shard policy (FILE when
@@ -234,7 +248,8 @@ def image_dataset(
         int32 `(batch,)`. Unlabelled sets give `(images, ids)`, or images alone without ids.
 
     Raises:
-        ValueError: no files, unknown keys, bad `data_range`; reading a damaged shard raises
+        ValueError: no files, unknown keys, bad `data_range`, `num_parallel_reads` or
+            `prefetch_batches`; reading a damaged shard raises
             `tf.errors.InvalidArgumentError` naming it (unless `skip_corrupt`).
 
     Example:
@@ -247,6 +262,7 @@ def image_dataset(
         raise ValueError(f"`data_range` must be one of {DATA_RANGES}, got {data_range!r}.")
     if len(image_size) != 2:
         raise ValueError(f"`image_size` must be (height, width), got {image_size!r}.")
+    check_reader_arguments(num_parallel_reads, prefetch_batches)
     source = _Source(os.fspath(path_or_pattern), schema)
     schema = source.schema
     if training and not schema.labelled:
@@ -274,6 +290,10 @@ def image_dataset(
         # Seeded even when `seed` is None: every worker must see the same file order for FILE
         # sharding to split it; the per-epoch reshuffle still changes it every epoch.
         files = files.shuffle(len(source.files), seed=0 if seed is None else seed)
+    # tf.data opens 2 × cycle_length more shards ahead of the cycle (the parallel interleave's
+    # default `prefetch_input_elements`), each holding its block of _CHECK_BLOCK records: a set
+    # with fewer shards than 3 × num_parallel_reads never fills that window (less memory), a
+    # bigger one does, and no set goes beyond it.
     records = files.interleave(
         lambda f, size, count: _checked_records(f, size, count, skip_corrupt),
         cycle_length=min(num_parallel_reads, len(source.files)),
@@ -295,14 +315,27 @@ def image_dataset(
     dataset = batched(
         records, lambda record: to_example(tf.io.parse_single_example(record, spec)),
         training=training, batch_size=batch_size, drop_remainder=drop_remainder, cache=cache,
-        shuffle_buffer_size=shuffle_buffer_size, seed=seed, augment=augment)
+        shuffle_buffer_size=shuffle_buffer_size, seed=seed, augment=augment,
+        prefetch_batches=prefetch_batches)
     return dataset.with_options(
         dataset_options(training, input_context, len(source.files), workers))
 
 
+def check_reader_arguments(num_parallel_reads: int, prefetch_batches: int) -> None:
+    """Raises ValueError for arguments that would leave memory unbounded or the reader idle."""
+    if not isinstance(num_parallel_reads, int) or num_parallel_reads < 1:
+        raise ValueError(f"`num_parallel_reads` must be a positive int (shards read at the "
+                         f"same time, e.g. 4), got {num_parallel_reads!r}.")
+    if (not isinstance(prefetch_batches, int)
+            or (prefetch_batches < 1 and prefetch_batches != tf.data.AUTOTUNE)):
+        raise ValueError(
+            f"`prefetch_batches` must be a positive int (e.g. 2) or tf.data.AUTOTUNE, got "
+            f"{prefetch_batches!r}.")
+
+
 def batched(elements: tf.data.Dataset, to_example, *, training: bool, batch_size: int,
             drop_remainder: bool, cache: bool, shuffle_buffer_size: int, seed: int | None,
-            augment: bool) -> tf.data.Dataset:
+            augment: bool, prefetch_batches: int) -> tf.data.Dataset:
     """Shuffle (training) → decode (`to_example`) → augment → batch → prefetch.
 
     Shared by `image_dataset` and `tfds_image_dataset`; `elements` are still encoded.
@@ -321,7 +354,12 @@ def batched(elements: tf.data.Dataset, to_example, *, training: bool, batch_size
                                                     *rest), num_parallel_calls=tf.data.AUTOTUNE)
     # drop_remainder=True keeps the batch dimension static (TPUs need it) and every step full.
     dataset = dataset.batch(batch_size, drop_remainder=drop_remainder)
-    return dataset.prefetch(tf.data.AUTOTUNE)  # decode the next batches while this one trains
+    # Decode the next batches while this one trains. A fixed depth, not AUTOTUNE: tf.data's
+    # prefetch autotuner doubles its buffer each time a full buffer drains to empty and never
+    # shrinks it, so a run with pauses (validation, checkpoints) keeps growing: one epoch of
+    # 0.5 GB with a 2 s pause every 20 batches peaked at 2.1 GB, vs 1.0 GB with a depth of 2
+    # (benchmarks/data_pipeline.py, 2026-11-21).
+    return dataset.prefetch(prefetch_batches)
 
 
 def dataset_options(training: bool, input_context, num_files: int,

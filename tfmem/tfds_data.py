@@ -50,7 +50,8 @@ def tfds_image_dataset(
     augment: bool = False,
     cache: bool = False,
     drop_remainder: bool | None = None,
-    num_parallel_reads: int = 16,
+    num_parallel_reads: int = 4,
+    prefetch_batches: int = 2,
     seed: int | None = None,
     num_workers: int | None = None,
     input_context: tf.distribute.InputContext | None = None,
@@ -66,8 +67,9 @@ def tfds_image_dataset(
             prepared version directory (holding `dataset_info.json`).
         split: a tfds split, e.g. `"train"`, `"train[:90%]"`.
         image_size, batch_size, training, data_range, channels, shuffle_buffer_size,
-        augment, cache, drop_remainder, num_parallel_reads, seed, num_workers,
-        input_context: as in `tfmem.image_dataset`.
+        augment, cache, drop_remainder, num_parallel_reads, prefetch_batches, seed,
+        num_workers, input_context: as in `tfmem.image_dataset` (`num_parallel_reads` is tfds's
+        `interleave_cycle_length`).
         data_dir: where tfds prepared the dataset (default: tfds's own, ~/tensorflow_datasets).
         image_key: the `tfds.features.Image` feature.
         label_key: the `tfds.features.ClassLabel` feature.
@@ -76,7 +78,8 @@ def tfds_image_dataset(
         `(images float32 in data_range, labels int32)` batches.
 
     Raises:
-        ValueError: the dataset is not prepared there, or lacks the image/label features.
+        ValueError: the dataset is not prepared there, lacks the image/label features, or
+            `num_parallel_reads` / `prefetch_batches` is out of range.
 
     Example:
         >>> train = tfmem.tfds_image_dataset("tf_flowers", split="train[:90%]",
@@ -87,6 +90,7 @@ def tfds_image_dataset(
 
     if tuple(data_range) not in data.DATA_RANGES:
         raise ValueError(f"`data_range` must be one of {data.DATA_RANGES}, got {data_range!r}.")
+    data.check_reader_arguments(num_parallel_reads, prefetch_batches)
     builder = tfds_builder(name_or_dir, data_dir)
     features = builder.info.features
     for role, key in (("image_key", image_key), ("label_key", label_key)):
@@ -113,7 +117,7 @@ def tfds_image_dataset(
     dataset = data.batched(
         elements, to_example, training=training, batch_size=batch_size,
         drop_remainder=drop_remainder, cache=cache, shuffle_buffer_size=shuffle_buffer_size,
-        seed=seed, augment=augment)
+        seed=seed, augment=augment, prefetch_batches=prefetch_batches)
     workers = num_workers if num_workers is not None else data.num_workers_from_environment()
     return dataset.with_options(data.dataset_options(
         training, input_context, builder.info.splits[split].num_shards, workers))
