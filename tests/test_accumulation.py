@@ -221,14 +221,19 @@ def test_jit_compile_matches_plain_big_batch():
     assert _rel_diff(accum.get_weights(), plain.get_weights()) <= RTOL
 
 
+def _traced_step(k):
+    """The graph of a dense AccumModel's train_step with `k` steps, for a batch of 16."""
+    model = _dense(tfmem.AccumModel, accumulation_steps=k)
+    model.compile("sgd", "mse")
+    model.optimizer.build(model.trainable_variables)
+    spec = (tf.TensorSpec((16, 6)), tf.TensorSpec((16, 3)))
+    return tf.function(model.train_step).get_concrete_function(spec).graph
+
+
 def test_graph_size_does_not_grow_with_accumulation_steps():
     sizes = []
     for k in (2, 8):
-        model = _dense(tfmem.AccumModel, accumulation_steps=k)
-        model.compile("sgd", "mse")
-        model.optimizer.build(model.trainable_variables)
-        spec = (tf.TensorSpec((16, 6)), tf.TensorSpec((16, 3)))
-        graph = tf.function(model.train_step).get_concrete_function(spec).graph
+        graph = _traced_step(k)
         library = graph.as_graph_def().library.function
         sizes.append(len(graph.as_graph_def().node) + sum(len(f.node_def) for f in library))
     assert sizes[0] == sizes[1]
@@ -244,14 +249,7 @@ def test_one_step_is_keras_own_step_without_a_loop():
         np.testing.assert_array_equal(mine, reference)
     assert histories[0] == histories[1]
     # No while loop and no float32 running sums in the traced step (k = 2 has both).
-    ops = {}
-    for k in (1, 2):
-        model = _dense(tfmem.AccumModel, accumulation_steps=k)
-        model.compile("sgd", "mse")
-        model.optimizer.build(model.trainable_variables)
-        spec = (tf.TensorSpec((16, 6)), tf.TensorSpec((16, 3)))
-        graph = tf.function(model.train_step).get_concrete_function(spec).graph
-        ops[k] = {op.type for op in graph.get_operations()}
+    ops = {k: {op.type for op in _traced_step(k).get_operations()} for k in (1, 2)}
     assert not ops[1] & {"While", "StatelessWhile"}
     assert ops[2] & {"While", "StatelessWhile"}
 
