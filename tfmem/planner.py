@@ -163,10 +163,14 @@ class MemoryPlan:
     @property
     def max_micro_batch(self) -> int:
         """The largest batch one plain step (k = 1) can run within the budget; 0 if none."""
+        return self.largest_micro_batch(self.budget_bytes)
+
+    def largest_micro_batch(self, limit_bytes: float) -> int:
+        """The largest batch one plain step (k = 1) can run within `limit_bytes`; 0 if none."""
         fixed, slope = self.peak_bytes(1, 1), self.peak_bytes(2, 1) - self.peak_bytes(1, 1)
-        if fixed > self.budget_bytes:
+        if fixed > limit_bytes:
             return 0
-        return 1 + int((self.budget_bytes - fixed) // slope)
+        return 1 + int((limit_bytes - fixed) // slope)
 
     def table(self) -> str:
         """The breakdown of the chosen setting (or micro-batch 1) as a text table."""

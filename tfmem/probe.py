@@ -242,10 +242,7 @@ def default_sizes(estimate: planner.MemoryPlan) -> list[int]:
         >>> default_sizes(tfmem.plan(model, global_batch_size=256, memory_budget=6 * 2**30))
         [13, 27, 55]  # doctest: +SKIP
     """
-    ceiling = _PROBE_FRACTION * estimate.budget_bytes
-    fixed = estimate.peak_bytes(1, 1)
-    slope = estimate.peak_bytes(2, 1) - fixed
-    upper = 1 + int((ceiling - fixed) // slope) if fixed <= ceiling else 0
+    upper = estimate.largest_micro_batch(_PROBE_FRACTION * estimate.budget_bytes)
     upper = min(upper, max(estimate.per_replica_batch_size, 2))
     if upper < 1:
         return []
