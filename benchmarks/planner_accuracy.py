@@ -39,13 +39,13 @@ import time
 import keras
 
 import tfmem
-from tfmem.probe import measure
+from tfmem.memory.probe import measure
 
 IMAGE = (64, 64, 3)
 GIB, MIB = 2**30, 2**20
 SMALL = 16  # one small batch, where the fixed terms dominate
 GLOBAL = 4096  # large enough not to cap the probe's sizes or the recommendation
-_IMPORT = 750 * MIB  # the planner's own import term (tfmem/planner.py), subtracted to compare
+_IMPORT = 750 * MIB  # the planner's own import term (tfmem/memory/planner.py), subtracted to compare
 
 
 def resnet50():

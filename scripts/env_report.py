@@ -8,7 +8,7 @@ Any machine; prints about 20 lines in a few seconds (most of it importing Tensor
 
 import sys
 
-from tfmem.report import main
+from tfmem.runtime.report import main
 
 if __name__ == "__main__":
     sys.exit(main())

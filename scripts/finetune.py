@@ -31,8 +31,9 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfmem  # noqa: E402
-from tfmem import cli, models, planner  # noqa: E402
-from tfmem import manifest as manifest_lib  # noqa: E402
+from tfmem import cli, models  # noqa: E402
+from tfmem.memory import planner
+from tfmem.data import manifest as manifest_lib  # noqa: E402
 
 _MODEL = flags.DEFINE_string("model", "small-cnn", "A name of tfmem.models.MODELS.")
 _DATA = flags.DEFINE_string(
@@ -67,7 +68,7 @@ _OUTPUT = flags.DEFINE_string("output", "runs/finetune", "Run directory (resumes
                               "a backup).")
 _DEVICE = flags.DEFINE_string(
     "device", None, "Plan for this device instead of the detected one (e.g. v100-32gb, "
-    "tpu-v3-8; see tfmem.devices.ACCELERATORS). Only with --dry-run.")
+    "tpu-v3-8; see tfmem.runtime.devices.ACCELERATORS). Only with --dry-run.")
 _PREFER = flags.DEFINE_enum("prefer", None, ["tpu", "gpu", "cpu"], "Force a device kind.")
 _ALLOW_OVER_BUDGET = flags.DEFINE_bool(
     "allow_over_budget", False, "Train even when the plan exceeds the memory budget.")

@@ -15,7 +15,9 @@ import sys
 from absl import app, flags
 
 import tfmem
-from tfmem import devices, models, planner
+from tfmem import models
+from tfmem.runtime import devices
+from tfmem.memory import planner
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, f"Model name: {', '.join(models.MODELS)}.")

@@ -9,13 +9,13 @@ __all__ = ["__version__"]  # each section below adds its names with `__all__ += 
 from tfmem import _tf  # noqa: F401  (fails early, naming the extra to install)
 
 # -- data: streaming TFRecord pipeline --
-from tfmem.data import auto_shard_policy, image_dataset, inspect_tfrecords
-from tfmem.demo import CLASS_NAMES as DEMO_CLASS_NAMES
-from tfmem.demo import demo_examples, make_demo_dataset
-from tfmem.manifest import Manifest, Shard, read_manifest
-from tfmem.schema import Schema, detect_schema
-from tfmem.tfds_data import tfds_image_dataset
-from tfmem.tfrecords import write_image_tfrecords
+from tfmem.data.reader import auto_shard_policy, image_dataset, inspect_tfrecords
+from tfmem.data.demo import CLASS_NAMES as DEMO_CLASS_NAMES
+from tfmem.data.demo import demo_examples, make_demo_dataset
+from tfmem.data.manifest import Manifest, Shard, read_manifest
+from tfmem.data.schema import Schema, detect_schema
+from tfmem.data.tfds_data import tfds_image_dataset
+from tfmem.data.tfrecords import write_image_tfrecords
 
 __all__ += [
     "auto_shard_policy", "image_dataset", "inspect_tfrecords", "DEMO_CLASS_NAMES", "demo_examples",
@@ -24,30 +24,30 @@ __all__ += [
 ]
 
 # -- accumulation: AccumModel --
-from tfmem.accumulation import AccumModel
+from tfmem.training.accumulation import AccumModel
 
 __all__ += ["AccumModel"]
 
 # -- distribute / precision: Runtime --
-from tfmem.distribute import Runtime, detect
-from tfmem.precision import policy_for, set_policy
-from tfmem.report import describe
+from tfmem.runtime.distribute import Runtime, detect
+from tfmem.runtime.precision import policy_for, set_policy
+from tfmem.runtime.report import describe
 
 __all__ += ["Runtime", "detect", "describe", "policy_for", "set_policy"]
 
 # -- resume: training that survives a killed process --
-from tfmem.resume import fit_resumable
+from tfmem.training.resume import fit_resumable
 
 __all__ += ["fit_resumable"]
 
 # -- planner / probe: memory plan and guard --
-from tfmem.planner import MemoryPlan, MemoryPlanError, plan
-from tfmem.probe import probe
+from tfmem.memory.planner import MemoryPlan, MemoryPlanError, plan
+from tfmem.memory.probe import probe
 
 __all__ += ["MemoryPlan", "MemoryPlanError", "plan", "probe"]
 
 # -- models / metrics --
 from tfmem import models
-from tfmem.metrics import MAE, MSE, PSNR, SSIM, mae, mse, psnr, ssim
+from tfmem.metrics.image import MAE, MSE, PSNR, SSIM, mae, mse, psnr, ssim
 
 __all__ += ["models", "MAE", "MSE", "PSNR", "SSIM", "mae", "mse", "psnr", "ssim"]

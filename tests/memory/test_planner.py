@@ -1,0 +1,375 @@
+"""Planner numbers against hand counts and against Keras itself (no training here)."""
+
+import types
+
+import keras
+import numpy as np
+import pytest
+
+import tfmem
+from tfmem.memory import planner
+
+GIB = 2**30
+
+
+def small_model():
+    """Conv(4, 3×3) → BN → Flatten → Dense(5) on 8×8×3: parameters countable by hand."""
+    inputs = keras.Input((8, 8, 3))
+    x = keras.layers.Conv2D(4, 3)(inputs)  # 3·3·3·4 + 4 = 112
+    x = keras.layers.BatchNormalization()(x)  # gamma, beta: 8 trainable; mean, var: 8 not
+    x = keras.layers.Flatten()(x)  # 6·6·4 = 144
+    outputs = keras.layers.Dense(5)(x)  # 144·5 + 5 = 725
+    return keras.Model(inputs, outputs)
+
+
+TRAINABLE = 112 + 8 + 725  # 845
+ALL = TRAINABLE + 8  # 853
+
+
+@pytest.mark.parametrize(
+    "optimizer, slot_floats",
+    [
+        (keras.optimizers.SGD(), 0),
+        (keras.optimizers.SGD(momentum=0.9), TRAINABLE),
+        (keras.optimizers.Adam(), 2 * TRAINABLE),
+        (keras.optimizers.AdamW(), 2 * TRAINABLE),
+        (keras.optimizers.Adam(amsgrad=True), 3 * TRAINABLE),
+        (keras.optimizers.RMSprop(), TRAINABLE),
+        (keras.optimizers.RMSprop(momentum=0.9, centered=True), 3 * TRAINABLE),
+        # Keras 3 Adafactor: a full velocity + row/column factors of the two kernels
+        # (27 + 36 for the conv's (3,3,3,4), 144 + 5 for the dense (144,5)) + two scalar
+        # placeholders for each of the 4 rank-1 variables.
+        (keras.optimizers.Adafactor(), TRAINABLE + 27 + 36 + 144 + 5 + 4 * 2),
+    ],
+    ids=lambda v: type(v).__name__ if not isinstance(v, int) else str(v),
+)
+def test_state_bytes_equal_hand_counts_and_keras(optimizer, slot_floats):
+    model = small_model()
+    p = tfmem.plan(model, global_batch_size=8, optimizer=optimizer, memory_budget=GIB)
+    assert p.num_parameters == ALL
+    assert p.parameter_bytes == 4 * ALL
+    assert p.gradient_bytes == 4 * TRAINABLE
+    assert p.optimizer_bytes == 4 * slot_floats
+    # Reference: the optimizer's own variables once Keras builds them.
+    optimizer.build(model.trainable_variables)
+    built = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in optimizer.variables
+                if v.name not in ("iteration", "learning_rate"))
+    assert p.optimizer_bytes == built
+
+
+def test_accumulation_buffers_only_when_k_above_one():
+    p = tfmem.plan(small_model(), global_batch_size=8, optimizer="sgd", memory_budget=GIB)
+    assert p.breakdown(8, 1)["accumulation buffers"] == 0
+    assert p.breakdown(2, 4)["accumulation buffers"] == 4 * TRAINABLE
+    # AccumModel holds the whole global batch: input data scales with b × k, not b.
+    assert p.breakdown(2, 4)["input data"] == p.breakdown(8, 1)["input data"] == 8 * 8 * 8 * 3 * 4 * 2
+
+
+@pytest.mark.parametrize("precision, extra", [
+    ("float32", 0),
+    # 2-byte compute copies of the conv and dense kernels/biases (not BN's) …
+    ("mixed_bfloat16", 2 * (112 + 725)),
+    # … plus LossScaleOptimizer's float32 unscaled gradients.
+    ("mixed_float16", 2 * (112 + 725) + 4 * TRAINABLE),
+])
+def test_mixed_precision_copies(precision, extra):
+    p = tfmem.plan(small_model(), global_batch_size=8, precision=precision, memory_budget=GIB)
+    assert p.mixed_precision_bytes == extra
+    assert p.parameter_bytes == 4 * ALL  # float32 master weights either way
+
+
+def activation_model():
+    inputs = keras.Input((16, 16, 3))
+    c1 = keras.layers.Conv2D(8, 3, padding="same")(inputs)
+    b1 = keras.layers.BatchNormalization()(c1)
+    a1 = keras.layers.Activation("swish")(b1)
+    d1 = keras.layers.DepthwiseConv2D(3, padding="same", activation="relu")(a1)
+    s = keras.layers.Add()([d1, a1])
+    p = keras.layers.MaxPooling2D()(s)
+    dr = keras.layers.Dropout(0.5)(p)
+    g = keras.layers.GlobalAveragePooling2D()(dr)
+    se = keras.layers.Dense(8, activation="sigmoid")(g)
+    m = keras.layers.Multiply()([dr, keras.layers.Reshape((1, 1, 8))(se)])
+    f = keras.layers.Flatten()(m)
+    outputs = keras.layers.Dense(10, activation="softmax")(f)
+    return keras.Model(inputs, outputs)
+
+
+def test_activation_bytes_equal_hand_count_float32():
+    big, small = 16 * 16 * 8 * 4, 8 * 8 * 8 * 4  # one 16×16×8 / 8×8×8 float32 map
+    hand = (
+        16 * 16 * 3 * 4  # conv keeps its input
+        + big  # BN keeps its input (the conv output)
+        + big  # swish keeps its input (the BN output)
+        + big + big  # depthwise keeps its input (swish output); its relu keeps its output
+        + big + small  # max-pool keeps input (the add) and output
+        + 8 * 8 * 8  # dropout's boolean keep-mask, one byte per element
+        + 8 * 4 + 8 * 4  # SE dense keeps its input; sigmoid its output
+        + small  # multiply keeps the dropout output (its other input is the sigmoid output)
+        + small + 10 * 4  # head dense keeps the (flattened, same buffer) product; softmax output
+    )
+    model = activation_model()
+    p = tfmem.plan(model, global_batch_size=4, memory_budget=GIB)
+    assert p.activation_bytes_per_sample == hand == 50792
+    assert p.parameter_bytes == 4 * model.count_params()  # not the dropout's seed state
+    assert p.workspace_bytes_per_sample == 2 * big
+    assert p.input_bytes_per_sample == 16 * 16 * 3 * 4
+
+
+def test_activation_bytes_mixed_float16_hand_count():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = activation_model()
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    big, small = 16 * 16 * 8 * 2, 8 * 8 * 8 * 2  # float16 maps
+    hand = (
+        16 * 16 * 3 * 2  # conv keeps a float16 cast of the float32 input
+        + 2 * big  # BN upcasts: keeps a float32 copy of its input
+        + big + big + big  # swish input, depthwise input, relu output
+        + big + small + 8 * 8 * 8  # max-pool input/output, dropout's boolean mask
+        + 8 * 2 + 8 * 2 + small + small + 10 * 2
+    )
+    p = tfmem.plan(model, global_batch_size=4, precision="mixed_float16", memory_budget=GIB)
+    assert p.activation_bytes_per_sample == hand == 29748
+
+
+def test_frozen_backbone_keeps_nothing_before_first_trainable_layer():
+    model = activation_model()
+    for layer in model.layers[:3]:  # conv, BN frozen: no backward through them
+        layer.trainable = False
+    frozen = tfmem.plan(model, global_batch_size=4, memory_budget=GIB)
+    full = tfmem.plan(activation_model(), global_batch_size=4, memory_budget=GIB)
+    # Conv input, BN input and the swish input (nothing before it needs a gradient) are no
+    # longer kept; the depthwise conv (trainable) still keeps the swish output, and the rest.
+    assert full.activation_bytes_per_sample - frozen.activation_bytes_per_sample == (
+        16 * 16 * 3 * 4 + 16 * 16 * 8 * 4 + 16 * 16 * 8 * 4)
+
+
+def test_choice_is_largest_dividing_micro_batch_that_fits():
+    model = activation_model()
+    loose = tfmem.plan(model, global_batch_size=64, memory_budget=100 * GIB)
+    assert (loose.micro_batch_size, loose.accumulation_steps) == (64, 1)
+    # A budget between the peaks of 16 × 4 and 32 × 2 must choose 16 × 4.
+    budget = (loose.peak_bytes(16, 4) + loose.peak_bytes(32, 2)) // 2
+    p = tfmem.plan(model, global_batch_size=64, memory_budget=int(budget / 0.8) + 1)
+    assert (p.micro_batch_size, p.accumulation_steps, p.fits) == (16, 4, True)
+    assert p.peak_bytes(16, 4) <= p.budget_bytes < p.peak_bytes(32, 2)
+    b = p.max_micro_batch
+    assert p.peak_bytes(b, 1) <= p.budget_bytes < p.peak_bytes(b + 1, 1)
+
+
+def test_runtime_duck_type_and_device_table():
+    runtime = types.SimpleNamespace(memory_per_replica=16 * GIB, num_replicas=8, kind="tpu")
+    p = tfmem.plan(small_model(), global_batch_size=64, runtime=runtime)
+    assert (p.num_replicas, p.per_replica_batch_size, p.runtime_bytes) == (8, 8, 0)
+    assert p.budget_bytes == int(0.8 * 16 * GIB)
+    t4 = tfmem.plan(small_model(), global_batch_size=64, device="tpu-v3-8")
+    assert (t4.num_replicas, t4.memory_per_replica) == (8, 16 * GIB)
+    cpu = tfmem.plan(small_model(), global_batch_size=64, memory_budget=GIB)
+    assert cpu.runtime_bytes > 700 * 2**20  # TF's own host RAM is part of a CPU plan
+    with pytest.raises(ValueError, match="multiple of the 8 replicas. Try 56 or 64"):
+        tfmem.plan(small_model(), global_batch_size=60, runtime=runtime)
+
+
+def test_guard_message_names_need_budget_and_fitting_setting():
+    model = activation_model()
+    loose = tfmem.plan(model, global_batch_size=64, memory_budget=100 * GIB)
+    budget = (loose.peak_bytes(16, 4) + loose.peak_bytes(32, 2)) // 2
+    p = tfmem.plan(model, global_batch_size=64, memory_budget=int(budget / 0.8) + 1)
+    with pytest.raises(tfmem.MemoryPlanError) as caught:
+        planner.check(p, accumulation_steps=1)
+    message = str(caught.value)
+    assert isinstance(caught.value, ValueError)
+    assert f"global batch 64 (micro-batch 64 × 1 step(s) × 1 replica(s)) needs " \
+           f"{planner.format_bytes(p.peak_bytes(64, 1))}" in message
+    assert (f"micro-batch 16 × 4 steps fits in {planner.format_bytes(p.peak_bytes(16, 4))}"
+            in message)
+    assert "activations" in message and "allow_over_budget=True" in message
+    planner.check(p, accumulation_steps=1, allow_over_budget=True)  # the explicit override
+    planner.check(p, accumulation_steps=4)  # 16 × 4 fits: no error
+    with pytest.raises(ValueError, match=r"must divide the per-replica batch \(64\)\. Use a "
+                                         r"per-replica batch of 63 or 66\."):
+        planner.check(p, accumulation_steps=3)
+
+
+def test_guard_when_nothing_fits_says_why():
+    p = tfmem.plan(small_model(), global_batch_size=8, memory_budget=100 * 2**20)
+    assert not p.fits and p.max_micro_batch == 0
+    with pytest.raises(tfmem.MemoryPlanError, match="nothing fits, not even micro-batch 1"):
+        planner.check(p)
+
+
+def test_unknown_layers_are_named_and_subclassed_models_rejected():
+    inputs = keras.Input((4,))
+    outputs = keras.layers.Lambda(lambda t: t * 2)(keras.layers.Dense(3)(inputs))
+    p = tfmem.plan(keras.Model(inputs, outputs), global_batch_size=2, memory_budget=GIB)
+    assert any("Lambda" in note for note in p.notes)
+
+    class Sub(keras.Model):
+        def call(self, x):
+            return x
+
+    with pytest.raises(TypeError, match="subclassed"):
+        tfmem.plan(Sub(), global_batch_size=2, memory_budget=GIB)
+
+
+@pytest.mark.parametrize("builder, total, trainable", [
+    # keras.applications published counts (1000-class heads).
+    (lambda: keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3)),
+     25_636_712, 25_583_592),
+])
+def test_known_architecture_parameter_bytes(builder, total, trainable):
+    p = tfmem.plan(builder(), global_batch_size=2, optimizer="adam", memory_budget=100 * GIB)
+    assert p.num_parameters == total
+    assert p.parameter_bytes == 4 * total
+    assert p.gradient_bytes == 4 * trainable
+    assert p.optimizer_bytes == 2 * 4 * trainable
+
+
+def test_guard_auto_picks_k_so_the_global_batch_holds():
+    model = activation_model()
+    loose = tfmem.plan(model, global_batch_size=96, memory_budget=100 * GIB, num_replicas=2)
+    budget = (loose.peak_bytes(12, 4) + loose.peak_bytes(16, 3)) // 2
+    auto = planner.guard(model, global_batch_size=96, num_replicas=2,
+                         memory_budget=int(budget / 0.8) + 1)
+    # 48 per replica: the largest dividing micro-batch under the budget is 12, so k = 4.
+    assert (auto.micro_batch_size, auto.accumulation_steps) == (12, 4)
+    assert auto.micro_batch_size * auto.accumulation_steps * auto.num_replicas == 96
+    with pytest.raises(tfmem.MemoryPlanError, match="micro-batch 12 × 4 steps fits"):
+        planner.guard(model, global_batch_size=96, num_replicas=2, accumulation_steps=2,
+                      memory_budget=int(budget / 0.8) + 1)
+    kept = planner.guard(model, global_batch_size=96, num_replicas=2, accumulation_steps=2,
+                         memory_budget=int(budget / 0.8) + 1, allow_over_budget=True)
+    assert kept.global_batch_size == 96
+
+
+def test_detected_runtime_plans_on_this_host():
+    runtime = tfmem.detect(prefer="cpu")
+    p = tfmem.plan(small_model(), global_batch_size=2 * runtime.num_replicas, runtime=runtime)
+    assert p.device_kind == "cpu" and p.num_replicas == runtime.num_replicas
+    assert p.memory_per_replica >= runtime.memory_per_replica
+    unknown = types.SimpleNamespace(memory_per_replica=None, num_replicas=1, kind="gpu",
+                                    device_name="Some GPU")
+    with pytest.raises(ValueError, match="pass `device=`"):
+        tfmem.plan(small_model(), global_batch_size=2, runtime=unknown)
+
+
+@pytest.mark.parametrize("precision", ["float32", "mixed_float16"])
+def test_rule_table_equals_tensorflows_own_gradient_graph(precision):
+    """Reference: the forward tensors that TensorFlow's backward ops actually read."""
+    from tfmem.memory.saved_tensors import traced_saved_tensors
+
+    keras.mixed_precision.set_global_policy(precision)
+    try:
+        model = activation_model()
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    kept_inputs, kept_outputs, internal, _ = traced_saved_tensors(model, model.inputs)
+    per_sample = {t: int(np.prod(t.shape[1:])) * np.dtype(t.dtype).itemsize
+                  for t in model.inputs + model.outputs}
+    traced = (sum(per_sample[model.inputs[i]] for i in kept_inputs)
+              + sum(per_sample[model.outputs[i]] for i in kept_outputs) + sum(internal))
+    p = tfmem.plan(model, global_batch_size=4, precision=precision, memory_budget=GIB)
+    assert p.activation_bytes_per_sample == traced
+
+
+def test_custom_block_is_traced_not_guessed():
+    class Residual(keras.layers.Layer):
+        """conv → swish (a function call, invisible to a layer walk) → + input."""
+
+        def build(self, shape):
+            self.conv = keras.layers.Conv2D(shape[-1], 3, padding="same")
+            self.conv.build(shape)
+
+        def call(self, x):
+            return x + keras.activations.silu(self.conv(x))
+
+    inputs = keras.Input((8, 8, 4))
+    model = keras.Model(inputs, Residual()(inputs))
+    p = tfmem.plan(model, global_batch_size=2, memory_budget=GIB)
+    # conv keeps its input (the model input), silu keeps its input (the conv output).
+    assert p.activation_bytes_per_sample == 8 * 8 * 4 * 4 * 2
+    assert any("Residual" in note and "tracing" in note for note in p.notes)
+
+
+def test_plan_script_prints_the_plan_and_draws_it(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    png = tmp_path / "plan.png"
+    result = subprocess.run(
+        [sys.executable, os.path.join(root, "scripts", "plan.py"), "--model", "mobilenetv2",
+         "--global-batch-size", "48", "--device", "t4", "--image-size", "32",
+         "--num-classes", "10", "--optimizer", "sgd", f"--plot={png}"],
+        capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    assert result.returncode == 0, result.stderr[-2000:]
+    reference = tfmem.plan(tfmem.models.build("mobilenetv2", num_classes=10, image_size=32),
+                           global_batch_size=48, optimizer="sgd", device="t4")
+    total = planner.format_bytes(reference.peak_bytes(reference.micro_batch_size))
+    assert f"total (peak per replica)" in result.stdout and total in result.stdout
+    assert (f"choice: micro-batch {reference.micro_batch_size} × "
+            f"{reference.accumulation_steps}") in result.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_efficientnetv2_xl_golden_plan():
+    # Builds the 209M-parameter model (~25 s and 2 GB on 2 cores): the plan numbers users see.
+    model = tfmem.models.build("efficientnetv2-xl", num_classes=1000, image_size=384)
+    p = tfmem.plan(model, global_batch_size=64, optimizer="adam", device="v100-32gb")
+    assert p.num_parameters == 208_896_832
+    assert p.parameter_bytes == 4 * 208_896_832
+    assert p.optimizer_bytes == 2 * p.gradient_bytes == 8 * p.num_trainable_parameters
+    # Measured on CPU (FACTS.md): batch 1 → 2 adds ≈ 1.7-1.8 GiB per sample at 384 px.
+    per_sample = p.peak_bytes(2, 1) - p.peak_bytes(1, 1)
+    assert 1.6 * GIB < per_sample < 1.95 * GIB
+    # fp32 on a 32 GB V100 under the 80% rule: micro-batch 8 × 8 steps for the global 64.
+    assert (p.micro_batch_size, p.accumulation_steps) == (8, 8)
+
+
+def _accum_data(global_batch=64):
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    images = rng.uniform(0, 1, (global_batch, 16, 16, 3)).astype("float32")
+    labels = rng.integers(0, 10, global_batch)
+    return tf.data.Dataset.from_tensor_slices((images, labels)).batch(global_batch,
+                                                                      drop_remainder=True)
+
+
+def _accum_model(accumulation_steps):
+    base = activation_model()
+    model = tfmem.AccumModel.wrap(base, accumulation_steps=accumulation_steps)
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    return model
+
+
+def _budget_between_16x4_and_32x2(model):
+    loose = tfmem.plan(model, global_batch_size=64, optimizer="sgd", memory_budget=100 * GIB)
+    return int((loose.peak_bytes(16, 4) + loose.peak_bytes(32, 2)) / 2 / 0.8) + 1
+
+
+def test_accum_fit_is_stopped_before_the_first_step_when_over_budget():
+    model = _accum_model(accumulation_steps=1)
+    before = [w.copy() for w in model.get_weights()]
+    budget = _budget_between_16x4_and_32x2(model)
+    with pytest.raises(tfmem.MemoryPlanError, match="micro-batch 16 × 4 steps fits"):
+        model.fit(_accum_data(), epochs=1, verbose=0, memory_budget=budget)
+    assert int(model.optimizer.iterations) == 0
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+    model.fit(_accum_data(), epochs=1, verbose=0, memory_budget=budget, check_memory=False)
+    assert int(model.optimizer.iterations) == 1  # the explicit override runs
+
+
+def test_accum_auto_takes_k_from_the_plan():
+    model = _accum_model(accumulation_steps="auto")
+    model.fit(_accum_data(), epochs=1, verbose=0,
+              memory_budget=_budget_between_16x4_and_32x2(model))
+    assert model.accumulation_steps == 4  # 64 = micro-batch 16 × 4 steps
+    assert int(model.optimizer.iterations) == 1
+    assert model.get_config()["accumulation_steps"] == "auto"
+    with pytest.raises(ValueError, match="is chosen when `fit` starts"):
+        _accum_model("auto").train_on_batch(*next(iter(_accum_data())))

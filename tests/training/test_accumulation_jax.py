@@ -1,0 +1,214 @@
+"""AccumModel and detect() on the Keras JAX backend, checked in their own processes.
+
+The Keras backend is fixed when Keras is first imported, and this test session runs on
+TensorFlow (tests/conftest.py), so the JAX cases are real subprocesses
+(tests/jax_cases/*.py, KERAS_BACKEND=jax) that print their numbers as JSON; the tests here
+assert on those numbers. Both programs start together at module set-up (they are mostly
+compilation, and two cores run them side by side) and each test waits for the one it needs.
+`data_parallel_cases.py` runs on 8 host devices (XLA_FLAGS), the shape of a TPU v3-8.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+CASES = pathlib.Path(__file__).parent / "jax_cases"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TIMEOUT_S = 300
+
+
+class _Case:
+    """One case program running in the background; `results()` waits and parses its JSON."""
+
+    def __init__(self, name: str, num_devices: int):
+        env = dict(os.environ)
+        env.update(
+            KERAS_BACKEND="jax",
+            XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}",
+            PYTHONPATH=os.pathsep.join([str(ROOT), str(CASES), env.get("PYTHONPATH", "")]),
+            TF_CPP_MIN_LOG_LEVEL="2",
+            JAX_PLATFORMS="cpu",
+        )
+        self.name = name
+        self.process = subprocess.Popen(
+            [sys.executable, str(CASES / f"{name}.py")],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self._results = None
+
+    def results(self) -> dict:
+        if self._results is None:
+            stdout, stderr = self.process.communicate(timeout=TIMEOUT_S)
+            lines = [line for line in stdout.splitlines() if line.startswith("RESULTS ")]
+            if self.process.returncode or not lines:
+                pytest.fail(
+                    f"{self.name}.py exited with {self.process.returncode}:\n{stderr[-4000:]}"
+                )
+            self._results = json.loads(lines[-1][len("RESULTS ") :])
+        return self._results
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture(scope="module")
+def cases():
+    started = {
+        "accumulation": _Case("accumulation_cases", num_devices=1),
+        "data_parallel": _Case("data_parallel_cases", num_devices=8),
+    }
+    yield started
+    for case in started.values():
+        case.stop()
+
+
+@pytest.fixture(scope="module")
+def accumulation(cases):
+    return cases["accumulation"].results()
+
+
+@pytest.fixture(scope="module")
+def data_parallel(cases):
+    return cases["data_parallel"].results()
+
+
+@pytest.mark.parametrize(
+    "case", ["dense_sgd_weighted", "dense_adam_weighted", "conv_sgd_weighted", "conv_adam"]
+)
+def test_micro_batches_equal_one_big_batch(accumulation, case):
+    # Three global batches of 32 as 4 micro-batches of 8 vs a plain keras.Model on batches of 32.
+    result = accumulation[case]
+    assert result["weights"] <= 1e-5
+    assert result["update"] <= 1e-4  # the change itself, not only the weights, agrees
+    assert result["accum_loss"] == pytest.approx(result["plain_loss"], rel=1e-5)
+    assert result["accum_accuracy"] == result["plain_accuracy"]
+    assert result["accum_iterations"] == result["plain_iterations"] == 3
+
+
+def test_lr_schedule_counts_real_updates(accumulation):
+    # PiecewiseConstantDecay([2], [0.1, 0.0]): iterations 0, 1, 2 at lr 0.1, then lr 0.
+    result = accumulation["lr_schedule"]
+    for name in ("plain", "accum"):
+        changes = result[name]["changes"]
+        assert all(change > 1e-3 for change in changes[:3]), changes
+        assert changes[3:] == [0.0, 0.0]
+        assert result[name]["iterations"] == 5
+    assert result["accum"]["changes"] == pytest.approx(result["plain"]["changes"], rel=1e-4)
+    assert result["weights"] <= 1e-5
+
+
+def test_float16_skips_the_whole_window_and_halves_the_scale(accumulation):
+    result = accumulation["float16"]
+    assert result["optimizer"] == "LossScaleOptimizer"
+    assert result["update"] <= 2e-3  # fp16 forward pass: looser than float32, still one step
+    poisoned = result["poisoned"]
+    assert poisoned["change"] == 0.0  # 3 of 4 micro-batches were finite: nothing applied
+    assert poisoned["scale_after"] == poisoned["scale_before"] / 2 == 2.0**14
+    assert poisoned["iterations"] == poisoned["iterations_before"]
+    clean = result["clean_after"]
+    assert clean["change"] > 1e-3
+    assert clean["scale"] == 2.0**14
+    assert clean["iterations"] == poisoned["iterations"] + 1
+
+
+def test_bfloat16_matches_a_plain_step(accumulation):
+    result = accumulation["bfloat16"]
+    assert result["optimizer"] == "SGD"
+    # bf16 has 8 mantissa bits: the plain and the accumulated step round differently.
+    assert result["update"] <= 2e-2
+
+
+def test_batch_norm_moving_statistics_average_the_window(accumulation):
+    result = accumulation["batch_norm"]
+    assert result["mean_error"] <= 1e-4
+    assert result["var_error"] <= 1e-4
+    # k separate momentum steps land far from the formula, so the check above discriminates.
+    assert result["sequential_gap"] >= 0.1
+
+
+def test_dropout_draws_a_fresh_mask_per_micro_batch(accumulation):
+    seeds = accumulation["dropout_seeds"]
+    assert seeds["accum_1"] == seeds["plain_2"]  # k=2: two draws in one step
+    assert seeds["accum_1"] != seeds["plain_1"]
+
+
+def test_indivisible_global_batch_names_the_nearest_sizes(accumulation):
+    kind, message = accumulation["errors"]["indivisible_batch"]
+    assert kind == "ValueError"
+    assert "(30 rows = global batch 30 / 1 replicas)" in message
+    assert "`accumulation_steps` (4)" in message and "28 or 32 rows per replica" in message
+
+
+def test_same_checks_as_the_tensorflow_path(accumulation):
+    kind, message = accumulation["errors"]["double_accumulation"]
+    assert kind == "ValueError" and "`gradient_accumulation_steps=2`" in message
+    kind, message = accumulation["errors"]["sum_reduction"]
+    assert kind == "ValueError" and "reduction='sum'" in message
+
+
+def test_indivisible_per_replica_batch_names_the_nearest_sizes(data_parallel):
+    message = data_parallel["indivisible"]
+    assert "(8 rows = global batch 64 / 8 replicas)" in message
+    assert "`accumulation_steps` (3)" in message and "6 or 9 rows per replica" in message
+
+
+def test_detect_reports_eight_replicas(data_parallel):
+    runtime = data_parallel["runtime"]
+    assert runtime["kind"] == "cpu"
+    assert runtime["num_replicas"] == 8
+    assert runtime["num_workers"] == 1
+    assert runtime["strategy"] == "DataParallel" and runtime["installed"]
+    # 8 host devices share one RAM: each is given an eighth of what was available.
+    expected = runtime["host_available_per_device"]
+    assert runtime["memory_per_replica"] == pytest.approx(expected, rel=0.2)
+    assert runtime["global_batch_size_4_2"] == 64
+    assert runtime["split_64_2"] == 4
+    assert runtime["current_runtime"] == [8, True]
+
+
+def test_detect_explains_a_missing_or_unknown_device_kind(data_parallel):
+    errors = data_parallel["runtime"]["errors"]
+    kind, message = errors["tpu"]
+    assert kind == "UnavailableDeviceError"
+    assert "found no tpu device" in message and "JAX can use: cpu" in message
+    assert "jax[tpu]" in message
+    assert errors["accelerator"] == [
+        "ValueError",
+        "`prefer` must be None, 'tpu', 'gpu' or 'cpu', got 'accelerator'.",
+    ]
+
+
+def test_data_parallel_equals_single_device_big_batch(data_parallel):
+    result = data_parallel["data_parallel"]
+    assert result["reference_devices"] == 1
+    assert result["variable_devices"] == 8  # really replicated over the 8 devices
+    assert result["weights_vs_reference"] <= 1e-5
+    assert result["accum_loss"] == pytest.approx(result["reference_loss"], rel=1e-5)
+    assert result["iterations"] == 2
+
+
+def test_tf_data_pipeline_feeds_it_unchanged(data_parallel):
+    result = data_parallel["data_parallel"]
+    assert result["dataset_vs_arrays"] <= 1e-6
+    assert result["dataset_vs_reference"] <= 1e-5
+    assert result["dataset_loss"] == pytest.approx(result["reference_loss"], rel=1e-5)
+
+
+def test_compiled_step_memory_shrinks_with_micro_batches(data_parallel):
+    memory = data_parallel["compiled_memory"]
+    plain, accum = memory["plain"], memory["accum_4"]
+    assert accum["argument_bytes"] == plain["argument_bytes"]  # the same state goes in
+    assert 0 < accum["temp_bytes"] < plain["temp_bytes"]
+    assert accum["peak_bytes"] == (
+        accum["argument_bytes"] + accum["output_bytes"] - accum["alias_bytes"] + accum["temp_bytes"]
+    )
+    assert data_parallel["peak_bytes_in_use"] is None  # CPU devices keep no allocator stats

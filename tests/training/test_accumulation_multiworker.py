@@ -1,0 +1,74 @@
+"""AccumModel under a real two-process MultiWorkerMirroredStrategy on localhost.
+
+Two worker processes (tests/accumulation_worker.py) train on the same global
+batches; the reference is a single-device plain Keras model in this process.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+
+import tfmem  # noqa: F401  (the reference below runs in this process)
+
+WORKER = Path(__file__).with_name("accumulation_worker.py")
+
+
+def test_two_workers_match_one_device_with_one_all_reduce_per_update(tmp_path, free_ports):
+    global_batch, num_updates, k = 16, 3, 2
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(global_batch * num_updates, 6)).astype("float32")
+    y = rng.normal(size=(global_batch * num_updates, 3)).astype("float32")
+    sw = rng.uniform(0.0, 2.0, size=(global_batch * num_updates,)).astype("float32")
+    keras.utils.set_random_seed(6)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    reference = keras.Model(inputs, keras.layers.Dense(3)(hidden))
+    initial = reference.get_weights()
+    data = tmp_path / "data.npz"
+    np.savez(data, x=x, y=y, sw=sw, global_batch=global_batch,
+             **{f"w{i}": w for i, w in enumerate(initial)})
+
+    output = tmp_path / "out.npz"
+    workers = [f"localhost:{port}" for port in free_ports(2)]
+    processes = []
+    for index in range(2):
+        env = dict(os.environ)
+        env["TF_CONFIG"] = json.dumps(
+            {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
+        )
+        env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parents[2]), env.get("PYTHONPATH", "")])
+        processes.append(subprocess.Popen(
+            [sys.executable, str(WORKER), str(data), str(output), str(k)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        ))
+    logs = []
+    try:
+        for process in processes:
+            logs.append(process.communicate(timeout=240)[0])
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+    assert [p.returncode for p in processes] == [0, 0], "\n".join(l[-3000:] for l in logs)
+
+    reference.compile("adam", "mse")
+    history = reference.fit(
+        x, y, sample_weight=sw, batch_size=global_batch, shuffle=False, verbose=0
+    ).history
+    results = np.load(output)
+    for name in ("plain", "accum"):
+        assert results[f"{name}_iterations"] == num_updates
+        for i, expected in enumerate(reference.get_weights()):
+            np.testing.assert_allclose(results[f"{name}_w{i}"], expected, rtol=1e-5, atol=1e-6)
+    # The logged loss is the global-batch loss, averaged over both workers.
+    np.testing.assert_allclose(results["accum_loss"], history["loss"], rtol=1e-5)
+    # As many gradient all-reduces as a plain Keras step, none inside the micro-batch loop.
+    plain_total, plain_in_loop = results["plain_all_reduces"]
+    accum_total, accum_in_loop = results["accum_all_reduces"]
+    assert plain_total >= 1 and accum_total == plain_total
+    assert accum_in_loop == 0

@@ -1,0 +1,127 @@
+"""What JAX itself can say about memory: per-device allocator stats and a compiled step's plan.
+
+Two readings the planner's probe (`tfmem/memory/probe.py`) uses on the Keras JAX backend:
+
+- `device_memory_stats()`: the allocator counters of each local device (`bytes_in_use`,
+  `peak_bytes_in_use`, `bytes_limit`, …) as `jax.Device.memory_stats()` reports them on GPUs
+  and TPUs. CPU devices keep no such counters (there the probe measures process RSS instead).
+- `compiled_step_memory(model, data)`: XLA's memory analysis of the model's jitted train step
+  for one batch, before running it: argument, output, aliased (donated) and temporary bytes
+  per device. Available on every platform, including CPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import keras
+import numpy as np
+from keras import tree
+
+
+def device_memory_stats(device: jax.Device | None = None) -> dict[str, int]:
+    """The allocator counters of one device, or `{}` where the platform keeps none (CPU).
+
+    Args:
+        device: a `jax.Device`; the first local device when omitted.
+
+    Returns:
+        JAX's `memory_stats()` dict, e.g. `{"bytes_in_use": …, "peak_bytes_in_use": …,
+        "bytes_limit": …}` on a GPU or TPU.
+
+    Example:
+        >>> stats = device_memory_stats()
+        >>> stats.get("peak_bytes_in_use")  # None on CPU
+    """
+    device = device if device is not None else jax.local_devices()[0]
+    return dict(device.memory_stats() or {})
+
+
+def peak_bytes_in_use() -> int | None:
+    """The largest `peak_bytes_in_use` over this process's devices; `None` on CPU.
+
+    JAX's counter covers the whole process lifetime (it cannot be reset), so read it in a fresh
+    process that runs only the steps being measured, as `tfmem.probe` does.
+
+    Example:
+        >>> model.fit(x, y, batch_size=64, epochs=1)  # doctest: +SKIP
+        >>> peak_bytes_in_use()  # bytes on the busiest GPU/TPU device
+    """
+    peaks = [device_memory_stats(d).get("peak_bytes_in_use") for d in jax.local_devices()]
+    peaks = [peak for peak in peaks if peak is not None]
+    return max(peaks) if peaks else None
+
+
+def compiled_step_memory(model: keras.Model, data) -> dict[str, int]:
+    """XLA's memory analysis of `model.train_step` compiled for one batch shaped like `data`.
+
+    The step is lowered exactly as `fit` runs it: `jax.jit` with the state donated, and under
+    a `keras.distribution` the batch sharded over its devices, so the numbers are per device.
+    Nothing runs and no variable changes.
+
+    Args:
+        model: a compiled model that has been built for training (it has run `fit` or
+            `train_on_batch` once, so its optimizer and metrics have their variables).
+        data: one batch as `fit` sees it: `(x, y)` or `(x, y, sample_weight)`; arrays or
+            `jax.ShapeDtypeStruct`s.
+
+    Returns:
+        `{"argument_bytes", "output_bytes", "alias_bytes", "temp_bytes",
+        "generated_code_bytes", "peak_bytes"}`, where `peak_bytes` = argument + output −
+        alias + temp, XLA's own bound on what the step holds at once.
+
+    Raises:
+        ValueError: the model is not compiled, or its optimizer has no variables yet.
+
+    Example:
+        >>> model.train_on_batch(x[:64], y[:64])  # doctest: +SKIP
+        >>> compiled_step_memory(model, (x[:64], y[:64]))["peak_bytes"]
+    """
+    if not model.compiled:
+        raise ValueError(
+            "compiled_step_memory() needs a compiled model: call `model.compile(...)` first."
+        )
+    if not model.optimizer.built:
+        raise ValueError(
+            "The model's optimizer has no variables yet, so there is no train step to "
+            "compile. Run one step first (`model.train_on_batch(x, y)` or a 1-step `fit`)."
+        )
+    state = (
+        [v.value for v in model.trainable_variables],
+        [v.value for v in model.non_trainable_variables],
+        [v.value for v in model.optimizer.variables],
+        [v.value for v in model.metrics_variables],
+    )
+    abstract_state = tree.map_structure(_abstract, state)
+    abstract_data = tree.map_structure(_abstract_batch, data)
+    compiled = (
+        jax.jit(model.train_step, donate_argnums=0).lower(abstract_state, abstract_data).compile()
+    )
+    analysis = compiled.memory_analysis()
+    sizes = {
+        "argument_bytes": analysis.argument_size_in_bytes,
+        "output_bytes": analysis.output_size_in_bytes,
+        "alias_bytes": analysis.alias_size_in_bytes,
+        "temp_bytes": analysis.temp_size_in_bytes,
+        "generated_code_bytes": analysis.generated_code_size_in_bytes,
+    }
+    sizes["peak_bytes"] = (
+        sizes["argument_bytes"] + sizes["output_bytes"] - sizes["alias_bytes"] + sizes["temp_bytes"]
+    )
+    return {name: int(value) for name, value in sizes.items()}
+
+
+def _abstract(value) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=value.sharding)
+
+
+def _abstract_batch(value):
+    """A batch leaf laid out as `fit` lays it out: sharded on the batch axis if distributed."""
+    if value is None:
+        return None
+    shape, dtype = tuple(value.shape), np.dtype(value.dtype)
+    distribution = keras.distribution.distribution()
+    if distribution is None:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    mesh = distribution.device_mesh.backend_mesh
+    spec = jax.sharding.PartitionSpec(distribution.batch_dim_name)
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(mesh, spec))

@@ -1,0 +1,103 @@
+"""`describe()` and the `tfmem-env` command: the one screen to paste into a bug report.
+
+    $ tfmem-env              # or: python scripts/env_report.py, python -m tfmem.runtime.report
+    $ tfmem-env --prefer cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+from importlib import metadata
+
+from tfmem.runtime import devices
+from tfmem.runtime import precision
+from tfmem._version import __version__
+from tfmem.runtime.distribute import Runtime, UnavailableDeviceError, detect, inspect_hardware
+
+_GIB = 1024**3
+
+
+def describe(runtime: Runtime | None = None) -> str:
+    """A one-screen description of the runtime and the installed versions.
+
+    Args:
+        runtime: from `tfmem.detect()`; detected here when None.
+
+    Example:
+        >>> print(tfmem.describe())
+        tfmem 0.1.0 environment
+          device kind          cpu
+          ...
+    """
+    import keras
+
+    runtime = detect() if runtime is None else runtime
+    memory = (
+        f"{runtime.memory_per_replica / _GIB:.1f} GiB ({runtime.memory_per_replica} bytes)"
+        if runtime.memory_per_replica is not None
+        else "unknown (pass a device name to the planner)"
+    )
+    capability = (
+        ".".join(map(str, runtime.compute_capability)) if runtime.compute_capability else "-"
+    )
+    strategy = type(runtime.strategy)
+    rows = [
+        ("device kind", runtime.kind),
+        ("device", runtime.device_name),
+        ("replicas", str(runtime.num_replicas)),
+        ("workers", str(runtime.num_workers)),
+        ("memory per replica", memory),
+        ("compute capability", capability),
+        ("strategy", f"{strategy.__module__}.{strategy.__qualname__}"),
+        ("precision policy", f"{precision.policy_for(runtime)} (recommended); "
+         f"{keras.mixed_precision.global_policy().name} (set now)"),
+        ("TPU signals", "; ".join(inspect_hardware().tpu_signals) or "none"),
+        ("host RAM available", f"{devices.host_available_memory() / _GIB:.1f} GiB"),
+        ("CPU cores", str(os.cpu_count())),
+        ("tfmem", __version__),
+        ("keras", f"{keras.__version__} (backend {keras.backend.backend()})"),
+        ("tensorflow", _versions("tensorflow", "tensorflow-cpu", "tensorflow-tpu", "tf-nightly")),
+        ("jax", _versions("jax", "jaxlib", "libtpu")),
+        ("python", f"{platform.python_version()} ({sys.executable})"),
+        ("platform", platform.platform()),
+    ]
+    rows += [("note", note) for note in runtime.notes]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(
+        [f"tfmem {__version__} environment"]
+        + [f"  {name:<{width}}  {value}" for name, value in rows]
+    )
+
+
+def _versions(*distributions: str) -> str:
+    found = []
+    for distribution in distributions:
+        try:
+            found.append(f"{distribution} {metadata.version(distribution)}")
+        except metadata.PackageNotFoundError:
+            continue
+    return ", ".join(found) or "not installed"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `tfmem-env`: prints `describe(detect(prefer))`."""
+    parser = argparse.ArgumentParser(
+        prog="tfmem-env", description="Print the device, replicas, memory and versions."
+    )
+    parser.add_argument("--prefer", choices=["tpu", "gpu", "cpu"], default=None,
+                        help="force a device kind, as tfmem.detect(prefer=...)")
+    args = parser.parse_args(argv)
+    try:
+        runtime = detect(prefer=args.prefer)
+    except UnavailableDeviceError as error:
+        print(f"tfmem-env: {error}", file=sys.stderr)
+        return 1
+    print(describe(runtime))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

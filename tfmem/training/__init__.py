@@ -1,0 +1,5 @@
+"""Training: `AccumModel`, its per-backend train steps, and training that survives a kill.
+
+`accumulation` holds `AccumModel` and the TensorFlow step; `accumulation_jax` the same step
+for `KERAS_BACKEND=jax`; `resume` runs `fit` so a killed process resumes where it stopped.
+"""
