@@ -22,6 +22,7 @@ import tensorflow as tf
 from tfmem.data import manifest as manifest_lib
 from tfmem.data import schema as schema_lib
 from tfmem.data import tfrecords
+from tfmem.runtime.cluster import workers_in_tf_config
 
 DATA_RANGES = ((0, 255), (0, 1))
 _RECORD_FRAMING_BYTES = 16  # uint64 length + CRC of the length + CRC of the data
@@ -161,8 +162,7 @@ def inspect_tfrecords(path_or_pattern: str | os.PathLike) -> str:
 
 def num_workers_from_environment() -> int:
     """Workers of a multi-worker cluster described by TF_CONFIG; 1 when there is none."""
-    spec = tf.distribute.cluster_resolver.TFConfigClusterResolver().cluster_spec().as_dict()
-    return max(1, len(spec.get("worker", [])) + len(spec.get("chief", [])))
+    return workers_in_tf_config(os.environ.get("TF_CONFIG"))
 
 
 def auto_shard_policy(num_files: int, num_workers: int) -> tf.data.experimental.AutoShardPolicy:

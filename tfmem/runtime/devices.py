@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import platform
 import re
 
 _MIB = 1024**2
@@ -178,3 +179,15 @@ def host_available_memory() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def cpu_name() -> str:
+    """The CPU's model name (from /proc/cpuinfo), or what `platform` knows."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "CPU"

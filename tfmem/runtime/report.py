@@ -15,7 +15,9 @@ from importlib import metadata
 from tfmem.runtime import devices
 from tfmem.runtime import precision
 from tfmem._version import __version__
-from tfmem.runtime.distribute import Runtime, UnavailableDeviceError, detect, inspect_hardware
+from tfmem.backend import detect
+from tfmem.runtime.hardware import inspect_hardware
+from tfmem.runtime.runtime import Runtime, UnavailableDeviceError
 
 _GIB = 1024**3
 
