@@ -7,9 +7,10 @@ tensor a gradient op takes as input); on JAX, the residuals `jax.vjp` saves. Not
 computed: weights enter as symbolic values through `keras.StatelessScope`, so a model whose
 variables were never initialised can be traced too.
 
-Each call is traced at two batch sizes; a tensor's bytes per sample are the difference, so
-weights (and their casts) drop out and a reshape that folds the batch into another axis
-is still sized right.
+On TensorFlow a call is traced once with a symbolic batch axis: a tensor's bytes per sample
+are its size beyond that axis. Where that cannot be read (a reshape folds the batch into
+another axis), and always on JAX, it is traced at two batch sizes and a tensor's bytes per
+sample are the difference, so weights and their casts drop out.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Callable, Sequence
 import keras
 import numpy as np
 
-# Two batch sizes, neither 1 (a size-1 axis can be squeezed away or broadcast).
+# Two batch sizes for the difference, neither 1 (a size-1 axis can be squeezed or broadcast).
 _BATCHES = (2, 3)
 
 # TensorFlow ops whose output is a view of an input, and ops that read only a tensor's shape
@@ -61,6 +62,7 @@ class _Trace:
     forward: dict  # name -> bytes of every forward tensor
     outputs: tuple  # bytes of each flat output
     has_loop: bool
+    ambiguous: bool = False  # a symbolic-batch trace that cannot say what is per sample
 
 
 def trace_call(call: Callable, specs: Sequence[tuple[tuple, str]], *,
@@ -80,9 +82,20 @@ def trace_call(call: Callable, specs: Sequence[tuple[tuple, str]], *,
     Raises:
         whatever the framework raises when the call cannot be traced; callers fall back.
     """
-    trace = _trace_tensorflow if backend_name == "tensorflow" else _trace_jax
-    small, large = (trace(call, specs, batch, differentiable, trainable, non_trainable)
-                    for batch in _BATCHES)
+    arguments = (call, specs, differentiable, trainable, non_trainable)
+    if backend_name == "tensorflow":
+        symbolic = _trace_tensorflow(*arguments, batch=None)
+        if not symbolic.ambiguous:
+            return TracedCall(tuple(sorted(symbolic.kept_inputs)),
+                              tuple(sorted(symbolic.kept_outputs)),
+                              tuple(v for v in symbolic.internal.values() if v[0] > 0),
+                              max(symbolic.forward.values(), default=0), symbolic.outputs,
+                              symbolic.has_loop)
+        trace = _trace_tensorflow
+    else:
+        trace = _trace_jax
+    small, large = (trace(*arguments, batch=batch) for batch in _BATCHES)
+
     def per_sample(name, small_bytes, large_bytes):
         if name not in small_bytes:  # no twin: assume the tensor grows with the batch
             return large_bytes[name] // _BATCHES[1]
@@ -117,7 +130,9 @@ def _float_sum(outputs, cast, reduce_sum, is_float):
     return total
 
 
-def _trace_tensorflow(call, specs, batch, differentiable, trainable, non_trainable) -> _Trace:
+def _trace_tensorflow(call, specs, differentiable, trainable, non_trainable, *, batch) -> _Trace:
+    """One trace; with `batch` None, every size is already per sample (a tensor without the
+    symbolic batch axis is a weight or a reduction over the batch: 0)."""
     import tensorflow as tf
 
     boundary = {}
@@ -143,7 +158,7 @@ def _trace_tensorflow(call, specs, batch, differentiable, trainable, non_trainab
         return [g for g in tape.gradient(loss, watched) if g is not None]
 
     def spec_of(shape, dtype):
-        return tf.TensorSpec((batch,) + tuple(shape), tf.as_dtype(dtype))
+        return tf.TensorSpec((batch,) + tuple(shape), tf.as_dtype(dtype))  # batch None: symbolic
 
     graph = forward_backward.get_concrete_function(
         [spec_of(shape, dtype) for shape, dtype in specs],
@@ -159,10 +174,21 @@ def _trace_tensorflow(call, specs, batch, differentiable, trainable, non_trainab
             tensor = tensor.op.inputs[index]
         return tensor
 
+    ambiguous = False
+
     def nbytes(tensor) -> int:
-        if tensor.dtype in (tf.resource, tf.variant) or not tensor.shape.is_fully_defined():
+        nonlocal ambiguous
+        shape = tensor.shape
+        if tensor.dtype in (tf.resource, tf.variant) or shape.rank is None:
             return 0
-        return int(np.prod(tensor.shape, dtype=np.int64)) * tensor.dtype.size
+        if batch is not None:
+            return int(np.prod(shape, dtype=np.int64)) * tensor.dtype.size
+        if shape.rank == 0 or shape[0] is not None:
+            return 0  # no batch axis: a weight, a constant, or reduced over the batch
+        if not shape[1:].is_fully_defined():
+            ambiguous = True  # a size that depends on the batch in some other way
+            return 0
+        return int(np.prod(shape[1:], dtype=np.int64)) * tensor.dtype.size
 
     input_refs = {root(t).ref(): i for i, t in enumerate(boundary["inputs"])}
     output_refs = {root(t).ref(): i for i, t in enumerate(boundary["outputs"])}
@@ -184,11 +210,27 @@ def _trace_tensorflow(call, specs, batch, differentiable, trainable, non_trainab
                 internal[tensor.name] = (nbytes(tensor), tensor.dtype.name)
     forward = {t.name: nbytes(t) for op in operations[:boundary["ops"]] for t in op.outputs}
     outputs = tuple(nbytes(t) for t in boundary["outputs"])
+    if batch is None:
+        ambiguous = ambiguous or any(_folds_batch(op) for op in operations[:boundary["ops"]])
     return _Trace(frozenset(kept_inputs), frozenset(kept_outputs), internal, forward, outputs,
-                  has_loop)
+                  has_loop, ambiguous)
 
 
-def _trace_jax(call, specs, batch, differentiable, trainable, non_trainable) -> _Trace:
+def _folds_batch(op) -> bool:
+    """A reshape that moves part of the batch axis elsewhere (`(-1, C)` of a `(B, H, W, C)`):
+    its symbolic leading axis no longer counts samples."""
+    if op.type != "Reshape":
+        return False
+    before, after = op.inputs[0].shape, op.outputs[0].shape
+    if before.rank is None or after.rank is None or not before.rank or not after.rank:
+        return False
+    if before[0] is not None or after[0] is not None:
+        return before[0] != after[0] and None in (before[0], after[0])
+    return (before[1:].is_fully_defined() and after[1:].is_fully_defined()
+            and before[1:].num_elements() != after[1:].num_elements())
+
+
+def _trace_jax(call, specs, differentiable, trainable, non_trainable, *, batch) -> _Trace:
     import jax
     import jax.numpy as jnp
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 from collections.abc import Callable, Sequence
 
 import keras
@@ -112,3 +113,51 @@ def _build(lever: Lever, tried: list) -> keras.Model | None:
     except (ValueError, TypeError) as error:  # a size the model does not accept
         tried.append(f"{lever.description} (not buildable: {str(error).splitlines()[0]})")
         return None
+
+
+def registry_variants(name: str, *, image_size: int, **build_kwargs
+                      ) -> list[tuple[str, Callable[[], keras.Model]]]:
+    """Smaller variants of a `tfmem.models` name for `plan(smaller_variants=...)`: ¾ and ½
+    of the image size (valid sizes only), then the next smaller model of its family.
+
+    The builders leave weights uninitialised (the planner reads shapes only).
+
+    Example:
+        >>> [d for d, _ in registry_variants("efficientnetv2-xl", image_size=384)]
+        ['image size 288', 'image size 192', 'model efficientnetv2-l']
+    """
+    from tfmem import models
+
+    if name not in models.MODELS:
+        return []
+    spec = models.MODELS[name]
+    step = max(spec.image_size_multiple, 32)
+    variants = []
+    for fraction in (0.75, 0.5):
+        size = int(image_size * fraction) // step * step
+        if spec.min_image_size <= size < image_size and all(
+                f"image size {size}" != d for d, _ in variants):
+            variants.append((f"image size {size}", _deferred(name, size, build_kwargs)))
+    siblings = [other for other in models.MODELS if _family(other) == _family(name)]
+    smaller = siblings[:siblings.index(name)]
+    if smaller:
+        variants.append((f"model {smaller[-1]}",
+                         _deferred(smaller[-1], image_size, build_kwargs)))
+    return variants
+
+
+def _family(name: str) -> str:
+    """"efficientnetv2-xl" → "efficientnetv2-#", "resnet50v2" → "resnet#v2"; registry order
+    within a family is smallest first."""
+    if "-" in name:
+        return name.rsplit("-", 1)[0] + "-#"
+    return re.sub(r"\d+", "#", name)
+
+
+def _deferred(name: str, image_size: int, build_kwargs: dict) -> Callable[[], keras.Model]:
+    def build() -> keras.Model:
+        from tfmem import models
+
+        with keras.StatelessScope(initialize_variables=False):
+            return models.build(name, image_size=image_size, **build_kwargs)
+    return build

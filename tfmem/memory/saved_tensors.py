@@ -255,11 +255,21 @@ def _placeholder(value):
 
 
 def _config_key(operation) -> str:
+    """The configuration as a cache key. Non-zero float settings (dropout and
+    stochastic-depth rates, which change from block to block) are one value: they decide
+    whether a mask exists, not its size; sizes are in the key through weights and shapes."""
     try:
         config = operation.get_config()
     except Exception:  # noqa: BLE001 - a config that cannot be read: the weights still differ
         return ""
-    return repr(sorted((k, v) for k, v in config.items() if k != "name"))
+
+    def normal(value):
+        if isinstance(value, float):
+            return "float>0" if value else 0.0
+        return value
+
+    return repr(sorted((k, keras.tree.map_structure(normal, v)) for k, v in config.items()
+                       if k != "name"))
 
 
 def _first_line(error: Exception) -> str:
