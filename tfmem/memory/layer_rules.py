@@ -10,13 +10,12 @@ From TensorFlow's registered gradients (`nn_grad.py`, `math_grad.py`) and Keras 
 - Conv*/Dense/EinsumDense: the kernel gradient reads the layer *input*, in the layer's
   compute dtype (a float32 input under mixed precision is kept as a new 2-byte copy).
   SeparableConv also keeps its depthwise intermediate.
-- BatchNormalization (training) keeps a float32 copy of its input; LayerNormalization and
-  GroupNormalization keep that and the float32 normalised tensor.
+- BatchNormalization (training) keeps a float32 copy of its input.
 - Activations read their output (`ReluGrad`, `SigmoidGrad`, `TanhGrad`, softmax, …) or their
-  input (silu's custom gradient, softplus, leaky ReLU); GELU/hard-swish/mish keep two.
-- Add/Subtract/Concatenate/Reshape/padding/cropping/average pools/Rescaling keep nothing;
-  Multiply/Maximum/Minimum keep their inputs; MaxPooling keeps input and output; Dropout
-  keeps its boolean mask (one byte per element).
+  input (silu's custom gradient, softplus, leaky ReLU).
+- Add/Subtract/Concatenate/Reshape/padding/cropping/global average pools/Rescaling keep
+  nothing; MaxPooling keeps input and output; Dropout keeps its boolean mask (one byte per
+  element).
 - A recurrent layer keeps what its cell keeps, once per timestep (the cell is traced).
 """
 
@@ -27,31 +26,23 @@ import keras
 _KEEPS_OUTPUT = {"relu", "relu6", "sigmoid", "tanh", "softmax", "log_softmax", "elu", "selu",
                  "exponential", "hard_sigmoid"}
 _KEEPS_INPUT = {"silu", "swish", "softplus", "softsign", "leaky_relu"}
-_KEEPS_TWO = {"gelu", "hard_silu", "hard_swish", "mish"}
 
 _NO_SAVED_TENSORS = (
-    keras.layers.Add, keras.layers.Subtract, keras.layers.Average, keras.layers.Concatenate,
+    keras.layers.Add, keras.layers.Subtract, keras.layers.Concatenate,
     keras.layers.Reshape, keras.layers.Flatten, keras.layers.Permute, keras.layers.RepeatVector,
-    keras.layers.ZeroPadding1D, keras.layers.ZeroPadding2D, keras.layers.ZeroPadding3D,
-    keras.layers.Cropping1D, keras.layers.Cropping2D, keras.layers.Cropping3D,
-    keras.layers.AveragePooling1D, keras.layers.AveragePooling2D, keras.layers.AveragePooling3D,
+    keras.layers.ZeroPadding1D, keras.layers.ZeroPadding2D,
+    keras.layers.Cropping1D, keras.layers.Cropping2D,
     keras.layers.GlobalAveragePooling1D, keras.layers.GlobalAveragePooling2D,
-    keras.layers.GlobalAveragePooling3D, keras.layers.Rescaling, keras.layers.Normalization,
-    keras.layers.Identity, keras.layers.Embedding, keras.layers.InputLayer,
+    keras.layers.Rescaling, keras.layers.Identity,
 )
 # Outputs that share their input's buffer (a rate-0 dropout returns its input).
 VIEWS = (keras.layers.Reshape, keras.layers.Flatten, keras.layers.Identity)
-_KEEPS_INPUTS = (keras.layers.Multiply, keras.layers.Maximum, keras.layers.Minimum)
-_MAX_POOLS = (keras.layers.MaxPooling1D, keras.layers.MaxPooling2D, keras.layers.MaxPooling3D)
-_GLOBAL_MAX_POOLS = (keras.layers.GlobalMaxPooling1D, keras.layers.GlobalMaxPooling2D,
-                     keras.layers.GlobalMaxPooling3D)
 DROPOUTS = (keras.layers.Dropout, keras.layers.SpatialDropout1D, keras.layers.SpatialDropout2D,
             keras.layers.SpatialDropout3D, keras.layers.GaussianDropout,
             keras.layers.AlphaDropout)
-_TWO_TENSOR_NORMS = (keras.layers.LayerNormalization, keras.layers.GroupNormalization)
-_KERNEL_LAYERS = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D,
-                  keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose,
-                  keras.layers.Conv3DTranspose, keras.layers.DepthwiseConv1D,
+_MAX_POOLS = (keras.layers.MaxPooling1D, keras.layers.MaxPooling2D)
+_KERNEL_LAYERS = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv1DTranspose,
+                  keras.layers.Conv2DTranspose, keras.layers.DepthwiseConv1D,
                   keras.layers.DepthwiseConv2D, keras.layers.Dense, keras.layers.EinsumDense)
 _SEPARABLE = (keras.layers.SeparableConv1D, keras.layers.SeparableConv2D)
 
@@ -70,10 +61,8 @@ def _activation(walker, name: str, output, pre_activation=None) -> bool:
     if name in _KEEPS_OUTPUT:
         walker.keep(output)
         return True
-    if name not in _KEEPS_INPUT | _KEEPS_TWO:
+    if name not in _KEEPS_INPUT:
         return False
-    if name in _KEEPS_TWO:
-        walker.keep(output)
     if pre_activation is None:
         walker.keep_new(output.shape, walker.dtype_of(output))
     else:
@@ -83,7 +72,7 @@ def _activation(walker, name: str, output, pre_activation=None) -> bool:
 
 def _known_activation(layer) -> bool:
     name = activation_name(getattr(layer, "activation", None))
-    return name in {"linear"} | _KEEPS_OUTPUT | _KEEPS_INPUT | _KEEPS_TWO
+    return name in {"linear"} | _KEEPS_OUTPUT | _KEEPS_INPUT
 
 
 def apply(walker, layer, inputs, outputs, has_trainable: bool) -> bool:
@@ -113,16 +102,12 @@ def apply(walker, layer, inputs, outputs, has_trainable: bool) -> bool:
         if layer.trainable and not walker.is_frozen(layer):
             walker.keep(inputs[0], "float32")
         return True
-    if kind in _TWO_TENSOR_NORMS:
-        walker.keep(inputs[0], "float32")
-        walker.keep_new(out.shape, "float32")
-        return True
     if kind is keras.layers.Activation:
         return _activation(walker, activation_name(layer.activation), out, inputs[0])
     if kind in (keras.layers.ReLU, keras.layers.ELU, keras.layers.Softmax):
         walker.keep(out)
         return True
-    if kind in (keras.layers.LeakyReLU, keras.layers.PReLU):
+    if kind is keras.layers.LeakyReLU:
         walker.keep(inputs[0])
         return True
     if kind in _NO_SAVED_TENSORS:
@@ -131,18 +116,11 @@ def apply(walker, layer, inputs, outputs, has_trainable: bool) -> bool:
         if layer.interpolation != "nearest":
             walker.keep(inputs[0])  # ResizeBilinearGrad reads the original image
         return True
-    if kind in _KEEPS_INPUTS:
-        for tensor in inputs:
-            walker.keep(tensor, compute)
-        return True
     if kind in _MAX_POOLS:
         walker.keep(inputs[0])
         walker.keep(out)
         return True
-    if kind in _GLOBAL_MAX_POOLS:
-        walker.keep(inputs[0])
-        return True
-    if kind in DROPOUTS:
+    if kind is keras.layers.Dropout:
         walker.keep_new(inputs[0].shape, "bool")  # SelectV2's keep-mask, one byte each
         return True
     if isinstance(layer, keras.layers.RNN) and len(inputs) == 1:

@@ -215,9 +215,18 @@ class _Walker:
         if result is None or timesteps is None:
             self.keep(sequence)
             return
-        per_step = sum(_sample_bytes(specs[i].shape, specs[i].dtype) for i in result.kept_inputs)
-        per_step += sum(result.output_bytes[i] for i in result.kept_outputs)
-        self.keep_bytes(per_step * timesteps)
+        kept_in, kept_out = set(result.kept_inputs), set(result.kept_outputs)
+        total = _sample_bytes(specs[0].shape, specs[0].dtype) * timesteps if 0 in kept_in else 0
+        for j, spec in enumerate(specs[1:]):
+            # State j enters step t as input j + 1 and leaves step t - 1 as output j + 1 (a
+            # built-in cell's output 0 is state 0 too): kept on either side, it is one tensor
+            # per step, plus the initial (or last) state when both sides keep it.
+            as_input = j + 1 in kept_in
+            as_output = j + 1 in kept_out or (j == 0 and 0 in kept_out)
+            if as_input or as_output:
+                nbytes = _sample_bytes(spec.shape, spec.dtype)
+                total += nbytes * (timesteps + int(as_input and as_output))
+        self.keep_bytes(total)
         self.keep_internal(result, repeat=timesteps)
 
     def trace(self, operation, call, inputs, differentiable, has_trainable, extra_key=""):
@@ -322,6 +331,10 @@ def traced_saved_tensors(model: keras.Model, *, compute_dtype: str | None = None
         inputs = list(graph.inputs)
     else:
         inputs = _subclassed_inputs(model, input_shapes)
+        if not all(layer.built for layer in internals.flatten_layers(model)):
+            # `Model.build(shape)` does not build the layers a subclassed `call` uses; a
+            # symbolic call does, as the first `fit` step would.
+            model(inputs[0] if len(inputs) == 1 else inputs)
     walker.model_inputs = {walker.key(t) for t in inputs}
 
     def call(xs):
