@@ -62,6 +62,12 @@ def _sample_bytes(shape, dtype) -> int:
     return math.prod(dims) * _itemsize(dtype)
 
 
+# Traces by call configuration, shared by every plan in this process: a model planned again
+# (the guard at each `fit`, the levers when nothing fits, several devices) is not retraced.
+_TRACES: dict = {}
+_MAX_TRACES = 4096
+
+
 class _Walker:
     """Collects the kept tensors of one model, keyed so that a tensor counts once."""
 
@@ -78,7 +84,6 @@ class _Walker:
         self.fallbacks: set[str] = set()
         self.traced: set[str] = set()
         self.loops: set[str] = set()
-        self.cache: dict = {}
 
     # -- keys and dtypes --------------------------------------------------------------------
     def key(self, tensor):
@@ -238,21 +243,26 @@ class _Walker:
         trainable_ids = {id(w) for w in trainable}
         others = [w for w in weights if id(w) not in trainable_ids]
         specs = [(tuple(t.shape[1:]), keras.backend.standardize_dtype(t.dtype)) for t in inputs]
-        cache_key = (type(operation), _config_key(operation), extra_key, tuple(specs),
+        cache_key = (self.backend_name, type(operation), _config_key(operation), extra_key,
+                     str(getattr(operation, "compute_dtype", "")), tuple(specs),
                      tuple(differentiable), tuple((tuple(w.shape), str(w.dtype),
                                                    id(w) in trainable_ids) for w in weights))
-        if cache_key in self.cache:
-            result = self.cache[cache_key]
+        if cache_key in _TRACES:
+            result, reason = _TRACES[cache_key]
         else:
+            result, reason = None, ""
             try:
                 result = gradient_trace.trace_call(
                     call, specs, differentiable=differentiable, trainable=trainable,
                     non_trainable=others, backend_name=self.backend_name)
             except Exception as error:  # noqa: BLE001 - any failure: the upper bound, named
-                result = None
-                self.fallbacks.add(f"{name} ({type(error).__name__}: {_first_line(error)})")
-            self.cache[cache_key] = result
-        if result is not None:
+                reason = f"{name} ({type(error).__name__}: {_first_line(error)})"
+            if len(_TRACES) >= _MAX_TRACES:
+                _TRACES.clear()
+            _TRACES[cache_key] = result, reason
+        if result is None:
+            self.fallbacks.add(reason)
+        else:
             self.traced.add(name)
             if result.has_loop:
                 self.loops.add(name)
