@@ -1,6 +1,7 @@
 """The documentation site builds with `mkdocs build --strict`: every page, link and API symbol resolves."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -24,15 +25,43 @@ def _build(config_file, site_dir):
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
-def test_site_builds_strict_with_every_public_name_in_the_reference(tmp_path):
-    result = _build(os.path.join(ROOT, "mkdocs.yml"), tmp_path / "site")
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """The site as `mkdocs build --strict` makes it from the repository."""
+    site_dir = tmp_path_factory.mktemp("docs") / "site"
+    result = _build(os.path.join(ROOT, "mkdocs.yml"), site_dir)
     assert result.returncode == 0, result.stderr[-4000:]
-    reference = (tmp_path / "site" / "api" / "index.html").read_text()
+    return site_dir
+
+
+def test_reference_has_every_public_name(site):
+    reference = (site / "api" / "index.html").read_text()
     missing = [name for name in tfmem.__all__ if f'id="tfmem.{name}"' not in reference]
     assert not missing, f"public names without an entry in docs/api.md: {missing}"
     # Doctests in `Example:` sections render as Python console code, not as quoted text.
     assert '<span class="gp">&gt;&gt;&gt; </span>' in reference
     assert "<blockquote>\n<blockquote>" not in reference
+
+
+def test_readme_links_resolve(site):
+    # The README is not part of the site, so its links are checked here: each relative link
+    # names a file of the repository, and a link into docs/ a heading the built page has.
+    with open(os.path.join(ROOT, "README.md")) as file:
+        readme = file.read()
+    links = re.findall(r"\]\(([^)#\s]+)(?:#([^)\s]+))?\)", readme)
+    assert any(anchor for _, anchor in links)
+    broken = []
+    for path, anchor in links:
+        if "://" in path:
+            continue
+        if not os.path.exists(os.path.join(ROOT, path)):
+            broken.append(path)
+        elif anchor and path.startswith("docs/") and path.endswith(".md"):
+            page = path[len("docs/"):-len(".md")]
+            html = site / ("" if page == "index" else page) / "index.html"
+            if f'id="{anchor}"' not in html.read_text():
+                broken.append(f"{path}#{anchor}")
+    assert not broken, f"README.md links to what does not exist: {broken}"
 
 
 @pytest.mark.parametrize("page, complaint", [
