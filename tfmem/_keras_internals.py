@@ -114,6 +114,17 @@ def in_multi_worker_mode(strategy) -> bool:
                            "whether a strategy spans several workers")())
 
 
+def first_batch(epoch_iterator):
+    """The first batch of the TensorFlow trainer's epoch iterator.
+
+    Its items end with an iterator over the step's batches; the items before it (the step
+    number, or the first and last step) differ between Keras versions.
+    """
+    for item in epoch_iterator:
+        return next(item[-1])
+    raise ValueError("The data has no batches: the first epoch is empty.")
+
+
 # The TensorFlow trainer builds a model from the first batch in this method; AccumModel
 # overrides it (see `tfmem.training.accumulation_tf`), so its name is checked like the rest.
 SYMBOLIC_BUILD_HOOK = "_maybe_symbolic_build"
