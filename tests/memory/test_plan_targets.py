@@ -13,8 +13,9 @@ import keras
 import pytest
 
 import tfmem
+from tfmem import _keras_internals as internals
 from tfmem import models
-from tfmem.memory import planner
+from tfmem.memory import levers, planner
 from tfmem.memory.memory_plan import Term
 from tfmem.runtime import devices
 
@@ -66,9 +67,9 @@ def _hand_choice(p, model, precision):
     params = sum(math.prod(w.shape) for w in model.weights)
     assert p.parameter_bytes == 4 * params and p.gradient_bytes == 4 * trainable
     assert p.optimizer_bytes == 2 * 4 * trainable  # Adam: m and v
-    not_bn = sum(math.prod(w.shape) for layer in model._flatten_layers(include_self=False)
+    not_bn = sum(math.prod(w.shape) for layer in internals.flatten_layers(model)
                  if not isinstance(layer, keras.layers.BatchNormalization)
-                 for w in layer._trainable_variables)
+                 for w in internals.own_trainable_variables(layer))
     mixed = 0 if precision == "float32" else (
         2 * not_bn + (4 * trainable if precision == "mixed_float16" else 0))
     assert p.mixed_precision_bytes == mixed
@@ -240,3 +241,69 @@ def test_every_segmentation_model_plans(name):
     p = tfmem.plan(model, global_batch_size=4, device="t4", precision="auto")
     assert p.fits and p.num_parameters == model.count_params()
     assert not [note for note in p.notes if "upper bound" in note]
+
+
+def _wide_cnn(size, filters=64):
+    inputs = keras.Input((size, size, 3))
+    x = inputs
+    for _ in range(6):
+        x = keras.layers.Conv2D(filters, 3, padding="same", activation="relu")(x)
+    return keras.Model(inputs, keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(x)))
+
+
+def test_smaller_variants_are_built_and_checked_after_the_changes_to_the_model_itself():
+    model = _wide_cnn(128)
+    variants = [("image size 64", lambda: _wide_cnn(64)),
+                ("model with 16 filters", lambda: _wide_cnn(128, filters=16))]
+    smaller = _plan64(_wide_cnn(64))
+    mixed = _plan64(model, precision="mixed_bfloat16")
+    assert smaller.peak_bytes(1, 64) < mixed.peak_bytes(1, 64)
+    memory = _memory_between(smaller, mixed)
+    p = tfmem.plan(model, global_batch_size=64, memory_budget=memory, smaller_variants=variants)
+    assert p.alternative.changes == ("image size 64",)
+    assert p.alternative.tried == ("precision mixed_bfloat16", "optimizer SGD (momentum 0.9)",
+                                   "optimizer Adafactor", "image size 64")
+    assert tfmem.plan(_wide_cnn(64), global_batch_size=64, memory_budget=memory).fits
+
+
+def test_registry_variants_name_smaller_images_and_the_next_smaller_model():
+    variants = levers.registry_variants("efficientnetv2-xl", image_size=384, num_classes=10)
+    assert [d for d, _ in variants] == ["image size 288", "image size 192",
+                                        "model efficientnetv2-l"]
+    assert variants[1][1]().input_shape == (None, 192, 192, 3)
+    assert [d for d, _ in levers.registry_variants("resnet101", image_size=224,
+                                                   num_classes=10)] == [
+        "image size 160", "image size 96", "model resnet50"]
+    assert levers.registry_variants("small-cnn", image_size=32, num_classes=4) == []
+
+
+def test_the_planner_imports_no_tensorflow():
+    program = (
+        "import sys\n"
+        "class NoTensorFlow:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'tensorflow' or name.startswith('tensorflow.'):\n"
+        "            raise ModuleNotFoundError(name)\n"
+        "sys.meta_path.insert(0, NoTensorFlow())\n"
+        "import types\n"
+        "sys.modules['tfmem'] = types.ModuleType('tfmem')  # skip tfmem/__init__ (imports TF)\n"
+        "sys.modules['tfmem'].__path__ = [sys.argv[1] + '/tfmem']\n"
+        "from tfmem.memory import planner, plan_report\n"
+        "print(sorted(m for m in sys.modules if m.startswith('tfmem.memory')))\n")
+    result = subprocess.run([sys.executable, "-c", program, str(ROOT)], capture_output=True,
+                            text=True, timeout=300, env=dict(os.environ, KERAS_BACKEND="jax"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "tfmem.memory.planner" in result.stdout
+
+
+def test_planner_and_report_do_not_import_each_other():
+    import ast
+
+    def imports(module):
+        tree = ast.parse((ROOT / "tfmem" / "memory" / f"{module}.py").read_text())
+        return {alias.name if isinstance(node, ast.Import) else f"{node.module}.{alias.name}"
+                for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+                for alias in node.names}
+
+    assert not [name for name in imports("planner") if "plan_report" in name]
+    assert not [name for name in imports("plan_report") if name.startswith("tfmem")]

@@ -315,11 +315,13 @@ def test_plan_script_prints_the_plan_and_draws_it(tmp_path):
         env=dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", "")))
     assert result.returncode == 0, result.stderr[-2000:]
     reference = tfmem.plan(tfmem.models.build("mobilenetv2", num_classes=10, image_size=32),
-                           global_batch_size=48, optimizer="sgd", device="t4")
+                           global_batch_size=48, optimizer="sgd", device="t4",
+                           precision="mixed_float16")  # what --precision auto means on a T4
     total = plan_report.format_bytes(reference.peak_bytes(reference.micro_batch_size))
-    assert f"total (peak per replica)" in result.stdout and total in result.stdout
-    assert (f"choice: micro-batch {reference.micro_batch_size} × "
-            f"{reference.accumulation_steps}") in result.stdout
+    assert "total (peak per replica)" in result.stdout and total in result.stdout
+    assert "SGD, mixed_float16" in result.stdout
+    assert (f"choice: global batch 48 = micro-batch {reference.micro_batch_size} × "
+            f"{reference.accumulation_steps} accumulation step(s) × 1 replica(s)") in result.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

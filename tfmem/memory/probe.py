@@ -370,7 +370,9 @@ def _child_main(spec_path: str, result_path: str) -> None:
     size = spec["micro_batch_size"]
     rng = np.random.default_rng(0)
     images = rng.uniform(0, 1, (size,) + spec["input_shape"]).astype("float32")
-    targets = np.zeros((size,) + tuple(model.output_shape[1:]), "float32")
+    # A subclassed model has no `output_shape`: its symbolic call gives it.
+    output = model.compute_output_spec(keras.KerasTensor((size,) + spec["input_shape"]))
+    targets = np.zeros((size,) + tuple(output.shape[1:]), "float32")
     # One batch repeated: the data costs one batch, as a streaming pipeline's current batch does.
     dataset = tf.data.Dataset.from_tensors((images, targets)).repeat(spec["num_steps"])
     if spec["device"] == "cpu" and "path" in spec:
