@@ -210,3 +210,47 @@ def test_a_model_the_planner_cannot_plan_warns_once_and_trains():
     with pytest.raises(ValueError, match=r'accumulation_steps="auto" takes k from the memory '
                                          r"plan.*Set `accumulation_steps` to a number k"):
         auto.fit(_dataset(), epochs=1, verbose=0, memory_budget=GIB)
+
+
+_ON_JAX = r"""
+import json
+import keras
+from keras import ops
+from tfmem.memory.saved_tensors import saved_tensors, traced_saved_tensors
+
+L = keras.layers
+inputs = keras.Input((16, 8))
+x = L.Dense(8)(inputs)
+y = ops.relu(x) * 2.0 + x
+z = L.MultiHeadAttention(num_heads=2, key_dim=4)(L.LayerNormalization()(y), y)
+model = keras.Model(inputs, L.Dense(3)(z + y))
+walked = saved_tensors(model)
+print(json.dumps([keras.backend.backend(), walked.saved_bytes,
+                  traced_saved_tensors(model).saved_bytes, walked.fallback_calls]))
+"""
+
+
+def test_on_jax_the_general_path_reads_jax_residuals():
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-c", _ON_JAX], capture_output=True, text=True,
+                            timeout=300, cwd=root,
+                            env=dict(os.environ, KERAS_BACKEND="jax", PYTHONPATH=str(root)))
+    assert result.returncode == 0, result.stderr[-2000:]
+    backend, walked, whole, fallbacks = json.loads(result.stdout.splitlines()[-1])
+    # Node by node (ops nodes, LayerNorm and attention through `jax.vjp`) equals one
+    # `jax.vjp` of the whole model; the Dense input alone is 16 × 8 floats.
+    assert backend == "jax" and walked == whole > 16 * 8 * 4 and fallbacks == []
+
+
+def test_a_grouped_convolution_reserves_its_patch_matrix():
+    inputs = keras.Input((6, 6, 4))
+    x = keras.layers.Conv2D(4, 1)(inputs)
+    p = _plan(keras.Model(inputs, keras.layers.Conv2D(4, 3, padding="same", groups=2)(x)))
+    assert p.workspace_bytes_per_sample == 3 * 3 * _floats(6, 6, 4)  # kh·kw × its input
+    assert p.activation_bytes_per_sample == 2 * _floats(6, 6, 4)  # each conv keeps its input

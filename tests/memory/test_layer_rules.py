@@ -51,6 +51,7 @@ CASES = {
     **{f"Dense-{name}": _vector(lambda name=name: L.Dense(8, activation=name))
        for name in ("relu", "sigmoid", "softmax", "silu")},
     "DepthwiseConv2D": _image(lambda: L.DepthwiseConv2D(3, padding="same")),
+    "Conv2D-grouped": _image(lambda: L.Conv2D(4, 3, padding="same", groups=2)),
     "SeparableConv2D": _image(lambda: L.SeparableConv2D(4, 3, padding="same",
                                                         activation="relu")),
     "Conv2DTranspose": _image(lambda: L.Conv2DTranspose(4, 3, strides=2)),

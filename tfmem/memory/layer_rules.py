@@ -21,6 +21,8 @@ From TensorFlow's registered gradients (`nn_grad.py`, `math_grad.py`) and Keras 
 
 from __future__ import annotations
 
+import math
+
 import keras
 
 _KEEPS_OUTPUT = {"relu", "relu6", "sigmoid", "tanh", "softmax", "log_softmax", "elu", "selu",
@@ -97,6 +99,12 @@ def apply(walker, layer, inputs, outputs, has_trainable: bool) -> bool:
             return False
         if has_trainable:
             walker.keep(inputs[0], compute)
+        if getattr(layer, "groups", 1) > 1:
+            # Keras's TensorFlow backend runs grouped convolutions through XLA; their backward
+            # materialises the input's kh·kw patch matrix (measured ≈ 40-49 × the input per
+            # sample on CPU, docs/planning.md), a transient that is not in the gradient graph.
+            patches = math.prod(layer.kernel_size) * walker.sample_bytes(inputs[0], compute)
+            walker.patches = max(walker.patches, patches)
         return _activation(walker, activation_name(getattr(layer, "activation", None)), out)
     if kind is keras.layers.BatchNormalization:
         if layer.trainable and not walker.is_frozen(layer):

@@ -193,8 +193,8 @@ def _estimate(model, *, global_batch_size, optimizer, precision, budget, safety,
         input_bytes_per_sample=saved.input_bytes,
         activation_bytes_per_sample=saved.saved_bytes,
         # The backward pass of the largest op holds its output gradient and input gradient
-        # next to the kept tensors.
-        workspace_bytes_per_sample=2 * saved.largest_tensor_bytes,
+        # next to the kept tensors (or a grouped convolution its patch matrix).
+        workspace_bytes_per_sample=saved.workspace_bytes,
         input_batches_in_flight=input_batches_in_flight,
         notes=tuple(notes),
     )

@@ -32,6 +32,9 @@ class SavedTensors:
     Attributes:
         saved_bytes: bytes of the distinct tensors the backward pass reads, for one sample.
         largest_tensor_bytes: bytes of the largest single tensor of the forward pass (one sample).
+        workspace_bytes: the largest transient the backward pass needs besides the kept
+            tensors, for one sample: two tensors of the largest size (an op's output and input
+            gradients), or a grouped convolution's patch matrix where that is larger.
         input_bytes: bytes of one sample of the model's inputs, as fed.
         fallback_calls: calls counted as keeping their inputs and outputs (an upper bound),
             each with the reason the general path failed on it.
@@ -42,6 +45,7 @@ class SavedTensors:
     saved_bytes: int
     largest_tensor_bytes: int
     input_bytes: int
+    workspace_bytes: int = 0
     fallback_calls: tuple[str, ...] = ()
     traced_calls: tuple[str, ...] = ()
     loop_calls: tuple[str, ...] = ()
@@ -81,6 +85,7 @@ class _Walker:
         self.needs_grad: set = set()
         self.model_inputs: set = set()
         self.largest = 0
+        self.patches = 0  # the largest grouped-convolution patch matrix, bytes per sample
         self.fallbacks: set[str] = set()
         self.traced: set[str] = set()
         self.loops: set[str] = set()
@@ -116,6 +121,9 @@ class _Walker:
         key = self.key(tensor) if dtype == own else (self.key(tensor), dtype)
         self.sizes[key] = _sample_bytes(tensor.shape, dtype)
         self.largest = max(self.largest, self.sizes[key])
+
+    def sample_bytes(self, tensor, dtype=None) -> int:
+        return _sample_bytes(tensor.shape, dtype or self.dtype_of(tensor))
 
     def keep_new(self, shape, dtype) -> None:
         self.keep_bytes(_sample_bytes(shape, dtype))
@@ -376,6 +384,7 @@ def _result(walker: _Walker, inputs) -> SavedTensors:
     return SavedTensors(
         saved_bytes=int(sum(walker.sizes.values())),
         largest_tensor_bytes=int(walker.largest),
+        workspace_bytes=int(max(2 * walker.largest, walker.patches)),
         input_bytes=int(sum(_sample_bytes(t.shape, t.dtype) for t in inputs)),
         fallback_calls=tuple(sorted(walker.fallbacks)),
         traced_calls=tuple(sorted(walker.traced)),
