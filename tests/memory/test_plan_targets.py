@@ -143,8 +143,9 @@ def test_nothing_fits_names_the_smallest_change_checked_to_fit():
     checked = _plan64(model, memory, optimizer=sgd)
     assert checked.fits and (checked.micro_batch_size, checked.accumulation_steps) == (
         p.alternative.micro_batch_size, p.alternative.accumulation_steps)
-    with pytest.raises(tfmem.MemoryPlanError, match=r"Smallest change checked to fit: optimizer "
-                                                    r"SGD \(momentum 0.9\) → micro-batch \d+ × \d+ step"):
+    with pytest.raises(tfmem.MemoryPlanError,
+                       match=r"Smallest change checked to fit: optimizer SGD \(momentum 0.9\) "
+                             r"→ micro-batch \d+ × \d+ step"):
         planner.check(p)
 
 

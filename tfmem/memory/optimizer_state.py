@@ -21,7 +21,8 @@ def optimizer_slot_bytes(optimizer: Any, variables: list) -> int:
     (+1 `velocity_hat` with amsgrad); RMSprop `velocity` (+ `momentum` if momentum > 0,
     + `average_gradient` if centered); Adagrad/Lion one; Adafactor (Keras 3) a full `velocity`
     for every variable plus, for ≥2-D variables, a row and a column vector (shape[:-1] and
-    shape[:-2] + shape[-1:]), for the others two scalar placeholders. `use_ema` adds one copy, `gradient_accumulation_steps` one.
+    shape[:-2] + shape[-1:]), for the others two scalar placeholders. `use_ema` adds one
+    copy, `gradient_accumulation_steps` one.
     Slots take the variable's dtype (`add_variable_from_reference`).
 
     Args:

@@ -1,0 +1,269 @@
+"""The node-by-node walk of a functional graph that `saved_tensors` runs.
+
+`Walker` visits each call in order, asks `layer_rules` first and `gradient_trace` otherwise,
+and collects the kept tensors by identity, so that a tensor two calls keep counts once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection
+
+import keras
+import numpy as np
+
+from tfmem import _keras_internals as internals
+from tfmem.memory import gradient_trace, layer_rules
+
+
+def itemsize(dtype) -> int:
+    return np.dtype(keras.backend.standardize_dtype(dtype)).itemsize
+
+
+def sample_bytes(shape, dtype) -> int:
+    dims = tuple(shape)[1:]
+    if any(d is None for d in dims):
+        raise ValueError(
+            f"A tensor of shape {tuple(shape)} has an unknown size beyond the batch dimension. "
+            "The planner needs concrete shapes: build the model with a concrete input shape, "
+            "e.g. `keras.Input((224, 224, 3))` instead of `(None, None, 3)`."
+        )
+    return math.prod(dims) * itemsize(dtype)
+
+
+# Traces by call configuration, shared by every plan in this process: a model planned again
+# (the guard at each `fit`, the levers when nothing fits, several devices) is not retraced.
+_TRACES: dict = {}
+_MAX_TRACES = 4096
+
+
+class Walker:
+    """Collects the kept tensors of one model, keyed so that a tensor counts once."""
+
+    def __init__(self, compute_dtype: str | None, frozen: Collection[int], backend_name: str):
+        self.override = compute_dtype  # the plan's compute dtype for a float32-built model
+        self.frozen = frozenset(frozen)  # ids of layers the plan treats as not trainable
+        self.backend_name = backend_name
+        self.context: tuple = ()  # the nested-model calls the walk is inside
+        self.alias: dict = {}  # key -> key of the tensor whose buffer it shares
+        self.sizes: dict = {}  # kept key -> bytes per sample
+        self.needs_grad: set = set()
+        self.model_inputs: set = set()
+        self.largest = 0
+        self.patches = 0  # the largest grouped-convolution patch matrix, bytes per sample
+        self.fallbacks: set[str] = set()
+        self.traced: set[str] = set()
+        self.loops: set[str] = set()
+
+    # -- keys and dtypes --------------------------------------------------------------------
+    def key(self, tensor):
+        raw = (self.context, id(tensor))
+        return self.alias.get(raw, raw)
+
+    def dtype_of(self, tensor) -> str:
+        dtype = keras.backend.standardize_dtype(tensor.dtype)
+        if self.override and dtype == "float32" and self.key(tensor) not in self.model_inputs:
+            return self.override
+        return dtype
+
+    def compute_dtype(self, layer) -> str:
+        dtype = keras.backend.standardize_dtype(getattr(layer, "compute_dtype", "float32"))
+        return self.override if self.override and dtype == "float32" else dtype
+
+    def is_frozen(self, layer) -> bool:
+        return id(layer) in self.frozen
+
+    def has_trainable(self, layer) -> bool:
+        if not isinstance(layer, keras.layers.Layer) or self.is_frozen(layer):
+            return False
+        return any(id(w) not in self.frozen for w in layer.trainable_weights)
+
+    # -- what is kept -----------------------------------------------------------------------
+    def keep(self, tensor, dtype=None) -> None:
+        """Keeps `tensor` (shared by identity) or, in another dtype, a new copy of it."""
+        own = self.dtype_of(tensor)
+        dtype = keras.backend.standardize_dtype(dtype) if dtype else own
+        key = self.key(tensor) if dtype == own else (self.key(tensor), dtype)
+        self.sizes[key] = sample_bytes(tensor.shape, dtype)
+        self.largest = max(self.largest, self.sizes[key])
+
+    def sample_bytes(self, tensor, dtype=None) -> int:
+        return sample_bytes(tensor.shape, dtype or self.dtype_of(tensor))
+
+    def keep_new(self, shape, dtype) -> None:
+        self.keep_bytes(sample_bytes(shape, dtype))
+        self.largest = max(self.largest, sample_bytes(shape, dtype))
+
+    def keep_bytes(self, nbytes: int) -> None:
+        self.sizes[("new", len(self.sizes))] = int(nbytes)
+
+    # -- the walk ---------------------------------------------------------------------------
+    def walk(self, model) -> None:
+        graph = internals.functional_of(model)
+        by_depth = internals.nodes_by_depth(graph)
+        for depth in sorted(by_depth, reverse=True):
+            for node in by_depth[depth]:
+                if node.operation is None or node.is_input:
+                    continue
+                self.call(node)
+
+    def call(self, node) -> None:
+        operation, inputs, outputs = node.operation, node.input_tensors, node.outputs
+        if internals.is_graph_network(operation) or isinstance(operation, keras.Sequential):
+            self.nested(node)
+            return
+        for tensor in outputs:
+            self.largest = max(self.largest, sample_bytes(tensor.shape, self.dtype_of(tensor)))
+        viewing = isinstance(operation, layer_rules.VIEWS) or (
+            isinstance(operation, layer_rules.DROPOUTS) and not operation.rate)
+        if viewing and len(inputs) == 1:
+            self.alias[(self.context, id(outputs[0]))] = self.key(inputs[0])
+            return
+        has_trainable = self.has_trainable(operation)
+        if not has_trainable and not any(self.key(t) in self.needs_grad for t in inputs):
+            return
+        self.needs_grad.update(self.key(t) for t in outputs)
+        if isinstance(operation, keras.layers.Layer) and layer_rules.apply(
+                self, operation, inputs, outputs, has_trainable):
+            return
+        self.general(node, has_trainable)
+
+    def nested(self, node) -> None:
+        inner = internals.functional_of(node.operation)
+        outer_keys = [self.key(t) for t in node.input_tensors]
+        outer_context, self.context = self.context, self.context + (id(node),)
+        for outer_key, inner_input in zip(outer_keys, inner.inputs):
+            self.alias[(self.context, id(inner_input))] = outer_key
+        self.walk(inner)
+        inner_keys = [self.key(t) for t in inner.outputs]
+        self.context = outer_context
+        for outer, inner_key in zip(node.outputs, inner_keys):
+            self.alias[(self.context, id(outer))] = inner_key
+
+    # -- the general path -------------------------------------------------------------------
+    def general(self, node, has_trainable: bool) -> None:
+        operation, inputs = node.operation, node.input_tensors
+        differentiable = [self.key(t) in self.needs_grad for t in inputs]
+
+        def call(xs):
+            args, kwargs = node.arguments.fill_in({id(t): x for t, x in zip(inputs, xs)})
+            if (isinstance(operation, keras.layers.Layer)
+                    and internals.call_has_training_arg(operation)):
+                kwargs = {**kwargs, "training": True}
+            return operation(*args, **kwargs)
+
+        result = self.trace(operation, call, inputs, differentiable, has_trainable,
+                            extra_key=repr(node.arguments.convert(_placeholder)))
+        if result is None:
+            for tensor in list(inputs) + list(node.outputs):
+                self.keep(tensor)
+            return
+        for index in result.kept_inputs:
+            self.keep(inputs[index])
+        for index in result.kept_outputs:
+            self.keep(node.outputs[index])
+        self.keep_internal(result)
+
+    def keep_internal(self, result: gradient_trace.TracedCall, repeat: int = 1) -> None:
+        for nbytes, dtype in result.internal:
+            if self.override and dtype == "float32":
+                nbytes = nbytes * itemsize(self.override) // 4
+            self.keep_bytes(nbytes * repeat)
+        self.largest = max(self.largest, result.largest_bytes)
+
+    def recurrent(self, layer, sequence, has_trainable: bool) -> None:
+        """A recurrent layer keeps what one step of its cell keeps, once per timestep."""
+        cell = layer.cell
+        sizes = cell.state_size if isinstance(cell.state_size, (list, tuple)) else [
+            cell.state_size]
+        dtype = keras.backend.standardize_dtype(sequence.dtype)
+        step = [(tuple(sequence.shape[2:]), dtype)] + [
+            ((s,) if isinstance(s, int) else tuple(s), layer.compute_dtype) for s in sizes]
+        timesteps = sequence.shape[1]
+        grad_in = self.key(sequence) in self.needs_grad
+
+        def call(xs):
+            states = list(xs[1:])
+            return cell(xs[0], states if len(states) > 1 or isinstance(
+                cell.state_size, (list, tuple)) else states[0], training=True)
+
+        specs = [keras.KerasTensor((None,) + shape, dtype=d) for shape, d in step]
+        result = self.trace(cell, call, specs, [grad_in] + [True] * len(sizes),
+                            has_trainable, extra_key="cell")
+        if result is None or timesteps is None:
+            self.keep(sequence)
+            return
+        kept_in, kept_out = set(result.kept_inputs), set(result.kept_outputs)
+        total = sample_bytes(specs[0].shape, specs[0].dtype) * timesteps if 0 in kept_in else 0
+        for j, spec in enumerate(specs[1:]):
+            # State j enters step t as input j + 1 and leaves step t - 1 as output j + 1 (a
+            # built-in cell's output 0 is state 0 too): kept on either side, it is one tensor
+            # per step, plus the initial (or last) state when both sides keep it.
+            as_input = j + 1 in kept_in
+            as_output = j + 1 in kept_out or (j == 0 and 0 in kept_out)
+            if as_input or as_output:
+                nbytes = sample_bytes(spec.shape, spec.dtype)
+                total += nbytes * (timesteps + int(as_input and as_output))
+        self.keep_bytes(total)
+        self.keep_internal(result, repeat=timesteps)
+
+    def trace(self, operation, call, inputs, differentiable, has_trainable, extra_key=""):
+        """`gradient_trace.trace_call` for one call, cached; None when it cannot be traced."""
+        name = type(operation).__name__
+        weights = list(getattr(operation, "weights", []))
+        trainable = [w for w in getattr(operation, "trainable_weights", [])
+                     if has_trainable and id(w) not in self.frozen]
+        trainable_ids = {id(w) for w in trainable}
+        others = [w for w in weights if id(w) not in trainable_ids]
+        specs = [(tuple(t.shape[1:]), keras.backend.standardize_dtype(t.dtype)) for t in inputs]
+        cache_key = (self.backend_name, type(operation), _config_key(operation), extra_key,
+                     str(getattr(operation, "compute_dtype", "")), tuple(specs),
+                     tuple(differentiable), tuple((tuple(w.shape), str(w.dtype),
+                                                   id(w) in trainable_ids) for w in weights))
+        if cache_key in _TRACES:
+            result, reason = _TRACES[cache_key]
+        else:
+            result, reason = None, ""
+            try:
+                result = gradient_trace.trace_call(
+                    call, specs, differentiable=differentiable, trainable=trainable,
+                    non_trainable=others, backend_name=self.backend_name)
+            except Exception as error:  # noqa: BLE001 - any failure: the upper bound, named
+                reason = f"{name} ({type(error).__name__}: {_first_line(error)})"
+            if len(_TRACES) >= _MAX_TRACES:
+                _TRACES.clear()
+            _TRACES[cache_key] = result, reason
+        if result is None:
+            self.fallbacks.add(reason)
+        else:
+            self.traced.add(name)
+            if result.has_loop:
+                self.loops.add(name)
+        return result
+
+
+def _placeholder(value):
+    return "<tensor>" if isinstance(value, keras.KerasTensor) else value
+
+
+def _config_key(operation) -> str:
+    """The configuration as a cache key. Non-zero float settings (dropout and
+    stochastic-depth rates, which change from block to block) are one value: they decide
+    whether a mask exists, not its size; sizes are in the key through weights and shapes."""
+    try:
+        config = operation.get_config()
+    except Exception:  # noqa: BLE001 - a config that cannot be read: the weights still differ
+        return ""
+
+    def normal(value):
+        if isinstance(value, float):
+            return "float>0" if value else 0.0
+        return value
+
+    return repr(sorted((k, keras.tree.map_structure(normal, v)) for k, v in config.items()
+                       if k != "name"))
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:160] if text else ""
