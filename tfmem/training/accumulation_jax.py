@@ -11,7 +11,7 @@ Inside one step the global batch is split into `k = model.accumulation_steps` mi
 and a `jax.lax.scan` runs forward + backward on each (the compiled program does not grow
 with `k`, and only one micro-batch of activations is alive at a time):
 
-- **Gradients** are summed in float32 and the optimizer sees their mean once: one
+- **Gradients** are summed in float32 (float64 for float64 weights) and the optimizer sees their mean once: one
   `optimizer.stateless_apply`, so `optimizer.iterations`, LR schedules and callbacks count
   real updates. With Keras's default loss reduction (`"sum_over_batch_size"`: the weighted sum
   divided by the number of samples) the mean of k equal micro-batch losses *is* the loss of the
@@ -45,6 +45,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import keras
+from jax.experimental import sparse as jax_sparse
 from keras import tree
 
 from tfmem import _keras_internals as internals
@@ -102,7 +103,7 @@ def train_step(model: keras.Model, state: tuple, data) -> tuple[dict, tuple]:
 
     def micro_step(carry, micro_batch):
         grad_sum, delta_sum, carried, metrics_variables = carry
-        micro_x, micro_y, micro_weight = micro_batch
+        micro_x, micro_y, micro_weight = _assemble(micro_batch)
         carried_values = iter(carried)
         non_trainable_in = [
             old if averaged else next(carried_values)
@@ -119,9 +120,9 @@ def train_step(model: keras.Model, state: tuple, data) -> tuple[dict, tuple]:
             optimizer_variables=optimizer_variables,
         )
         unscaled_loss, y_pred, non_trainable_out, metrics_variables = aux
-        grad_sum = [total + g.astype(jnp.float32) for total, g in zip(grad_sum, grads)]
+        grad_sum = [total + g.astype(total.dtype) for total, g in zip(grad_sum, grads)]
         delta_sum = [
-            total + (new - old).astype(jnp.float32)
+            total + (new - old).astype(total.dtype)
             for total, new, old in zip(
                 delta_sum, _select(non_trainable_out, is_averaged, True),
                 _select(non_trainable, is_averaged, True),
@@ -137,8 +138,9 @@ def train_step(model: keras.Model, state: tuple, data) -> tuple[dict, tuple]:
         return (grad_sum, delta_sum, carried, metrics_variables), None
 
     carry = (
-        [jnp.zeros(v.shape, jnp.float32) for v in trainable],
-        [jnp.zeros(v.shape, jnp.float32) for v in _select(non_trainable, is_averaged, True)],
+        [jnp.zeros(v.shape, _accumulator_dtype(v)) for v in trainable],
+        [jnp.zeros(v.shape, _accumulator_dtype(v))
+         for v in _select(non_trainable, is_averaged, True)],
         _select(non_trainable, is_averaged, False),
         list(metrics_variables),
     )
@@ -162,7 +164,8 @@ def train_step(model: keras.Model, state: tuple, data) -> tuple[dict, tuple]:
     )
 
     averaged_values = iter(
-        (old + delta / num_steps).astype(old.dtype)
+        # A statistic no micro-batch moved (a frozen layer's) keeps its exact bits.
+        jnp.where(delta == 0, old, (old + delta / num_steps).astype(old.dtype))
         for old, delta in zip(_select(non_trainable, is_averaged, True), delta_sum)
     )
     carried_values = iter(carried)
@@ -172,6 +175,11 @@ def train_step(model: keras.Model, state: tuple, data) -> tuple[dict, tuple]:
 
     logs = _metrics_result(model, metrics_variables)
     return logs, (trainable, non_trainable, optimizer_variables, metrics_variables)
+
+
+def _accumulator_dtype(value):
+    """Sums of `value`: float32, or its own dtype where that is wider (float64)."""
+    return jnp.promote_types(jnp.result_type(value), jnp.float32)
 
 
 def _select(values: list, flags: list[bool], wanted: bool) -> list:
@@ -208,6 +216,8 @@ def _split(batch, num_steps: int, num_shards: int):
     def split(leaf):
         if leaf is None:
             return None
+        if isinstance(leaf, jax_sparse.BCOO):
+            return _SparseRows.split(leaf, num_steps, num_shards)
         leaf = jnp.asarray(leaf)
         rows = leaf.shape[0] // (num_shards * num_steps)
         # (B, ...) -> (replicas, k, rows, ...) -> (k, replicas, rows, ...) -> (k, B/k, ...):
@@ -216,6 +226,58 @@ def _split(batch, num_steps: int, num_shards: int):
         return jnp.swapaxes(blocks, 0, 1).reshape((num_steps, num_shards * rows) + leaf.shape[1:])
 
     return tree.map_structure(split, batch, none_is_leaf=True)
+
+
+@jax.tree_util.register_pytree_node_class
+class _SparseRows:
+    """A sparse (BCOO) leaf cut into k micro-batches by rows, stacked on a leading axis.
+
+    Every micro-batch keeps all `nse` stored entries (a scanned value needs one shape); those of
+    other micro-batches' rows become padding: value 0 at an out-of-range index, which JAX's
+    sparse operations skip.
+    """
+
+    def __init__(self, data, indices, shape):
+        self.data, self.indices, self.shape = data, indices, shape
+
+    def tree_flatten(self):
+        return (self.data, self.indices), self.shape
+
+    @classmethod
+    def tree_unflatten(cls, shape, children):
+        return cls(*children, shape)
+
+    @classmethod
+    def split(cls, leaf: jax_sparse.BCOO, num_steps: int, num_shards: int) -> "_SparseRows":
+        rows = leaf.shape[0] // (num_shards * num_steps)  # per replica and micro-batch
+        shape = (num_shards * rows,) + leaf.shape[1:]
+        if leaf.n_batch:  # rows are a batch axis of the layout: split it like a dense axis
+            parts = [
+                jnp.swapaxes(a.reshape((num_shards, num_steps, rows) + a.shape[1:]), 0, 1)
+                .reshape((num_steps, num_shards * rows) + a.shape[1:])
+                for a in (leaf.data, leaf.indices)
+            ]
+            return cls(*parts, shape)
+        row = leaf.indices[:, 0]
+        replica, within = row // (num_steps * rows), row % (num_steps * rows)
+        step = within // rows
+        indices = leaf.indices.at[:, 0].set(replica * rows + within % rows)
+        keep = step[None, :] == jnp.arange(num_steps)[:, None]  # (k, nse)
+        padding = jnp.array(shape[: indices.shape[1]], indices.dtype)
+        data = jnp.where(keep.reshape(keep.shape + (1,) * (leaf.data.ndim - 1)), leaf.data, 0)
+        return cls(data, jnp.where(keep[..., None], indices, padding), shape)
+
+    def to_bcoo(self) -> jax_sparse.BCOO:
+        return jax_sparse.BCOO((self.data, self.indices), shape=self.shape)
+
+
+def _assemble(micro_batch):
+    """One micro-batch as the model takes it: sparse leaves become BCOO again."""
+    return jax.tree_util.tree_map(
+        lambda leaf: leaf.to_bcoo() if isinstance(leaf, _SparseRows) else leaf,
+        micro_batch,
+        is_leaf=lambda leaf: isinstance(leaf, _SparseRows),
+    )
 
 
 def _metrics_result(model: keras.Model, metrics_variables: list) -> dict:
