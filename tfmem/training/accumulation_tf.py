@@ -202,26 +202,27 @@ def _check_rows(leaves: list, k: int) -> tuple[tf.Tensor, list]:
     What is known when the step is traced raises `ValueError` there; the rest becomes
     assertions that fail the step before anything is updated.
     """
-    (first_name, first), *others = leaves
+    # The targets are the reference: an input that does not match them is the odd one.
+    (first_name, first), *others = sorted(leaves, key=lambda leaf: not leaf[0].startswith("y"))
     batch_size, rows = _rows(first_name, first, k)
     checks = []
     for name, tensor in others:
         static, dynamic = _rows(name, tensor, k)
 
-        def mismatch(rows_of_name, rows_of_first):
+        def mismatch(difference):
             return (
                 f"AccumModel splits every input, target and sample weight of a batch by rows "
-                f"into {k} micro-batches, so all need the same number of rows, but `{name}` "
-                f"has {rows_of_name} and `{first_name}` has {rows_of_first}. Give `{name}` "
-                "one row per sample."
+                f"into {k} micro-batches, so all need the same number of rows, but "
+                f"{difference}. Give `{name}` one row per sample."
             )
 
         if static is not None and batch_size is not None:
             if static != batch_size:
-                raise ValueError(mismatch(f"{static} rows", batch_size))
+                raise ValueError(mismatch(
+                    f"`{name}` has {static} rows and `{first_name}` has {batch_size}"))
         else:
-            checks.append(tf.debugging.assert_equal(
-                dynamic, rows, message=mismatch("x rows", "y (below)")))
+            checks.append(tf.debugging.assert_equal(dynamic, rows, message=mismatch(
+                f"the rows of `{name}` (x below) and `{first_name}` (y below) differ")))
     if batch_size is not None and batch_size % k:
         raise ValueError(
             f"The batch each replica receives ({batch_size} rows) must be divisible "
