@@ -258,7 +258,8 @@ def test_an_input_with_other_rows_fails_the_step_naming_it():
     model.compile("sgd", "mse")
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8).map(
         lambda f, t: ({"features": f, "extra": tf.ones((tf.shape(f)[0] // 8, 6))}, t))
-    with pytest.raises(tf.errors.InvalidArgumentError, match=r"rows of `x\[.*extra.*\]` \(x below\) and `y`"):
+    message = r"rows of `x\[.*extra.*\]` \(x below\) and `y`"
+    with pytest.raises(tf.errors.InvalidArgumentError, match=message):
         model.fit(dataset, verbose=0, **NO_PLAN)
     assert int(model.optimizer.iterations) == 0
 
@@ -310,10 +311,11 @@ def _frozen_bn_model(base=keras.Model, frozen="trainable", **kwargs):
     class Net(base):
         def __init__(self, **kwargs):
             super().__init__(**kwargs)
-            self.hidden = keras.layers.Dense(64, kernel_initializer=keras.initializers.Orthogonal(1))
+            init = keras.initializers.Orthogonal
+            self.hidden = keras.layers.Dense(64, kernel_initializer=init(seed=1))
             self.bn = keras.layers.BatchNormalization()
             self.bn.trainable = frozen != "trainable"
-            self.head = keras.layers.Dense(3, kernel_initializer=keras.initializers.Orthogonal(2))
+            self.head = keras.layers.Dense(3, kernel_initializer=init(seed=2))
 
         def call(self, inputs, training=None):
             hidden = self.hidden(inputs)

@@ -11,11 +11,12 @@ Inside one step the global batch is split into `k = model.accumulation_steps` mi
 and a `jax.lax.scan` runs forward + backward on each (the compiled program does not grow
 with `k`, and only one micro-batch of activations is alive at a time):
 
-- **Gradients** are summed in float32 (float64 for float64 weights) and the optimizer sees their mean once: one
-  `optimizer.stateless_apply`, so `optimizer.iterations`, LR schedules and callbacks count
-  real updates. With Keras's default loss reduction (`"sum_over_batch_size"`: the weighted sum
-  divided by the number of samples) the mean of k equal micro-batch losses *is* the loss of the
-  whole batch, sample weights included, so the update equals one plain step on the global batch.
+- **Gradients** are summed in float32 (float64 for float64 weights) and the optimizer sees
+  their mean once: one `optimizer.stateless_apply`, so `optimizer.iterations`, LR schedules
+  and callbacks count real updates. With Keras's default loss reduction
+  (`"sum_over_batch_size"`: the weighted sum divided by the number of samples) the mean of k
+  equal micro-batch losses *is* the loss of the whole batch, sample weights included, so the
+  update equals one plain step on the global batch.
 - **Loss scaling** (`mixed_float16`, Keras wraps the optimizer in a `LossScaleOptimizer`):
   each micro-batch loss is multiplied by the current scale; the scaled sum is unscaled once by
   `LossScaleOptimizer.stateless_apply`. A non-finite value in any micro-batch makes the sum
