@@ -274,6 +274,8 @@ class Functional(AccumModel, internals.functional_class()):
 
     def _run_through_graph(self, *args, **kwargs):  # internals.GRAPH_REPLAY_HOOK
         outputs = super()._run_through_graph(*args, **kwargs)
+        if not hasattr(self, "_auto_accumulation"):  # Keras's own checks while constructing
+            return outputs
         # `keras.models.clone_model` builds its copy from these outputs, named like this model.
         for tensor in keras.tree.flatten(outputs):
             if isinstance(tensor, keras.KerasTensor):
