@@ -55,6 +55,12 @@ def test_a_missing_input_raises_keras_error(dropin):
     assert accum[2] == plain[2] == 0
 
 
+def test_an_input_that_cannot_be_split_by_rows_is_named(dropin):
+    message = dropin["unsplittable_input"]
+    assert "so all need the same number of rows" in message
+    assert "Give `x['extra']` one row per sample" in message
+
+
 def test_clone_model_keeps_accumulation_steps(dropin):
     assert dropin["clone"]["steps"] == 4
 

@@ -51,6 +51,7 @@ from keras import tree
 
 from tfmem import _keras_internals as internals
 from tfmem.runtime.cluster import nearest_multiples
+from tfmem.training import micro_batches
 
 
 class AccumTrainer:
@@ -201,7 +202,16 @@ def _split(batch, num_steps: int, num_shards: int):
 
     Micro-batch `j` is the `j`-th contiguous block of each of the `num_shards` replica blocks.
     """
-    sizes = {leaf.shape[0] for leaf in tree.flatten(batch) if leaf is not None}
+    rows = {}
+    for name, leaf in micro_batches.named_tensors(batch):
+        if not leaf.shape:
+            raise micro_batches.scalar_error(name, num_steps)
+        rows[name] = leaf.shape[0]
+    if len(set(rows.values())) > 1:
+        name = min(rows, key=rows.get)
+        raise ValueError(micro_batches.rows_mismatch_message(
+            f"their rows are {rows}", name, num_steps))
+    sizes = set(rows.values())
     for size in sizes:
         if size % (num_shards * num_steps):
             rows = size // num_shards if size % num_shards == 0 else size / num_shards

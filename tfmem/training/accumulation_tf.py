@@ -12,6 +12,7 @@ import keras
 import tensorflow as tf
 
 from tfmem import _keras_internals as internals
+from tfmem.training import micro_batches
 from tfmem.runtime.cluster import nearest_multiples
 
 
@@ -32,7 +33,7 @@ class AccumTrainer:
             return self._multi_worker_logs(super().train_step(data))
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         batch = tf.nest.map_structure(_as_tensor, (x, y, sample_weight))
-        leaves = _named_leaves(batch)
+        leaves = micro_batches.named_tensors(batch)
         if not leaves:
             # No tensor to split: Keras's own step raises its error for the missing inputs.
             return self._multi_worker_logs(super().train_step(data))
@@ -170,16 +171,6 @@ def _as_tensor(value):
     return tf.convert_to_tensor(value)
 
 
-def _named_leaves(batch) -> list[tuple[str, object]]:
-    """`(name, tensor)` for each tensor of `(x, y, sample_weight)`: "x", "x['ids']", "y[1]"."""
-    leaves = []
-    for path, tensor in keras.tree.flatten_with_path(batch):
-        if tensor is not None:
-            name = ("x", "y", "sample_weight")[path[0]]
-            leaves.append((name + "".join(f"[{key!r}]" for key in path[1:]), tensor))
-    return leaves
-
-
 def _rows(name: str, tensor, k: int) -> tuple[int | None, tf.Tensor]:
     """The number of rows of `tensor`: static (None if unknown) and as a tensor."""
     if isinstance(tensor, tf.RaggedTensor):
@@ -187,11 +178,7 @@ def _rows(name: str, tensor, k: int) -> tuple[int | None, tf.Tensor]:
     if isinstance(tensor, tf.SparseTensor):
         return tensor.shape[0], tf.cast(tensor.dense_shape[0], tf.int32)
     if tensor.shape.rank == 0:
-        raise ValueError(
-            f"AccumModel splits every tensor of a batch into {k} micro-batches by rows (its "
-            f"first axis), but `{name}` is a scalar with no rows to split. Give it one row per "
-            "sample, or make it a constant of the model."
-        )
+        raise micro_batches.scalar_error(name, k)
     static = tensor.shape[0] if tensor.shape.rank else None
     return static, tf.shape(tensor)[0]
 
@@ -208,21 +195,14 @@ def _check_rows(leaves: list, k: int) -> tuple[tf.Tensor, list]:
     checks = []
     for name, tensor in others:
         static, dynamic = _rows(name, tensor, k)
-
-        def mismatch(difference):
-            return (
-                f"AccumModel splits every input, target and sample weight of a batch by rows "
-                f"into {k} micro-batches, so all need the same number of rows, but "
-                f"{difference}. Give `{name}` one row per sample."
-            )
-
         if static is not None and batch_size is not None:
             if static != batch_size:
-                raise ValueError(mismatch(
-                    f"`{name}` has {static} rows and `{first_name}` has {batch_size}"))
+                raise ValueError(micro_batches.rows_mismatch_message(
+                    f"`{name}` has {static} rows and `{first_name}` has {batch_size}", name, k))
         else:
-            checks.append(tf.debugging.assert_equal(dynamic, rows, message=mismatch(
-                f"the rows of `{name}` (x below) and `{first_name}` (y below) differ")))
+            difference = f"the rows of `{name}` (x below) and `{first_name}` (y below) differ"
+            checks.append(tf.debugging.assert_equal(
+                dynamic, rows, message=micro_batches.rows_mismatch_message(difference, name, k)))
     if batch_size is not None and batch_size % k:
         raise ValueError(
             f"The batch each replica receives ({batch_size} rows) must be divisible "

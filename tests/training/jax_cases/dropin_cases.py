@@ -148,6 +148,22 @@ def missing_input():
     return errors
 
 
+def unsplittable_input():
+    """An input with 4 rows in a batch of 16 would split into micro-batches of 1 row: an error."""
+    x, y = regression(16)
+    inputs = {"features": keras.Input((6,), name="features"),
+              "extra": keras.Input(batch_shape=(4, 6), name="extra")}
+    hidden = keras.layers.Dense(3)(inputs["features"])
+    outputs = keras.layers.Lambda(lambda t: t[0] * keras.ops.mean(t[1]))([hidden, inputs["extra"]])
+    model = AccumModel(inputs, outputs, accumulation_steps=4)
+    model.compile("sgd", "mse")
+    try:
+        model.train_on_batch({"features": x, "extra": np.ones((4, 6), "float32")}, y)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 def clone():
     original = functional_accum(4)
     return {"steps": keras.models.clone_model(original).accumulation_steps}
@@ -182,6 +198,7 @@ emit(
         "frozen_statistics": {"3": frozen_statistics(3), "6": frozen_statistics(6)},
         "partial_last_batch": partial_last_batch(),
         "missing_input": missing_input(),
+        "unsplittable_input": unsplittable_input(),
         "clone": clone(),
         "float64": float64(),  # last: it turns on JAX's float64 for the whole process
     }
