@@ -98,6 +98,8 @@ class AccumModel(backend.AccumTrainer, keras.Model):
     """
 
     def __new__(cls, *args, **kwargs):
+        # `AccumModel(inputs, outputs)` makes the functional form, as `keras.Model(inputs,
+        # outputs)` makes a `Functional`; AccumModel itself stays a subclassable Model.
         if internals.functional_init_arguments(args, kwargs):
             cls = _functional_form(cls)
         return super().__new__(cls, *args, **kwargs)
