@@ -146,6 +146,17 @@ def in_multi_worker_mode(strategy) -> bool:
                            "whether a strategy spans several workers")())
 
 
+def first_batch(epoch_iterator):
+    """The first batch of the TensorFlow trainer's epoch iterator.
+
+    Its items end with an iterator over the step's batches; the items before it (the step
+    number, or the first and last step) differ between Keras versions.
+    """
+    for item in epoch_iterator:
+        return next(item[-1])
+    raise ValueError("The data has no batches: the first epoch is empty.")
+
+
 # `keras.models.clone_model` copies a functional model by replaying its graph through this
 # method with cloned layers, then builds `type(model)(inputs, outputs, name=model.name)` from the
 # replay's outputs; AccumModel's functional form overrides it to hand its `accumulation_steps` on.

@@ -66,10 +66,10 @@ def tfds_image_dataset(
         name_or_dir: a tfds name (e.g. `"tf_flowers"`) prepared in `data_dir`, or the
             prepared version directory (holding `dataset_info.json`).
         split: a tfds split, e.g. `"train"`, `"train[:90%]"`.
-        image_size, batch_size, training, data_range, channels, shuffle_buffer_size,
-        augment, cache, drop_remainder, num_parallel_reads, prefetch_batches, seed,
-        num_workers, input_context: as in `tfmem.image_dataset` (`num_parallel_reads` is tfds's
-        `interleave_cycle_length`).
+        image_size: as in `tfmem.image_dataset`, and so are `batch_size`, `training`,
+            `data_range`, `channels`, `shuffle_buffer_size`, `augment`, `cache`,
+            `drop_remainder`, `num_parallel_reads` (tfds's `interleave_cycle_length`),
+            `prefetch_batches`, `seed`, `num_workers` and `input_context`.
         data_dir: where tfds prepared the dataset (default: tfds's own, ~/tensorflow_datasets).
         image_key: the `tfds.features.Image` feature.
         label_key: the `tfds.features.ClassLabel` feature.

@@ -1,23 +1,7 @@
-"""Runtime: which devices train, how many replicas they are, their memory, and the global batch.
+"""`detect()` on the TensorFlow backend: TPU, several workers, several GPUs, or one device.
 
-`detect()` replaces the TPU-detection snippet that notebooks copy around. It looks, in order, for
-
-1. a **TPU** (only where one seems attached, see `tfmem.runtime.tpu`, or with `prefer="tpu"`):
-   `TPUClusterResolver(tpu="local")` (TPU VMs: Kaggle, Colab v2-8/v5e/v6e, Cloud), then the
-   TPU name the environment gives (`TPU_NAME`, Colab's legacy `COLAB_TPU_ADDR`) → `TPUStrategy`;
-2. **several workers** when `TF_CONFIG` names more than one chief/worker task →
-   `MultiWorkerMirroredStrategy` (TensorFlow only allows it at program start: call `detect()`
-   before any other TensorFlow op runs);
-3. **several GPUs** → `MirroredStrategy` over all of them;
-4. otherwise the **default strategy** on the one GPU or the CPU.
-
-This is the TensorFlow backend's `detect()`; on `KERAS_BACKEND=jax`, `tfmem.detect` is
-`tfmem.runtime.distribute_jax.detect` (`tfmem.backend` picks one at import).
-
-Memory per replica comes from the device where it can be read (`nvidia-smi`'s total for GPUs;
-TensorFlow's own `get_memory_info` only reports usage, not the total), else from the table in
-`tfmem.runtime.devices` (TPUs, whose memory TensorFlow does not expose); on CPU it is the host's
-available RAM shared by the replicas of one process.
+The order, the memory per replica and the TPU messages are described in docs/runtime.md;
+on `KERAS_BACKEND=jax`, `tfmem.detect` is `tfmem.runtime.distribute_jax.detect` instead.
 """
 
 from __future__ import annotations

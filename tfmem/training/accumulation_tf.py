@@ -131,8 +131,9 @@ class AccumTrainer:
         # nested (x, y) batch ("Attempt to convert a value (PerReplica ...)",
         # cf. keras-team/keras#20329), so plain `fit` fails there. One replica's
         # batch has the same shapes as that mean, so every strategy builds the same.
-        if iterator is not None:
-            data_batch = _first_local_batch(internals.distribute_strategy(self), iterator)
+        strategy = internals.distribute_strategy(self)
+        if iterator is not None and strategy is not None:  # None: Keras builds at tracing
+            data_batch = _first_local_batch(strategy, iterator)
             iterator = None
         return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
@@ -145,9 +146,7 @@ def _multi_worker(strategy) -> bool:
 
 def _first_local_batch(strategy, iterator):
     """The first batch of a Keras epoch iterator, first local replica's values."""
-    for _, _, batches in iterator:
-        batch = next(batches)
-        break
+    batch = internals.first_batch(iterator)
     return tf.nest.map_structure(
         lambda v: strategy.experimental_local_results(v)[0]
         if isinstance(v, tf.distribute.DistributedValues)
