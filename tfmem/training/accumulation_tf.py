@@ -42,7 +42,7 @@ class AccumTrainer:
             # The loop needs every weight before the first micro-batch, so build the model from
             # the batch's shapes, as Keras itself does before `fit` under a strategy.
             internals.symbolic_build(self, batch)
-        # Nothing runs, and nothing is updated, before the batch is known to split.
+        # The loop reads only `split`, so no micro-batch runs before the batch is known to split.
         with tf.control_dependencies(checks):
             split = tf.nest.map_structure(lambda t: None if t is None else _split(t, k), batch)
 
@@ -82,21 +82,20 @@ class AccumTrainer:
             self.compute_metrics(x_i, y_i, y_pred, sample_weight=w_i)
             return i + 1, loss_sum + tf.cast(loss, loss_sum.dtype), grad_sums, bn_sums
 
-        with tf.control_dependencies(checks):
-            _, loss_sum, grad_sums, bn_sums = tf.while_loop(
-                lambda i, *_: i < k,
-                body,
-                (
-                    tf.constant(0),
-                    tf.zeros((), _accumulator_dtype(self.compute_dtype)),
-                    [tf.zeros(v.shape, _accumulator_dtype(v.dtype)) for v in variables],
-                    [tf.zeros(s.shape, _accumulator_dtype(s.dtype)) for s in bn_start],
-                ),
-                # Sequential micro-batches: running them in parallel would keep
-                # several micro-batches of activations alive and defeat the purpose.
-                parallel_iterations=1,
-                maximum_iterations=k,
-            )
+        _, loss_sum, grad_sums, bn_sums = tf.while_loop(
+            lambda i, *_: i < k,
+            body,
+            (
+                tf.constant(0),
+                tf.zeros((), _accumulator_dtype(self.compute_dtype)),
+                [tf.zeros(v.shape, _accumulator_dtype(v.dtype)) for v in variables],
+                [tf.zeros(s.shape, _accumulator_dtype(s.dtype)) for s in bn_start],
+            ),
+            # Sequential micro-batches: running them in parallel would keep
+            # several micro-batches of activations alive and defeat the purpose.
+            parallel_iterations=1,
+            maximum_iterations=k,
+        )
         # The compiled loss is built while the loop body traces, so check it here.
         self._check_loss_reductions()
         for v, start, total in zip(bn_variables, bn_start, bn_sums):
@@ -227,9 +226,10 @@ def _check_rows(leaves: list, k: int) -> tuple[tf.Tensor, list]:
 
 def _split(tensor, k: int):
     """Dense `[B, ...]` -> `[k, B // k, ...]` (row block `i` is micro-batch `i`); a sparse or
-    ragged tensor stays whole and `_micro_batch` cuts its rows."""
+    ragged tensor stays whole (new component tensors, under the caller's control dependencies)
+    and `_micro_batch` cuts its rows."""
     if isinstance(tensor, (tf.SparseTensor, tf.RaggedTensor)):
-        return tensor
+        return tf.nest.map_structure(tf.identity, tensor, expand_composites=True)
     tensor = tf.convert_to_tensor(tensor)
     shape = tf.shape(tensor)
     split = tf.reshape(tensor, tf.concat([[k, shape[0] // k], shape[1:]], axis=0))
