@@ -16,11 +16,13 @@ from tfmem.data.manifest import Manifest, Shard, read_manifest
 from tfmem.data.schema import Schema, detect_schema
 from tfmem.data.tfds_data import tfds_image_dataset
 from tfmem.data.tfrecords import write_image_tfrecords
+from tfmem.data.options import ReaderOptions
+from tfmem.data.integrity import SkippedRecords
 
 __all__ += [
     "auto_shard_policy", "image_dataset", "inspect_tfrecords", "DEMO_CLASS_NAMES", "demo_examples",
     "make_demo_dataset", "Manifest", "Shard", "read_manifest", "Schema", "detect_schema",
-    "write_image_tfrecords", "tfds_image_dataset",
+    "write_image_tfrecords", "tfds_image_dataset", "ReaderOptions", "SkippedRecords",
 ]
 
 # -- accumulation: AccumModel --

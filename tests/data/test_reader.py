@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 import tfmem
-from tfmem.data import reader
+from tfmem.data import pipeline
 from tensorflow.python.data.experimental.ops.distribute import _AutoShardDataset
 
 NUM_EXAMPLES = 40
@@ -147,23 +147,23 @@ def test_reader_decodes_at_most_prefetch_batches_ahead(tmp_path, monkeypatch):
     tfmem.write_image_tfrecords((images, rng.integers(0, 3, 800)), str(tmp_path),
                                 class_names=["a", "b", "c"], shard_size_mb=0.02, shuffle=False)
     decoded = []
-    example_fn = reader.example_fn
+    example_fn = pipeline.example_fn
 
     def counting_example_fn(*args, **kwargs):
         to_example = example_fn(*args, **kwargs)
 
-        def counted(features):
+        def counted(*element):
             def tick():
                 decoded.append(1)
                 time.sleep(0.002)  # decoding takes time, so that a burst drains the buffer
                 return np.int64(0)
 
             with tf.control_dependencies([tf.py_function(tick, [], tf.int64)]):
-                return to_example(features)
+                return to_example(*element)
 
         return counted
 
-    monkeypatch.setattr(reader, "example_fn", counting_example_fn)
+    monkeypatch.setattr(pipeline, "example_fn", counting_example_fn)
     batch_size = 8
     dataset = tfmem.image_dataset(str(tmp_path), image_size=(6, 5), batch_size=batch_size,
                                   training=False)
