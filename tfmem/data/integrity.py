@@ -121,6 +121,8 @@ def check_shards(manifest: manifest_lib.Manifest, files: Sequence[str], skip_cor
         size = tf.io.gfile.stat(path).length
         if size != shard.num_bytes:
             problems.append(f"{path} has {size} bytes, the manifest says {shard.num_bytes}")
+            if skip_corrupt:  # read as far as it goes; the stream check names what is lost
+                print(f"tfmem: {problems[-1]}; reading what it holds", file=sys.stderr)
     if problems and not skip_corrupt:
         raise ValueError(
             f"the set in {manifest.directory} does not match its {manifest_lib.MANIFEST_NAME}: "

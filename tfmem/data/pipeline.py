@@ -66,8 +66,8 @@ def example_fn(schema: schema_lib.Schema, *, parse: Callable | None, label_is_st
         ok, parts = ok_and_parts[0], ok_and_parts[1:]
         if not ok:  # autograph: a tf.cond, its message built only on failure
             shard, where = describe(*locator)
-            fail(shard, where, "it cannot be parsed and decoded as an image (a damaged or "
-                 "truncated image, or not a tf.train.Example)", skippable=True)
+            fail(shard, where, "it cannot be decoded (a damaged or truncated image, or not a "
+                 "tf.train.Example)", skippable=True)
         if not schema.labelled:
             return parts, ok
         stored = parts[1]
@@ -86,9 +86,9 @@ def example_fn(schema: schema_lib.Schema, *, parse: Callable | None, label_is_st
             offset = (f" after subtracting label_offset={schema.label_offset}"
                       if schema.label_offset else "")
             fail(shard, where, tf.strings.join([
-                f"its label {schema.label_key!r} is ", value, f", not {classes}{offset}; "
-                "check num_classes (`--num-classes`) and the schema's label_key and "
-                "label_offset"]), skippable=False)
+                f"its label (`{schema.label_key}`) is ", value, f", not {classes}{offset}; "
+                "check num_classes (`--num-classes`) and the Schema (label_key, "
+                "label_offset)"]), skippable=False)
         return (parts[0], tf.cast(label, tf.int32)), ok
 
     return to_example
