@@ -46,10 +46,16 @@ class SkippedRecords:
         self._lock = threading.Lock()
         self._entries: dict[str, dict[tuple[int, int], str]] = {}
 
-    def add(self, shard: str, first: int, count: int, reason: str) -> None:
-        """Records `count` records of `shard` from index `first` (count -1: an unknown number)."""
+    def add(self, shard: str, first: int, count: int, reason: str) -> bool:
+        """Records `count` records of `shard` from index `first` (count -1: an unknown number).
+
+        Returns whether this skip is new.
+        """
         with self._lock:
-            self._entries.setdefault(shard, {}).setdefault((first, count), reason)
+            entries = self._entries.setdefault(shard, {})
+            new = (first, count) not in entries
+            entries.setdefault((first, count), reason)
+            return new
 
     @property
     def num_records(self) -> int:
@@ -82,18 +88,24 @@ class SkippedRecords:
         return "\n".join(lines)
 
     def _add_from_graph(self, shard, first, count, reason) -> None:
-        self.add(shard.numpy().decode(), int(first), int(count), reason.numpy().decode())
+        shard, first, count = shard.numpy().decode(), int(first), int(count)
+        reason = reason.numpy().decode()
+        if self.add(shard, first, count, reason):  # each skip is printed once per process
+            what = f"record {first}" if count == 1 else f"records from {first}"
+            print(f"tfmem: skipped {what} of {shard}: {reason}", file=sys.stderr, flush=True)
 
 
 def report_skip(log: SkippedRecords | None, shard, first, count, reason) -> None:
-    """In a tf.data function: prints one skip on stderr and adds it to `log`."""
+    """In a tf.data function: adds one skip to `log` and prints it on stderr (without a
+    log: prints it each time it happens)."""
     first, count = tf.cast(first, tf.int64), tf.cast(count, tf.int64)
+    if log is not None:
+        tf.py_function(log._add_from_graph, [shard, first, count, reason], [])
+        return
     what = tf.where(count == 1, tf.strings.join(["record ", tf.strings.as_string(first)]),
                     tf.strings.join(["records from ", tf.strings.as_string(first)]))
     tf.print(tf.strings.join(["tfmem: skipped ", what, " of ", shard, ": ", reason]),
              output_stream=sys.stderr)
-    if log is not None:
-        tf.py_function(log._add_from_graph, [shard, first, count, reason], [])
 
 
 def check_shards(manifest: manifest_lib.Manifest, files: Sequence[str], skip_corrupt: bool,

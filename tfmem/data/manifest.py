@@ -9,6 +9,7 @@ its final name, so a directory with a manifest holds a complete dataset.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 
@@ -81,6 +82,12 @@ class Manifest:
     def num_bytes(self) -> int:
         """Total size of the shards in bytes."""
         return sum(shard.num_bytes for shard in self.shards)
+
+    @property
+    def fingerprint(self) -> str:
+        """A short hash of the manifest's content: the identity of the set, wherever it lies
+        (a rewrite of the set, even of the same images, gets a new one)."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
 
     def to_json(self) -> str:
         """The manifest as the JSON text stored in `manifest.json`."""

@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tfmem.training import run_directory
@@ -191,8 +192,9 @@ class _Backup:
                 if os.path.exists(path):
                     os.remove(path)
             cause = getattr(error, "errno", None)
-            if cause in _NO_SPACE or "No space left" in str(error):
-                raise self._no_space(str(error).splitlines()[0]) from None
+            if cause in _NO_SPACE or os.strerror(errno.ENOSPC) in str(error):
+                raise self._no_space(os.strerror(cause if cause in _NO_SPACE
+                                                 else errno.ENOSPC)) from None
             raise
         # Kept: this point and the last good one before it; gone: older and damaged ones.
         keep = {generation} | ({self.latest["generation"]} if self.latest else set())
@@ -214,8 +216,8 @@ def _check_learning_rate(model: keras.Model) -> None:
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None:
         return
-    value = float(keras.ops.convert_to_numpy(keras.ops.convert_to_tensor(
-        optimizer.learning_rate)))
+    rate = optimizer.learning_rate  # a variable, or a schedule's value now
+    value = float(np.asarray(getattr(rate, "value", rate)))
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"the optimizer's learning rate is {value}; pass a finite learning "
                          "rate >= 0 (e.g. 1e-3)")
