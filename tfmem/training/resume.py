@@ -295,7 +295,7 @@ def _train(model, make_dataset, backup, epochs, steps_per_epoch, save_every_step
     state = backup.restore(model)
     epoch, step = (0, 0) if state is None else (state["epoch"], state["step"])
     history: dict[str, list[float]] = {} if state is None else state["history"]
-    if state is not None and verbose:
+    if state is not None:  # said whatever `verbose` is: a resumed run is never silent
         print(f"Resuming from {backup.directory}: epoch {epoch + 1}, step {step} "
               f"of {steps_per_epoch}.")
     while epoch < epochs:
