@@ -1,6 +1,6 @@
 r"""Streaming reader: peak memory does not grow with the dataset; throughput near the ceiling.
 
-    python benchmarks/data_pipeline.py --mid_gb 2           # 0.5, 2 and 4 GB, as in the README
+    python benchmarks/data_pipeline.py --mid_gb 2           # 0.5, 2 and 4 GB, as in docs/benchmarks.md
     python benchmarks/data_pipeline.py --small_gb 0.05 --big_gb 0.2 --throughput_images 500
 
 Writes TFRecord sets of photo-like 500×375 JPEGs (~42 KB, crops of scikit-image's sample

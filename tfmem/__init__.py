@@ -33,7 +33,8 @@ from tfmem.training.accumulation import AccumModel
 __all__ += ["AccumModel"]
 
 # -- distribute / precision: Runtime --
-from tfmem.runtime.distribute import Runtime, detect
+from tfmem.backend import detect
+from tfmem.runtime.runtime import Runtime
 from tfmem.runtime.precision import policy_for, set_policy
 from tfmem.runtime.report import describe
 

@@ -276,7 +276,7 @@ def _fc_densenet_count(block_sizes, growth, num_classes):
 
 
 @pytest.mark.parametrize("depth, block_sizes, growth, exact, paper_millions", [
-    (56, (4,) * 11, 12, 1_397_963, 1.4),  # the paper prints 1.5M; see the README
+    (56, (4,) * 11, 12, 1_397_963, 1.4),  # the paper prints 1.5M; see docs/models.md
     (67, (5,) * 11, 16, 3_502_923, 3.5),
     (103, (4, 5, 7, 10, 12, 15, 12, 10, 7, 5, 4), 16, 9_425_163, 9.4),
 ])

@@ -24,9 +24,10 @@ from tfmem.runtime import devices
 from tfmem.runtime import distribute
 from tfmem.runtime import report
 from tfmem.runtime import tpu
-from tfmem.runtime.distribute import Runtime, UnavailableDeviceError
+from tfmem.runtime.cluster import workers_in_tf_config
+from tfmem.runtime.runtime import Runtime, UnavailableDeviceError
 from tfmem.runtime.hardware import (
-    GPU, Hardware, inspect_hardware, parse_nvidia_smi, workers_in_tf_config,
+    GPU, Hardware, inspect_hardware, parse_nvidia_smi,
 )
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -433,22 +434,40 @@ def test_gpu_memory_is_read_from_the_device():  # pragma: no cover - no GPU in C
     assert runtime.memory_per_replica == int(smi[0]) * 2**20
 
 
-# ---------------------------------------------------------------- the JAX dispatch point
+# ---------------------------------------------------------------- the backend choice
 
 
-def test_jax_backend_delegates_to_distribute_jax(monkeypatch):
-    seen = []
-    fake = types.ModuleType("tfmem.runtime.distribute_jax")
-    fake.detect = lambda prefer=None: seen.append(prefer) or Runtime("tpu", None, 8)
-    monkeypatch.setitem(sys.modules, "tfmem.runtime.distribute_jax", fake)
-    monkeypatch.setattr(distribute, "_keras_backend", lambda: "jax")
-    assert tfmem.detect(prefer="tpu").num_replicas == 8
-    assert seen == ["tpu"]
+def test_the_backend_picks_detect_and_the_train_step_once_at_import():
+    from tfmem.training import accumulation_tf
 
-    monkeypatch.setitem(sys.modules, "tfmem.runtime.distribute_jax", None)  # the module is missing
-    expected = "KERAS_BACKEND is 'jax'.*KERAS_BACKEND=tensorflow"
-    with pytest.raises(UnavailableDeviceError, match=expected):
-        tfmem.detect()
+    assert tfmem.detect is distribute.detect
+    assert issubclass(tfmem.AccumModel, accumulation_tf.AccumTrainer)
+    program = textwrap.dedent(
+        """
+        import tfmem
+        from tfmem.runtime import distribute_jax
+        from tfmem.training import accumulation_jax
+        assert tfmem.detect is distribute_jax.detect
+        assert issubclass(tfmem.AccumModel, accumulation_jax.AccumTrainer)
+        print(tfmem.detect().kind, tfmem.detect().num_replicas)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, PYTHONPATH=str(REPO), KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="2"),
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["cpu", "1"]
+
+
+def test_an_unsupported_backend_is_refused_at_import_with_the_fix():
+    result = subprocess.run(
+        [sys.executable, "-c", "import tfmem"], capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, PYTHONPATH=str(REPO), KERAS_BACKEND="numpy", TF_CPP_MIN_LOG_LEVEL="2"),
+    )
+    assert result.returncode == 1
+    assert "KERAS_BACKEND is 'numpy'" in result.stderr
+    assert "KERAS_BACKEND=tensorflow or KERAS_BACKEND=jax" in result.stderr
 
 
 # ---------------------------------------------------------------- describe() and tfmem-env

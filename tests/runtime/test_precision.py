@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 import tfmem
-from tfmem.runtime.distribute import Runtime
+from tfmem.runtime.runtime import Runtime
 
 
 @pytest.fixture(autouse=True)

@@ -9,6 +9,7 @@ index for TFRecords, the tfds id for tfds) in an error, or, with `skip_corrupt`,
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import tensorflow as tf
@@ -16,6 +17,7 @@ import tensorflow as tf
 from tfmem.data import integrity
 from tfmem.data import schema as schema_lib
 from tfmem.data.options import ReaderOptions
+from tfmem.runtime.cluster import workers_in_tf_config
 
 _SKIP_HINT = ("; pass skip_corrupt=True (`--skip-corrupt`) to skip such records, or write the "
               "set again")
@@ -147,8 +149,7 @@ def auto_shard_policy(num_files: int, num_workers: int) -> tf.data.experimental.
 
 def num_workers_from_environment() -> int:
     """Workers of a multi-worker cluster described by TF_CONFIG; 1 when there is none."""
-    spec = tf.distribute.cluster_resolver.TFConfigClusterResolver().cluster_spec().as_dict()
-    return max(1, len(spec.get("worker", [])) + len(spec.get("chief", [])))
+    return workers_in_tf_config(os.environ.get("TF_CONFIG"))
 
 
 def dataset_options(options: ReaderOptions, num_files: int) -> tf.data.Options:

@@ -26,7 +26,7 @@ import numpy as np
 
 from tfmem.memory import saved_tensors as _saved_tensors
 from tfmem.runtime import devices
-from tfmem.runtime.distribute import nearest_multiples
+from tfmem.runtime.cluster import nearest_multiples
 from tfmem.memory.optimizer_state import optimizer_slot_bytes
 from tfmem.memory.plan_report import MemoryPlanError, format_bytes, format_table
 

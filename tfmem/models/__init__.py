@@ -1,22 +1,12 @@
 """Named model builders: `keras.applications` families, EfficientNetV2-XL, FC-DenseNet, U-Net.
 
-`build(name, ...)` returns a `keras.Model` that takes raw RGB pixels in the range given by
-``MODELS[name].data_range`` (every model here: ``(0, 255)``; the scaling each family's
-weights expect is a layer inside the model), so the data pipeline is told the range
-once and never applies a family-specific `preprocess_input`.
-
-Classification models are ``input → [scaling] → backbone → pooling → dropout → Dense``,
-where *backbone* is one nested `keras.Model`; `freeze_backbone=True` (or
-`set_backbone_trainable`) freezes it for transfer learning. Nothing is downloaded:
-`weights` is a path to a file already on disk.
+`build(name, ...)` returns a `keras.Model` taking raw RGB pixels in
+``MODELS[name].data_range``; each family's input scaling is a layer inside the model.
+Classifiers nest one backbone model, which `freeze_backbone=True` freezes. Nothing is
+downloaded: `weights` is a path to a file on disk.
 
 Example:
-    >>> from tfmem import models
-    >>> model = models.build("efficientnetv2-b0", num_classes=10, image_size=64)
-    >>> model.output_shape
-    (None, 10)
-    >>> models.MODELS["efficientnetv2-xl"].default_image_size
-    384
+    >>> model = tfmem.models.build("efficientnetv2-b0", num_classes=10, image_size=64)
 """
 
 from __future__ import annotations

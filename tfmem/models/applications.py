@@ -1,21 +1,7 @@
-"""The `keras.applications` families users fine-tune, and their input preprocessing.
+"""The `keras.applications` families users fine-tune, with their input scaling as a layer.
 
-Every tfmem classification model takes raw pixels in ``[0, 255]``. Some Keras families
-carry their scaling inside the model (EfficientNetV2, ConvNeXt:
-`include_preprocessing=True`); the others expect the caller to apply
-`keras.applications.<family>.preprocess_input` first, in one of three conventions their
-ImageNet weights were trained with. `ImagePreprocessing` is that step as a layer, placed
-in front of the backbone so the data pipeline never needs to know the convention:
-
-==========  ==========================================================  ==============
-mode        what it does to x in [0, 255]                               families
-==========  ==========================================================  ==============
-``caffe``   RGB→BGR, subtract ImageNet BGR means (103.939, 116.779,     ResNet (v1)
-            123.68)
-``tf``      x / 127.5 - 1 → [-1, 1]                                     ResNetV2,
-                                                                        MobileNetV2
-``torch``   x / 255, subtract ImageNet means, divide by ImageNet stds   DenseNet
-==========  ==========================================================  ==============
+Every tfmem classifier takes raw pixels in [0, 255]; `ImagePreprocessing` applies the
+family's convention (caffe, tf or torch; table in docs/models.md) inside the model.
 """
 
 from __future__ import annotations

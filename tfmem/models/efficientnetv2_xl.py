@@ -1,21 +1,10 @@
-"""EfficientNetV2 backbones built from automl block strings, including XL.
+"""EfficientNetV2 backbones from automl block strings, including XL (which Keras cannot build).
 
-`keras.applications` stops at EfficientNetV2-L. The XL model of the paper (Tan & Le,
-"EfficientNetV2: Smaller Models and Faster Training", 2021; automl's
-`efficientnetv2/effnetv2_configs.py`) differs only in its block strings, but Keras's
-builder cannot build it: it names the j-th repeat of a stage `chr(97 + j)`, which passes
-"z" in XL's 32-repeat stage, and TensorFlow then rejects `'block6{_expand_conv'` as a
-scope name at the first call; its flat graph of ~1,200 layers also needs a Python
-recursion limit above 1000.
-
-Here every block is one Keras layer (`FusedMBConv` / `MBConv`) owning its convolutions,
-so the functional graph has ~100 nodes (no recursion problem) and names are
-`stage{i}_block{j}` with plain integers.
+Every block is one Keras layer named `stage{i}_block{j}`, so XL's 32-repeat stage needs no
+letter past "z" and its graph has ~100 nodes; docs/models.md says why Keras's builder fails.
 
 Example:
     >>> backbone = efficientnetv2_backbone(XL_BLOCKS, input_shape=(64, 64, 3))
-    >>> backbone.output_shape
-    (None, 2, 2, 1280)
 """
 
 from __future__ import annotations

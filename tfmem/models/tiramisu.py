@@ -1,29 +1,10 @@
-"""FC-DenseNet ("The One Hundred Layers Tiramisu", Jégou et al., CVPRW 2017).
+"""FC-DenseNet ("The One Hundred Layers Tiramisu", Jégou et al., CVPRW 2017): 56, 67 and 103.
 
-A U-shaped segmentation network of dense blocks. The paper's three variants
-(its Table 2 / Section 4) and their parameter counts:
-
-=================  ==================================  ===========  ===========
-name               layers per dense block              growth (k)   params
-=================  ==================================  ===========  ===========
-FC-DenseNet56      4 in every block                    12           1.5M
-FC-DenseNet67      5 in every block                    16           3.5M
-FC-DenseNet103     4, 5, 7, 10, 12, 15, 12, 10, 7, 5, 4  16           9.4M
-=================  ==================================  ===========  ===========
-
-Building blocks (paper, Table 1): a *layer* is BN → ReLU → 3×3 conv (k maps) →
-dropout 0.2; *transition down* is BN → ReLU → 1×1 conv (same width) → dropout →
-2×2 max-pool; *transition up* is a 3×3 transposed conv with stride 2. The first
-conv has 48 maps. On the way up only the maps *new* in the previous dense block are
-upsampled (not the whole concatenation), which keeps the decoder affordable.
-
-Each dense block is one Keras layer (`DenseBlock`) so the functional graph stays
-shallow (Keras walks it recursively) and the summary stays readable.
+Each dense block is one Keras layer (`DenseBlock`), so the functional graph stays shallow;
+the paper's blocks and parameter counts are in docs/models.md.
 
 Example:
     >>> model = fc_densenet(103, input_shape=(32, 32, 3), num_classes=11)
-    >>> model.output_shape
-    (None, 32, 32, 11)
 """
 
 from __future__ import annotations

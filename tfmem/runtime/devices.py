@@ -1,23 +1,15 @@
-"""Known accelerators and their memory: the table behind `detect()` and `plan(device=...)`.
+"""Known accelerators and their memory per replica: the table behind `detect()` and `plan(device=...)`.
 
-Memory figures are the *total* memory one replica sees, in bytes:
-
-- NVIDIA GPUs: the total that `nvidia-smi` reports for the card (slightly below the marketing
-  figure, because the driver reserves some of it), e.g. a "16 GB" T4 reports 15360 MiB.
-- TPUs: HBM per replica. On TPU v2/v3 each *core* is a replica (v3: 16 GiB per core, a v3-8
-  has 8 cores); from v4 on, each *chip* is one device/replica (v4 32 GiB, v5e 16 GiB,
-  v5p 95 GiB, v6e 32 GiB per chip).
-- CPU: not in the table; it is the host's available RAM, read at run time by
-  `host_available_memory()`.
-
-Used where the device itself cannot be asked (TensorFlow on TPU exposes no memory figure,
-and planning for a machine you are not on, e.g. `scripts/plan.py --device v100-32gb`).
+GPU figures are `nvidia-smi`'s totals; TPU figures are HBM per replica (a core on v2/v3, a
+chip from v4 on); the CPU is not in the table (`host_available_memory()`). Used where the
+device cannot be asked (TPUs on TensorFlow, planning for another machine).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import platform
 import re
 
 _MIB = 1024**2
@@ -178,3 +170,15 @@ def host_available_memory() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def cpu_name() -> str:
+    """The CPU's model name (from /proc/cpuinfo), or what `platform` knows."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "CPU"

@@ -1,7 +1,7 @@
 """`tfmem.detect()` on the Keras JAX backend: JAX's devices, one `DataParallel` over them.
 
 On today's Colab/Kaggle TPU VMs TensorFlow cannot drive the TPU (`tensorflow-tpu` stops at
-2.20), but Keras 3 on JAX can. `tfmem.detect()` hands over to `detect()` here when
+2.20), but Keras 3 on JAX can. `tfmem.detect` is `detect()` here when
 `keras.backend.backend() == "jax"`; it returns the same `Runtime`, so the global-batch
 arithmetic and everything downstream (planner, AccumModel, scripts) do not change:
 
@@ -26,13 +26,12 @@ import logging
 import jax
 import keras
 
-from tfmem.runtime import devices as devices_lib
-from tfmem.runtime import distribute
-from tfmem.runtime import hardware
 from tfmem.memory import probe_jax
+from tfmem.runtime import devices as devices_lib
+from tfmem.runtime.runtime import KINDS, Runtime, UnavailableDeviceError
 
 
-def detect(prefer: str | None = None) -> distribute.Runtime:
+def detect(prefer: str | None = None) -> Runtime:
     """Finds JAX's accelerators, installs data parallelism over them, returns a `Runtime`.
 
     Args:
@@ -44,7 +43,7 @@ def detect(prefer: str | None = None) -> distribute.Runtime:
 
     Raises:
         ValueError: `prefer` is not one of the kinds.
-        tfmem.runtime.distribute.UnavailableDeviceError: no device of the preferred kind is present.
+        tfmem.runtime.UnavailableDeviceError: no device of the preferred kind is present.
 
     Example:
         >>> import os; os.environ["KERAS_BACKEND"] = "jax"  # before importing keras
@@ -52,12 +51,12 @@ def detect(prefer: str | None = None) -> distribute.Runtime:
         >>> runtime = tfmem.detect()  # on a TPU v3-8: kind="tpu", num_replicas=8
         >>> runtime.global_batch_size(16, accumulation_steps=4)  # 16 × 8 × 4 = 512
     """
-    if prefer not in (None, *distribute.KINDS):
+    if prefer not in (None, *KINDS):
         raise ValueError(f"`prefer` must be None, 'tpu', 'gpu' or 'cpu', got {prefer!r}.")
     try:
         found = jax.devices(prefer)
     except RuntimeError as error:
-        raise distribute.UnavailableDeviceError(
+        raise UnavailableDeviceError(
             f"detect(prefer={prefer!r}) on the JAX backend found no {prefer} device: {error}. "
             f"JAX can use: {_available_kinds()}. Install JAX for the device "
             "(`pip install 'jax[tpu]'` on a TPU VM, `pip install 'jax[cuda12]'` for NVIDIA "
@@ -75,11 +74,12 @@ def detect(prefer: str | None = None) -> distribute.Runtime:
     return runtime
 
 
-def current_runtime() -> distribute.Runtime:
+def current_runtime(model=None) -> Runtime:
     """The `Runtime` of the installed `keras.distribution` (or of JAX's default device).
 
     What `AccumModel.fit` plans memory with on the JAX backend, where no `tf.distribute`
-    strategy exists. Installs nothing.
+    strategy exists (`model` is accepted for the same signature as the TensorFlow side's
+    and not needed: the distribution is global). Installs nothing.
 
     Example:
         >>> tfmem.runtime.distribute_jax.current_runtime().num_replicas  # 8 after detect() on a v3-8
@@ -93,17 +93,17 @@ def current_runtime() -> distribute.Runtime:
     return _describe(found, distribution, num_replicas=batch_shards)
 
 
-def _describe(found: list[jax.Device], distribution, num_replicas: int) -> distribute.Runtime:
+def _describe(found: list[jax.Device], distribution, num_replicas: int) -> Runtime:
     kind = found[0].platform
-    if kind not in distribute.KINDS:  # e.g. a plugin platform ("METAL"): treat as a GPU
+    if kind not in KINDS:  # e.g. a plugin platform ("METAL"): treat as a GPU
         kind = "gpu"
-    return distribute.Runtime(
+    return Runtime(
         kind=kind,
         strategy=distribution,
         num_replicas=num_replicas,
         num_workers=jax.process_count(),
         memory_per_replica=_memory_per_device(found),
-        device_name=hardware.cpu_name() if kind == "cpu" else found[0].device_kind,
+        device_name=devices_lib.cpu_name() if kind == "cpu" else found[0].device_kind,
         compute_capability=_compute_capability(found[0]),
     )
 
@@ -139,7 +139,7 @@ def _compute_capability(device: jax.Device) -> tuple[int, int] | None:
 
 def _available_kinds() -> str:
     kinds = []
-    for kind in distribute.KINDS:
+    for kind in KINDS:
         try:
             jax.devices(kind)
         except RuntimeError:

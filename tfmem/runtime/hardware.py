@@ -7,9 +7,7 @@ with an unusual machine) can hand `detect()` a record instead.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import platform
 import shutil
 import subprocess
 from collections.abc import Mapping
@@ -18,6 +16,7 @@ import tensorflow as tf
 
 from tfmem.runtime import devices
 from tfmem.runtime import tpu
+from tfmem.runtime.cluster import workers_in_tf_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,26 +62,6 @@ def inspect_hardware(environ: Mapping[str, str] | None = None) -> Hardware:
         gpus=_visible_gpus(),
         num_workers=workers_in_tf_config(environ.get("TF_CONFIG")),
     )
-
-
-def workers_in_tf_config(tf_config: str | None) -> int:
-    """Chief + worker tasks in a `TF_CONFIG` JSON string (evaluators do not train in sync).
-
-    Example:
-        >>> workers_in_tf_config('{"cluster": {"worker": ["a:1", "b:1"]}, "task": {}}')
-        2
-    """
-    if not tf_config:
-        return 1
-    try:
-        cluster = json.loads(tf_config).get("cluster", {})
-    except (json.JSONDecodeError, AttributeError) as error:
-        raise ValueError(
-            f"TF_CONFIG is not a JSON object ({error}): {tf_config[:200]!r}. Expected e.g. "
-            '{"cluster": {"worker": ["host1:12345", "host2:12345"]}, '
-            '"task": {"type": "worker", "index": 0}}; unset TF_CONFIG to train on one machine.'
-        ) from error
-    return max(1, len(cluster.get("chief", [])) + len(cluster.get("worker", [])))
 
 
 def _visible_gpus() -> tuple[GPU, ...]:
@@ -134,14 +113,3 @@ def parse_nvidia_smi(output: str) -> dict[str, int]:
             seen.setdefault(name.strip(), set()).add(int(mib) * 2**20)
     # nvidia-smi and CUDA may order cards differently, so match by name, not by index.
     return {name: totals.pop() for name, totals in seen.items() if len(totals) == 1}
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "CPU"

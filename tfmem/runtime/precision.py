@@ -15,7 +15,7 @@ import logging
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tfmem.runtime.distribute import Runtime
+    from tfmem.runtime.runtime import Runtime
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,10 @@ from importlib import metadata
 from tfmem.runtime import devices
 from tfmem.runtime import precision
 from tfmem._version import __version__
-from tfmem.runtime.distribute import Runtime, UnavailableDeviceError, detect, inspect_hardware
+from tfmem import backend
+from tfmem.backend import detect
+from tfmem.runtime.hardware import inspect_hardware
+from tfmem.runtime.runtime import Runtime, UnavailableDeviceError
 
 _GIB = 1024**3
 
@@ -59,7 +62,7 @@ def describe(runtime: Runtime | None = None) -> str:
         ("host RAM available", f"{devices.host_available_memory() / _GIB:.1f} GiB"),
         ("CPU cores", str(os.cpu_count())),
         ("tfmem", __version__),
-        ("keras", f"{keras.__version__} (backend {keras.backend.backend()})"),
+        ("keras", f"{keras.__version__} (backend {backend.NAME})"),
         ("tensorflow", _versions("tensorflow", "tensorflow-cpu", "tensorflow-tpu", "tf-nightly")),
         ("jax", _versions("jax", "jaxlib", "libtpu")),
         ("python", f"{platform.python_version()} ({sys.executable})"),

@@ -1,23 +1,8 @@
 """TPU detection for TensorFlow: is one attached, can TensorFlow use it, and if not, why.
 
-A TPU is taken to be *attached* when one of these signals is present (each is listed in the
-messages, so a wrong guess is visible):
-
-- `/dev/accel0`, `/dev/accel1`, … : how TPU v2-v4 VMs expose their chips (the generic Linux
-  accelerator subsystem uses `/dev/accel/accelN`, a directory, which is not counted);
-- numbered VFIO groups `/dev/vfio/0`, … : how TPU v5e, v5p and v6e VMs expose their chips
-  (`/dev/vfio/vfio`, present on many Linux hosts, is not counted);
-- `TPU_ACCELERATOR_TYPE` (set on Cloud/Kaggle TPU VMs, e.g. "v3-8"), `TPU_NAME` (a named Cloud
-  TPU), `COLAB_TPU_ADDR` (Colab's legacy TPU node, always a v2-8).
-
-An installed `libtpu` is *not* a signal (`pip install 'jax[tpu]'` installs it on any machine);
-it is reported in the message because it tells which framework could drive the TPU.
-
-Plain `tensorflow` / `tensorflow-cpu` has no TPU kernels: on a TPU VM, initialising the TPU
-raises `NotFoundError: TPUs not found in the cluster. Failed in initialization: No OpKernel was
-registered to support Op 'ConfigureDistributedTPU'` (the same error as on a machine with no TPU,
-which is why the signals above decide). `tensorflow-tpu` stops at 2.20; the other way to use a
-TPU is the Keras JAX backend.
+A TPU counts as attached when a device node (`/dev/accel<N>`, numbered `/dev/vfio/<N>`) or a
+TPU environment variable says so; an installed `libtpu` does not. Plain TensorFlow has no TPU
+kernels, so the messages here name the way on (the JAX backend). See docs/runtime.md.
 """
 
 from __future__ import annotations

@@ -62,11 +62,10 @@ import numbers
 import warnings
 
 import keras
-import tensorflow as tf
-from keras.src.losses.loss import unscale_loss_for_distribution
 
+from tfmem import _keras_internals as internals
+from tfmem import backend
 from tfmem.memory import planner
-from tfmem.runtime.distribute import nearest_multiples
 
 # Reductions for which "mean of the k micro-batch losses" == "big-batch loss".
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
@@ -92,7 +91,7 @@ def _validate_accumulation_steps(value) -> int | str:
 
 
 @keras.saving.register_keras_serializable(package="tfmem")
-class AccumModel(keras.Model):
+class AccumModel(backend.AccumTrainer, keras.Model):
     """A `keras.Model` that accumulates gradients over micro-batches in one step.
 
     Build it like a functional model, or wrap an existing one with
@@ -174,21 +173,15 @@ class AccumModel(keras.Model):
             warnings.warn("AccumModel: memory check skipped, the data has no static batch "
                           "size (batch it with drop_remainder=True to check).")
             return
-        runtime = None
-        if keras.backend.backend() == "jax":  # no tf.distribute strategy on JAX
-            from tfmem.runtime import distribute_jax
-
-            runtime = distribute_jax.current_runtime()
-        replicas = runtime.num_replicas if runtime else self.distribute_strategy.num_replicas_in_sync
+        runtime = backend.current_runtime(self)
+        replicas = runtime.num_replicas
         per_replica, remainder = divmod(global_batch, replicas)
         if remainder or (not auto and per_replica % self.accumulation_steps):
             return  # the step itself raises, with the sizes that would divide
         if memory_budget is not None:
             budget = dict(memory_budget=memory_budget, num_replicas=replicas)
         else:
-            from tfmem.runtime.distribute import Runtime  # strategy → device memory
-
-            budget = dict(runtime=runtime or Runtime.from_strategy(self.distribute_strategy))
+            budget = dict(runtime=runtime)
             if budget["runtime"].memory_per_replica is None and not auto:
                 warnings.warn("AccumModel: memory check skipped, the device memory is "
                               "unknown; pass fit(..., memory_budget=bytes) to check.")
@@ -244,8 +237,8 @@ class AccumModel(keras.Model):
                 "AccumModel(inputs, model(inputs), accumulation_steps=k)`."
             )
         # Keep the original nesting: a single-input model takes a tensor, not a list.
-        inputs = model._inputs_struct if hasattr(model, "_inputs_struct") else inputs
-        outputs = model._outputs_struct if hasattr(model, "_outputs_struct") else outputs
+        if internals.is_graph_network(model):
+            inputs, outputs = internals.functional_structs(model)
         return cls(inputs, outputs, accumulation_steps=accumulation_steps, name=model.name)
 
     def get_config(self) -> dict:
@@ -257,139 +250,10 @@ class AccumModel(keras.Model):
     # `Model.from_config` revives functional configs through `cls(inputs=...,
     # outputs=..., **config)`, which passes `accumulation_steps` back to __init__.
 
-    def train_step(self, *args):
-        if keras.backend.backend() == "jax":
-            # Keras's JAX trainer calls a stateless train_step(state, data) -> (logs, state).
-            from tfmem.training import accumulation_jax
-
-            return accumulation_jax.train_step(self, *args)
-        (data,) = args
-        k = self.accumulation_steps
-        if k == "auto":
-            raise ValueError(
-                'accumulation_steps="auto" is chosen when `fit` starts; call `fit`, or set '
-                "`model.accumulation_steps = k` before `train_on_batch`."
-            )
-        self._check_optimizer()
-        if k == 1:
-            # Nothing to accumulate: Keras's own step, without the float32 sums and the loop
-            # (the planner counts accumulation buffers only for k > 1).
-            return self._multi_worker_logs(super().train_step(data))
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        first = next(t for t in tf.nest.flatten(x) if t is not None)
-        batch_size = first.shape[0]
-        if batch_size is not None and batch_size % k:
-            raise ValueError(
-                f"The batch each replica receives ({batch_size} rows) must be divisible "
-                f"by `accumulation_steps` ({k}). Use a batch of "
-                f"{nearest_multiples(batch_size, k)} rows per replica (global batch = "
-                "rows per replica × replicas), or change `accumulation_steps`."
-            )
-        dynamic_batch = tf.shape(first)[0]
-        checks = []
-        if batch_size is None:
-            checks.append(
-                tf.debugging.assert_equal(
-                    dynamic_batch % k,
-                    0,
-                    message=(
-                        f"AccumModel: the batch of this step is not divisible by "
-                        f"accumulation_steps={k} (typically the partial last batch of "
-                        "an epoch). Batch the dataset with drop_remainder=True, or make "
-                        "the number of samples a multiple of the global batch size."
-                    ),
-                )
-            )
-        with tf.control_dependencies(checks):
-            split = tf.nest.map_structure(
-                lambda t: None if t is None else _split(t, k), (x, y, sample_weight)
-            )
-
-        variables = list(self.trainable_variables)
-        if not variables:
-            warnings.warn("The model does not have any trainable weights.")
-        bn_variables = self._batch_norm_statistics()
-        bn_start = [tf.identity(v.value) for v in bn_variables]
-        has_gradient = [False] * len(variables)
-
-        def body(i, loss_sum, grad_sums, bn_sums):
-            x_i, y_i, w_i = tf.nest.map_structure(
-                lambda t: None if t is None else t[i], split
-            )
-            with tf.GradientTape() as tape:
-                y_pred = self(x_i, training=True) if self._call_has_training_arg else self(x_i)
-                loss = self._compute_loss(
-                    x=x_i, y=y_i, y_pred=y_pred, sample_weight=w_i, training=True
-                )
-                scaled = self.optimizer.scale_loss(loss) if self.optimizer else loss
-            grads = tape.gradient(scaled, variables) if variables else []
-            for index, grad in enumerate(grads):
-                has_gradient[index] = has_gradient[index] or grad is not None
-            grad_sums = [
-                acc if g is None else acc + tf.cast(tf.convert_to_tensor(g), tf.float32)
-                for acc, g in zip(grad_sums, grads)
-            ]
-            # Collect this micro-batch's BN update, then rewind the statistics so
-            # every micro-batch steps from the same start (module docstring).
-            bn_sums = [acc + v.value for acc, v in zip(bn_sums, bn_variables)]
-            for v, start in zip(bn_variables, bn_start):
-                v.assign(start)
-            self.compute_metrics(x_i, y_i, y_pred, sample_weight=w_i)
-            return i + 1, loss_sum + tf.cast(loss, tf.float32), grad_sums, bn_sums
-
-        _, loss_sum, grad_sums, bn_sums = tf.while_loop(
-            lambda i, *_: i < k,
-            body,
-            (
-                tf.constant(0),
-                tf.constant(0.0, tf.float32),
-                [tf.zeros(v.shape, tf.float32) for v in variables],
-                [tf.zeros_like(s) for s in bn_start],
-            ),
-            # Sequential micro-batches: running them in parallel would keep
-            # several micro-batches of activations alive and defeat the purpose.
-            parallel_iterations=1,
-            maximum_iterations=k,
-        )
-        # The compiled loss is built while the loop body traces, so check it here.
-        self._check_loss_reductions()
-        for v, total in zip(bn_variables, bn_sums):
-            v.assign(total / k)
-
-        loss = loss_sum / k
-        self._loss_tracker.update_state(
-            unscale_loss_for_distribution(loss),
-            sample_weight=dynamic_batch,
-        )
-        if variables:
-            grads = [s / k if used else None for s, used in zip(grad_sums, has_gradient)]
-            self.optimizer.apply_gradients(zip(grads, variables))
-        return self._multi_worker_logs(self.get_metrics_result())
-
-    def _multi_worker_logs(self, logs: dict) -> dict:
-        if _multi_worker(self.distribute_strategy):
-            # Keras 3.15 reduces step logs across workers with
-            # `strategy.reduce("MEAN", v, axis=0)`, which fails on scalars
-            # (tensorflow/tensorflow#72388); a leading length-1 axis makes it the mean.
-            logs = {name: tf.expand_dims(value, 0) for name, value in logs.items()}
-        return logs
-
-    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        # Keras 3.15's TF trainer `strategy.reduce`s the first distributed batch
-        # only to read its shapes; MultiWorkerMirroredStrategy cannot reduce a
-        # nested (x, y) batch ("Attempt to convert a value (PerReplica ...)",
-        # cf. keras-team/keras#20329), so plain `fit` fails there. One replica's
-        # batch has the same shapes as that mean, so every strategy builds the same.
-        # (`getattr`: only the TensorFlow trainer has `_distribute_strategy`; not the JAX one.)
-        if iterator is not None and getattr(self, "_distribute_strategy", None) is not None:
-            data_batch = _first_local_batch(self._distribute_strategy, iterator)
-            iterator = None
-        return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
-
     def _batch_norm_statistics(self) -> list:
         return [
             v
-            for layer in self._flatten_layers(include_self=False)
+            for layer in internals.flatten_layers(self)
             if isinstance(layer, keras.layers.BatchNormalization)
             for v in layer.non_trainable_variables
         ]
@@ -406,13 +270,12 @@ class AccumModel(keras.Model):
 
     def _check_loss_reductions(self) -> None:
         """Rejects losses whose micro-batch mean would differ from the big-batch loss."""
-        compile_loss = getattr(self, "_compile_loss", None)
-        for entry in getattr(compile_loss, "_flat_losses", None) or []:
-            reduction = getattr(entry.loss, "reduction", "sum_over_batch_size")
+        for name, loss in internals.compiled_losses(self):
+            reduction = getattr(loss, "reduction", "sum_over_batch_size")
             if reduction not in _MEAN_REDUCTIONS:
                 raise ValueError(
                     f"AccumModel needs losses reduced with 'sum_over_batch_size' (the "
-                    f"Keras default), but {entry.name or entry.loss!r} uses "
+                    f"Keras default), but {name or loss!r} uses "
                     f"reduction={reduction!r}: averaging {self.accumulation_steps} "
                     "micro-batch losses reduced that way does not give the big-batch "
                     "loss. Use the loss's default reduction."
@@ -421,39 +284,11 @@ class AccumModel(keras.Model):
 
 def _global_batch_size(x, batch_size) -> int | None:
     """Rows per step of `fit(x, batch_size=...)` over all replicas, if static."""
-    if isinstance(x, tf.data.Dataset):
-        spec = tf.nest.flatten(x.element_spec)[0]
+    element_spec = getattr(x, "element_spec", None)  # a tf.data.Dataset
+    if element_spec is not None:
+        spec = keras.tree.flatten(element_spec)[0]
         return spec.shape[0] if spec.shape.rank else None
-    arrays = tf.nest.flatten(x)
+    arrays = keras.tree.flatten(x)
     if not arrays or not hasattr(arrays[0], "shape"):
         return None  # a generator or PyDataset: batched by the user, size unknown here
     return min(batch_size or 32, int(arrays[0].shape[0]))  # Keras's default batch is 32
-
-
-def _multi_worker(strategy) -> bool:
-    return isinstance(
-        strategy, tf.distribute.MultiWorkerMirroredStrategy
-    ) and strategy.extended._in_multi_worker_mode()
-
-
-def _first_local_batch(strategy, iterator):
-    """The first batch of a Keras epoch iterator, first local replica's values."""
-    for _, _, batches in iterator:
-        batch = next(batches)
-        break
-    return tf.nest.map_structure(
-        lambda v: strategy.experimental_local_results(v)[0]
-        if isinstance(v, tf.distribute.DistributedValues)
-        else v,
-        batch,
-    )
-
-
-def _split(tensor, k: int) -> tf.Tensor:
-    """`[B, ...]` -> `[k, B // k, ...]`; row block `i` is micro-batch `i`."""
-    tensor = tf.convert_to_tensor(tensor)
-    shape = tf.shape(tensor)
-    split = tf.reshape(tensor, tf.concat([[k, shape[0] // k], shape[1:]], axis=0))
-    static = tensor.shape
-    rows = None if static[0] is None else static[0] // k
-    return tf.ensure_shape(split, [k, rows] + static[1:].as_list()) if static.rank else split

@@ -47,8 +47,15 @@ import jax.numpy as jnp
 import keras
 from keras import tree
 
-from tfmem.training import accumulation
-from tfmem.runtime.distribute import nearest_multiples
+from tfmem import _keras_internals as internals
+from tfmem.runtime.cluster import nearest_multiples
+
+
+class AccumTrainer:
+    """The JAX half of `AccumModel`: Keras's JAX trainer calls `train_step(state, data)`."""
+
+    def train_step(self, state, data):
+        return train_step(self, state, data)
 
 
 def train_step(model: keras.Model, state: tuple, data) -> tuple[dict, tuple]:
@@ -123,7 +130,8 @@ def train_step(model: keras.Model, state: tuple, data) -> tuple[dict, tuple]:
         carried = _select(non_trainable_out, is_averaged, False)
         # Keras metrics accumulate totals and counts, so k updates with the k micro-batches
         # leave them where one update with the global batch would.
-        _, metrics_variables = model._update_metrics_variables(
+        _, metrics_variables = internals.update_metrics_variables(
+            model,
             metrics_variables, unscaled_loss, micro_x, micro_y, y_pred, micro_weight
         )
         return (grad_sum, delta_sum, carried, metrics_variables), None

@@ -13,7 +13,8 @@ from common import compile_model, conv_model, data, emit, relative_difference
 from tfmem.runtime import devices
 from tfmem.runtime import distribute_jax
 from tfmem.memory import probe_jax
-from tfmem.runtime.distribute import UnavailableDeviceError, detect
+from tfmem import detect
+from tfmem.runtime.runtime import UnavailableDeviceError
 
 GLOBAL_BATCH = 64
 K = 2  # 64 = 8 devices × 4 samples × 2 micro-batches

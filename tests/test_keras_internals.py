@@ -1,0 +1,141 @@
+"""Every private Keras/TensorFlow attribute tfmem relies on still exists and behaves as assumed."""
+
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfmem import _keras_internals as internals
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _functional():
+    inputs = {"a": keras.Input((3,), name="a"), "b": keras.Input((2,), name="b")}
+    hidden = keras.layers.Dense(4, name="dense")(keras.layers.Concatenate()([inputs["a"], inputs["b"]]))
+    outputs = [keras.layers.Dense(1, name="out1")(hidden), keras.layers.Dense(2, name="out2")(hidden)]
+    return keras.Model(inputs, outputs)
+
+
+def test_functional_structs_keep_the_nesting():
+    inputs_struct, outputs_struct = internals.functional_structs(_functional())
+    assert isinstance(inputs_struct, dict) and sorted(inputs_struct) == ["a", "b"]
+    assert isinstance(outputs_struct, list) and len(outputs_struct) == 2
+
+
+def test_call_has_training_arg_reads_the_call_signature():
+    class Plain(keras.layers.Layer):
+        def call(self, x):
+            return x
+
+    class Training(keras.layers.Layer):
+        def call(self, x, training=None):
+            return x
+
+    assert internals.call_has_training_arg(Training())
+    assert not internals.call_has_training_arg(Plain())
+
+
+def test_compute_loss_is_the_compiled_loss_and_leaves_the_tracker_alone():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, use_bias=False)])
+    model.layers[0].set_weights([np.array([[1.0], [2.0]], "float32")])
+    model.compile("sgd", "mse")
+    x, y = np.array([[1.0, 1.0], [0.0, 1.0]], "float32"), np.array([[0.0], [0.0]], "float32")
+    y_pred = model(x)
+    loss = internals.compute_loss(model, x=x, y=y, y_pred=y_pred, sample_weight=None,
+                                  training=True)
+    assert float(loss) == pytest.approx((3.0**2 + 2.0**2) / 2)  # hand-computed MSE
+    tracker = internals.loss_tracker(model)
+    assert isinstance(tracker, keras.metrics.Mean)
+    assert float(tracker.count) == 0  # the tracker was not updated
+
+
+def test_compiled_losses_lists_each_loss_once_built():
+    model = _functional()
+    model.compile("sgd", loss=["mse", keras.losses.MeanAbsoluteError(reduction="sum")])
+    assert internals.compiled_losses(model) == []  # built on the first call
+    data = {"a": np.zeros((4, 3)), "b": np.zeros((4, 2))}
+    model.train_on_batch(data, [np.zeros((4, 1)), np.zeros((4, 2))])
+    losses = internals.compiled_losses(model)
+    assert [getattr(loss, "reduction", None) for _, loss in losses][1] == "sum"
+    assert len(losses) == 2
+    uncompiled = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    uncompiled.compile("sgd")  # no loss: compute_loss is the user's
+    assert internals.compiled_losses(uncompiled) == []
+
+
+def test_flatten_layers_is_recursive_and_own_variables_are_not():
+    inner = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3, name="inner_dense")], name="inner")
+    inputs = keras.Input((2,))
+    outer = keras.Model(inputs, keras.layers.Dense(1, name="head")(inner(inputs)))
+    names = [layer.name for layer in internals.flatten_layers(outer)]
+    assert "inner_dense" in names and "head" in names and outer.name not in names
+    assert internals.own_trainable_variables(inner) == []
+    assert len(internals.own_trainable_variables(outer.get_layer("head"))) == 2
+
+
+def test_functional_graph_of_sequential_and_functional_models():
+    sequential = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    graph = internals.functional_of(sequential)
+    assert internals.is_graph_network(graph)
+    assert not internals.is_graph_network(sequential)
+    depths = internals.nodes_by_depth(graph)
+    layers = {node.operation.name for nodes in depths.values() for node in nodes}
+    assert sequential.layers[0].name in layers
+    functional = _functional()
+    assert internals.functional_of(functional) is functional
+
+
+def test_distribute_strategy_and_multi_worker_mode(two_cpu_strategy):
+    with two_cpu_strategy.scope():
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    assert internals.distribute_strategy(model) is two_cpu_strategy
+    assert internals.in_multi_worker_mode(two_cpu_strategy) is False
+
+
+def test_symbolic_build_hook_is_the_tensorflow_trainer_method():
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    assert callable(getattr(TensorFlowTrainer, internals.SYMBOLIC_BUILD_HOOK))
+
+
+def test_jax_stateless_metrics_update_counts_the_rows():
+    program = textwrap.dedent(
+        """
+        import keras, numpy as np
+        from tfmem import _keras_internals as internals
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse", metrics=["mae"])
+        model.train_on_batch(np.zeros((2, 2)), np.zeros((2, 1)))  # builds the metrics
+        before = [v.value for v in model.metrics_variables]
+        x, y = np.ones((3, 2), "float32"), np.ones((3, 1), "float32")
+        _, after = internals.update_metrics_variables(
+            model, before, np.float32(2.0), x, y, np.zeros((3, 1), "float32"), None)
+        counts = [float(b) for b, a, v in zip(before, after, model.metrics_variables)
+                  if v.path.endswith("count")]
+        updated = [float(a) for b, a, v in zip(before, after, model.metrics_variables)
+                   if v.path.endswith("count")]
+        print([u - c for c, u in zip(counts, updated)])
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="2"),
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    # the loss tracker and the MAE metric each counted the 3 rows of the batch
+    assert result.stdout.split("\n")[-2] == "[3.0, 3.0]"
+
+
+def test_a_missing_internal_raises_naming_it_and_the_tested_versions():
+    class NotAModel:
+        pass
+
+    with pytest.raises(internals.KerasInternalsError, match=r"NotAModel\._loss_tracker.*keras>="):
+        internals.loss_tracker(NotAModel())

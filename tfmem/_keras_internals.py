@@ -1,0 +1,130 @@
+"""The one door to private Keras and TensorFlow attributes that tfmem relies on.
+
+Keras has no public API for a few things tfmem must do (read a functional graph's nodes,
+run the compiled loss without its tracker, update metrics statelessly on JAX). Each such
+access is a function here, and `tests/test_keras_internals.py` checks that every name still
+exists and behaves as tfmem assumes. Where a name is missing, the function raises
+`KerasInternalsError` naming it and the Keras versions tfmem is tested on; nothing falls
+back silently.
+"""
+
+from __future__ import annotations
+
+import keras
+
+# The versions the test suite passes on; `setup.cfg`'s `install_requires` states the same.
+TESTED_KERAS = ">=3.15"
+
+
+class KerasInternalsError(RuntimeError):
+    """A private Keras/TensorFlow attribute tfmem relies on is missing in this version."""
+
+
+def _attribute(owner, name: str, purpose: str):
+    try:
+        return getattr(owner, name)
+    except AttributeError:
+        raise KerasInternalsError(
+            f"tfmem needs `{type(owner).__name__}.{name}` ({purpose}), which Keras "
+            f"{keras.__version__} does not have. Install a Keras version tfmem is tested on "
+            f"(keras{TESTED_KERAS}), or report this Keras version to tfmem."
+        ) from None
+
+
+def functional_structs(model: keras.Model) -> tuple:
+    """A functional model's inputs and outputs in their original nesting (tensor, list, dict)."""
+    return (
+        _attribute(model, "_inputs_struct", "the nesting of a functional model's inputs"),
+        _attribute(model, "_outputs_struct", "the nesting of a functional model's outputs"),
+    )
+
+
+def call_has_training_arg(layer: keras.layers.Layer) -> bool:
+    """Whether `layer.call` takes a `training` argument."""
+    return bool(_attribute(layer, "_call_has_training_arg", "whether call() takes `training`"))
+
+
+def compute_loss(model: keras.Model, **kwargs):
+    """The compiled loss plus regularisation losses, without updating the loss tracker."""
+    return _attribute(model, "_compute_loss", "the loss without its tracker update")(**kwargs)
+
+
+def loss_tracker(model: keras.Model) -> keras.metrics.Mean:
+    """The `Mean` metric behind the `loss` entry of a compiled model's logs."""
+    return _attribute(model, "_loss_tracker", "the metric behind the logged loss")
+
+
+def compiled_losses(model: keras.Model) -> list[tuple[str, object]]:
+    """`(name, loss)` for each loss `compile` was given, once the compiled loss is built.
+
+    Raises:
+        KerasInternalsError: the compiled loss exists but its flat list of losses does not.
+    """
+    compile_loss = _attribute(model, "_compile_loss", "the compiled loss")
+    if compile_loss is None:  # compiled without a loss: `compute_loss` is overridden
+        return []
+    entries = _attribute(compile_loss, "_flat_losses", "the compiled loss's list of losses")
+    if entries is None:  # not built yet: built on the first call of the compiled loss
+        return []
+    return [(entry.name, entry.loss) for entry in entries]
+
+
+def flatten_layers(model: keras.layers.Layer) -> list[keras.layers.Layer]:
+    """Every layer inside `model` (recursively), not `model` itself."""
+    return list(_attribute(model, "_flatten_layers", "the layers inside a model")(
+        include_self=False))
+
+
+def own_trainable_variables(layer: keras.layers.Layer) -> list:
+    """The trainable variables a layer creates itself (not those of layers inside it)."""
+    return list(_attribute(layer, "_trainable_variables", "a layer's own trainable weights"))
+
+
+def functional_of(model: keras.Model) -> keras.Model | None:
+    """The functional model a built `Sequential` keeps (None before it is built)."""
+    if isinstance(model, keras.Sequential):
+        return _attribute(model, "_functional", "the functional graph of a Sequential model")
+    return model
+
+
+def is_graph_network(model) -> bool:
+    """Whether `model` keeps a functional graph of nodes (`nodes_by_depth` works on it)."""
+    return isinstance(model, keras.Model) and hasattr(model, "_nodes_by_depth")
+
+
+def nodes_by_depth(model: keras.Model) -> dict:
+    """A functional model's graph: depth → the nodes (layer calls) at that depth."""
+    return _attribute(model, "_nodes_by_depth", "the nodes of a functional graph")
+
+
+def update_metrics_variables(model: keras.Model, *args):
+    """JAX trainer: the stateless update of the loss tracker and compiled metrics."""
+    return _attribute(model, "_update_metrics_variables",
+                      "the JAX trainer's stateless metrics update")(*args)
+
+
+def distribute_strategy(model: keras.Model):
+    """The `tf.distribute.Strategy` a model trains under (TensorFlow backend only)."""
+    return _attribute(model, "_distribute_strategy", "the model's distribution strategy")
+
+
+def in_multi_worker_mode(strategy) -> bool:
+    """Whether a `MultiWorkerMirroredStrategy` really spans several workers."""
+    return bool(_attribute(strategy.extended, "_in_multi_worker_mode",
+                           "whether a strategy spans several workers")())
+
+
+def first_batch(epoch_iterator):
+    """The first batch of the TensorFlow trainer's epoch iterator.
+
+    Its items end with an iterator over the step's batches; the items before it (the step
+    number, or the first and last step) differ between Keras versions.
+    """
+    for item in epoch_iterator:
+        return next(item[-1])
+    raise ValueError("The data has no batches: the first epoch is empty.")
+
+
+# The TensorFlow trainer builds a model from the first batch in this method; AccumModel
+# overrides it (see `tfmem.training.accumulation_tf`), so its name is checked like the rest.
+SYMBOLIC_BUILD_HOOK = "_maybe_symbolic_build"

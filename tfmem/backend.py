@@ -1,0 +1,24 @@
+"""The Keras backend tfmem runs on, read once at import: each backend-specific piece is chosen here.
+
+Like Keras, which picks its trainer class when `keras.models` is imported, tfmem reads
+`keras.backend.backend()` once and takes the matching half of `AccumModel`'s train step and
+the matching runtime detection; nothing else in tfmem asks which backend is running.
+"""
+
+import keras
+
+NAME = keras.backend.backend()
+
+if NAME == "jax":
+    from tfmem.runtime.distribute_jax import current_runtime, detect
+    from tfmem.training.accumulation_jax import AccumTrainer
+elif NAME == "tensorflow":
+    from tfmem.runtime.distribute import current_runtime, detect
+    from tfmem.training.accumulation_tf import AccumTrainer
+else:
+    raise ImportError(
+        f"tfmem runs on Keras's TensorFlow or JAX backend, and KERAS_BACKEND is {NAME!r}. "
+        "Set KERAS_BACKEND=tensorflow or KERAS_BACKEND=jax before importing keras."
+    )
+
+__all__ = ["NAME", "AccumTrainer", "current_runtime", "detect"]

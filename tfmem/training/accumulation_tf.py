@@ -1,0 +1,173 @@
+"""The TensorFlow backend's accumulating train step (semantics: `tfmem.training.accumulation`).
+
+`AccumTrainer` is mixed into `AccumModel` when Keras runs on TensorFlow (`tfmem.backend`):
+`k` micro-batches in one `tf.while_loop`, gradients summed in float32, one optimizer update.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+import tensorflow as tf
+
+from tfmem import _keras_internals as internals
+from tfmem.runtime.cluster import nearest_multiples
+
+
+class AccumTrainer:
+    """The TensorFlow half of `AccumModel`: its `train_step` and first-batch build."""
+
+    def train_step(self, data):
+        k = self.accumulation_steps
+        if k == "auto":
+            raise ValueError(
+                'accumulation_steps="auto" is chosen when `fit` starts; call `fit`, or set '
+                "`model.accumulation_steps = k` before `train_on_batch`."
+            )
+        self._check_optimizer()
+        if k == 1:
+            # Nothing to accumulate: Keras's own step, without the float32 sums and the loop
+            # (the planner counts accumulation buffers only for k > 1).
+            return self._multi_worker_logs(super().train_step(data))
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        first = next(t for t in tf.nest.flatten(x) if t is not None)
+        batch_size = first.shape[0]
+        if batch_size is not None and batch_size % k:
+            raise ValueError(
+                f"The batch each replica receives ({batch_size} rows) must be divisible "
+                f"by `accumulation_steps` ({k}). Use a batch of "
+                f"{nearest_multiples(batch_size, k)} rows per replica (global batch = "
+                "rows per replica × replicas), or change `accumulation_steps`."
+            )
+        dynamic_batch = tf.shape(first)[0]
+        checks = []
+        if batch_size is None:
+            checks.append(
+                tf.debugging.assert_equal(
+                    dynamic_batch % k,
+                    0,
+                    message=(
+                        f"AccumModel: the batch of this step is not divisible by "
+                        f"accumulation_steps={k} (typically the partial last batch of "
+                        "an epoch). Batch the dataset with drop_remainder=True, or make "
+                        "the number of samples a multiple of the global batch size."
+                    ),
+                )
+            )
+        with tf.control_dependencies(checks):
+            split = tf.nest.map_structure(
+                lambda t: None if t is None else _split(t, k), (x, y, sample_weight)
+            )
+
+        variables = list(self.trainable_variables)
+        if not variables:
+            warnings.warn("The model does not have any trainable weights.")
+        bn_variables = self._batch_norm_statistics()
+        bn_start = [tf.identity(v.value) for v in bn_variables]
+        has_gradient = [False] * len(variables)
+
+        def body(i, loss_sum, grad_sums, bn_sums):
+            x_i, y_i, w_i = tf.nest.map_structure(
+                lambda t: None if t is None else t[i], split
+            )
+            with tf.GradientTape() as tape:
+                y_pred = self(x_i, training=True) if internals.call_has_training_arg(self) else self(x_i)
+                loss = internals.compute_loss(
+                    self,
+                    x=x_i, y=y_i, y_pred=y_pred, sample_weight=w_i, training=True
+                )
+                scaled = self.optimizer.scale_loss(loss) if self.optimizer else loss
+            grads = tape.gradient(scaled, variables) if variables else []
+            for index, grad in enumerate(grads):
+                has_gradient[index] = has_gradient[index] or grad is not None
+            grad_sums = [
+                acc if g is None else acc + tf.cast(tf.convert_to_tensor(g), tf.float32)
+                for acc, g in zip(grad_sums, grads)
+            ]
+            # Collect this micro-batch's BN update, then rewind the statistics so
+            # every micro-batch steps from the same start (module docstring).
+            bn_sums = [acc + v.value for acc, v in zip(bn_sums, bn_variables)]
+            for v, start in zip(bn_variables, bn_start):
+                v.assign(start)
+            self.compute_metrics(x_i, y_i, y_pred, sample_weight=w_i)
+            return i + 1, loss_sum + tf.cast(loss, tf.float32), grad_sums, bn_sums
+
+        _, loss_sum, grad_sums, bn_sums = tf.while_loop(
+            lambda i, *_: i < k,
+            body,
+            (
+                tf.constant(0),
+                tf.constant(0.0, tf.float32),
+                [tf.zeros(v.shape, tf.float32) for v in variables],
+                [tf.zeros_like(s) for s in bn_start],
+            ),
+            # Sequential micro-batches: running them in parallel would keep
+            # several micro-batches of activations alive and defeat the purpose.
+            parallel_iterations=1,
+            maximum_iterations=k,
+        )
+        # The compiled loss is built while the loop body traces, so check it here.
+        self._check_loss_reductions()
+        for v, total in zip(bn_variables, bn_sums):
+            v.assign(total / k)
+
+        loss = loss_sum / k
+        # The logged loss is the mean over replicas: Keras sums replica logs, so each replica
+        # reports its loss × replicas (as Keras's own step does).
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        internals.loss_tracker(self).update_state(
+            loss * replicas,
+            sample_weight=dynamic_batch,
+        )
+        if variables:
+            grads = [s / k if used else None for s, used in zip(grad_sums, has_gradient)]
+            self.optimizer.apply_gradients(zip(grads, variables))
+        return self._multi_worker_logs(self.get_metrics_result())
+
+    def _multi_worker_logs(self, logs: dict) -> dict:
+        if _multi_worker(self.distribute_strategy):
+            # Keras 3.15 reduces step logs across workers with
+            # `strategy.reduce("MEAN", v, axis=0)`, which fails on scalars
+            # (tensorflow/tensorflow#72388); a leading length-1 axis makes it the mean.
+            logs = {name: tf.expand_dims(value, 0) for name, value in logs.items()}
+        return logs
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # Keras 3.15's TF trainer `strategy.reduce`s the first distributed batch
+        # only to read its shapes; MultiWorkerMirroredStrategy cannot reduce a
+        # nested (x, y) batch ("Attempt to convert a value (PerReplica ...)",
+        # cf. keras-team/keras#20329), so plain `fit` fails there. One replica's
+        # batch has the same shapes as that mean, so every strategy builds the same.
+        strategy = internals.distribute_strategy(self)
+        if iterator is not None and strategy is not None:  # None: Keras builds at tracing
+            data_batch = _first_local_batch(strategy, iterator)
+            iterator = None
+        return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+
+
+def _multi_worker(strategy) -> bool:
+    return isinstance(
+        strategy, tf.distribute.MultiWorkerMirroredStrategy
+    ) and internals.in_multi_worker_mode(strategy)
+
+
+def _first_local_batch(strategy, iterator):
+    """The first batch of a Keras epoch iterator, first local replica's values."""
+    batch = internals.first_batch(iterator)
+    return tf.nest.map_structure(
+        lambda v: strategy.experimental_local_results(v)[0]
+        if isinstance(v, tf.distribute.DistributedValues)
+        else v,
+        batch,
+    )
+
+
+def _split(tensor, k: int) -> tf.Tensor:
+    """`[B, ...]` -> `[k, B // k, ...]`; row block `i` is micro-batch `i`."""
+    tensor = tf.convert_to_tensor(tensor)
+    shape = tf.shape(tensor)
+    split = tf.reshape(tensor, tf.concat([[k, shape[0] // k], shape[1:]], axis=0))
+    static = tensor.shape
+    rows = None if static[0] is None else static[0] // k
+    return tf.ensure_shape(split, [k, rows] + static[1:].as_list()) if static.rank else split
