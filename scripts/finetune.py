@@ -22,6 +22,7 @@ written, 2 epochs of the small CNN train in about a minute, and it prints a vali
 accuracy near 0.9 against a chance level of 0.25.
 """
 
+import glob
 import json
 import math
 import os
@@ -252,10 +253,13 @@ def main(argv):
     with run_directory.lock(output, "--output"):  # one process per run directory
         if _OVERWRITE.value:
             _discard(output)
+        holds_run = bool(glob.glob(os.path.join(output, "backup", "backup-*.json"))) or any(
+            os.path.exists(os.path.join(output, name)) for name in ("model.keras",
+                                                                    "metrics.json"))
         recorded = run_directory.check_config(
             output, _run_settings(spec, image_size, num_classes, precision, data_identity,
                                   validation_identity),
-            settings={"epochs": _EPOCHS.value}, how_to_fix=(
+            holds_run=holds_run, settings={"epochs": _EPOCHS.value}, how_to_fix=(
                 "start it with its own settings to resume it, use a new --output for a new "
                 "run, or pass --overwrite to discard it and start again"))
         finished = recorded.get("complete")

@@ -325,7 +325,8 @@ def test_interrupted_write_leaves_the_directory_as_it_was(tmp_path):
         tfmem.image_dataset(str(directory), image_size=(4, 4), batch_size=2, training=False)
     # ...and removed by the next write into the directory.
     manifest = tfmem.write_image_tfrecords((images, labels), directory, overwrite=True)
-    assert sorted(os.listdir(directory)) == sorted(["manifest.json", *(shard.name for shard in manifest.shards)])
+    assert sorted(os.listdir(directory)) == sorted(
+        ["manifest.json", *(shard.name for shard in manifest.shards)])
 
 
 def _ids(dataset):

@@ -79,7 +79,8 @@ def test_every_script_reports_a_bad_command_in_one_line_with_status_2(tmp_path):
         _, stderr = process.communicate(timeout=240)
         # TensorFlow's C++ logging at import ("I0000 ...", absl's preamble) is not ours.
         lines = [line for line in stderr.splitlines() if not re.match(
-            r"<frozen runpy>|WARNING: All log messages before absl|[IWE]\d{4} |To enable the", line)]
+            r"<frozen runpy>|WARNING: All log messages before absl|[IWE]\d{4} |To enable the",
+            line)]
         assert process.returncode == 2, (name, stderr[-2000:])
         assert len(lines) == 1 and re.fullmatch(commands[name][1], lines[0]), (name, stderr)
     assert not (tmp_path / "out").exists()

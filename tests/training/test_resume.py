@@ -15,6 +15,7 @@ import pytest
 import tensorflow as tf
 
 import tfmem
+from tfmem.training import run_directory
 
 # A deterministic little training program, run as a real child process so it can be killed
 # with SIGKILL (what a notebook disconnect or a preempted VM does).
@@ -271,7 +272,7 @@ def test_one_process_at_a_time_and_a_killed_one_leaves_no_lock(tmp_path):
         [sys.executable, "-c", textwrap.dedent(f"""
             import importlib.util, sys, time
             spec = importlib.util.spec_from_file_location(
-                "run_directory", {tfmem.training.run_directory.__file__!r})
+                "run_directory", {run_directory.__file__!r})
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
             with module.lock({str(tmp_path)!r}):
@@ -280,7 +281,7 @@ def test_one_process_at_a_time_and_a_killed_one_leaves_no_lock(tmp_path):
             """)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        with pytest.raises(tfmem.training.run_directory.RunDirectoryBusyError,
+        with pytest.raises(run_directory.RunDirectoryBusyError,
                            match=rf"another process \(pid {holder.pid}\) is running in "
                                  rf"{tmp_path}; wait for it to end, or use another backup_dir"):
             tfmem.fit_resumable(_small_model(), _data, epochs=1, steps_per_epoch=2,
@@ -315,3 +316,11 @@ def test_learning_rate_data_and_settings_are_checked(tmp_path):
         tfmem.fit_resumable(_small_model(), _data, epochs=2, steps_per_epoch=2,
                             backup_dir=tmp_path / "run", verbose=0,
                             run_config=config | {"learning_rate": 0.1, "optimizer": "adam"})
+    # A record without anything of its run (a first start that stopped before its first
+    # resume point) is replaced, not compared: there is nothing to mix.
+    fresh = tmp_path / "fresh"
+    run_directory.check_config(fresh, {"seed": 1}, holds_run=False, how_to_fix="-")
+    assert run_directory.check_config(fresh, {"seed": 2}, holds_run=False,
+                                      how_to_fix="-")["config"] == {"seed": 2}
+    with pytest.raises(run_directory.RunConfigError, match=r"other settings \(seed 2 → 3\); -"):
+        run_directory.check_config(fresh, {"seed": 3}, holds_run=True, how_to_fix="-")

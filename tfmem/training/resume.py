@@ -91,7 +91,7 @@ class _Backup:
         self.directory = directory
         self.latest: dict[str, Any] | None = None
 
-    def _generations(self) -> list[int]:
+    def generations(self) -> list[int]:
         if not os.path.isdir(self.directory):
             return []
         found = (_POINT.match(name) for name in os.listdir(self.directory))
@@ -107,7 +107,8 @@ class _Backup:
             with open(self._path(name)) as file:
                 state = json.load(file)
             weights, size, digest = state["weights"], state["weights_bytes"], state["sha256"]
-            missing = [key for key in ("generation", "epoch", "step", "history") if key not in state]
+            missing = [key for key in ("generation", "epoch", "step", "history")
+                       if key not in state]
             if missing:
                 raise KeyError(", ".join(missing))
         except (OSError, ValueError, KeyError, TypeError) as error:
@@ -123,7 +124,7 @@ class _Backup:
 
     def restore(self, model: keras.Model) -> dict[str, Any] | None:
         damaged = []
-        for generation in self._generations():
+        for generation in self.generations():
             try:
                 state = self._check(generation)
             except ValueError as error:
@@ -157,7 +158,7 @@ class _Backup:
         for name in os.listdir(self.directory):  # leftovers of a save that was killed
             if name.startswith(".tmp-"):
                 os.remove(self._path(name))
-        generations = self._generations()
+        generations = self.generations()
         generation = generations[0] + 1 if generations else 0
         weights = f"backup-{generation}.weights.h5"
         temporary = self._path(f".tmp-{weights}")
@@ -284,8 +285,9 @@ def fit_resumable(
     with run_directory.lock(backup.directory, "backup_dir"):
         if run_config is not None:
             run_directory.check_config(
-                backup.directory, run_config, how_to_fix=f"use another backup_dir, or delete "
-                f"{backup.directory} to start this run from the beginning")
+                backup.directory, run_config, holds_run=bool(backup.generations()),
+                how_to_fix=f"use another backup_dir, or delete {backup.directory} to start "
+                "this run from the beginning")
         return _train(model, make_dataset, backup, epochs, steps_per_epoch, save_every_steps,
                       validation_data, callbacks, verbose, fit_kwargs)
 

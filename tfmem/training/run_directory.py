@@ -113,13 +113,17 @@ def write_config(directory: str | os.PathLike, config: Mapping[str, Any]) -> Non
 
 
 def check_config(directory: str | os.PathLike, config: Mapping[str, Any], *,
-                 settings: Mapping[str, Any] | None = None, how_to_fix: str) -> dict:
+                 holds_run: bool, settings: Mapping[str, Any] | None = None,
+                 how_to_fix: str) -> dict:
     """Records `config` in `directory`, or checks it against the one recorded there.
 
     Args:
         directory: the run directory.
         config: the settings that define the run (JSON values); keys recorded but absent
             here, or present here but not recorded, count as differences too.
+        holds_run: whether the directory holds something of the recorded run (a resume
+            point, results). If not, nothing can be mixed: `config` replaces the record
+            (e.g. after a first attempt that stopped before its first resume point).
         settings: further entries stored beside `config` but never compared (e.g. the
             number of epochs, which a later start may raise to train on).
         how_to_fix: the end of the error, e.g. "use a new --output, or --overwrite".
@@ -131,7 +135,7 @@ def check_config(directory: str | os.PathLike, config: Mapping[str, Any], *,
         RunConfigError: a setting differs; the message names each one, recorded → now.
     """
     config = _normalised(config)
-    recorded = read_config(directory)
+    recorded = read_config(directory) if holds_run else None
     if recorded is None:
         record = {"config": config, **_normalised(settings or {})}
         write_config(directory, record)
