@@ -154,6 +154,14 @@ def _dataset_facts(data: str) -> tuple[int, int, str]:
     return _NUM_CLASSES.value, num_examples, f"{os.path.abspath(data)}, {num_examples} examples"
 
 
+def _validation_identity(data: str) -> str:
+    """The validation set's identity in the run's settings (as `_dataset_facts` gives it)."""
+    if manifest_lib.has_manifest(data):
+        return f"manifest {tfmem.read_manifest(data).fingerprint}"
+    with cli.usage_errors():  # no files there: the path is wrong
+        return f"{os.path.abspath(data)}, {tfmem.count_records(data)} records"
+
+
 def _check_flags() -> None:
     """Combinations of flags that cannot work together."""
     if _DEVICE.value and not _DRY_RUN.value:
@@ -244,9 +252,7 @@ def main(argv):
         image_size = _IMAGE_SIZE.value or spec.default_image_size
         train_data, validation_data = _DATA.value, _VALIDATION_DATA.value
         num_classes, num_examples, data_identity = _dataset_facts(train_data)
-        validation_identity = None
-        if validation_data:
-            _, _, validation_identity = _dataset_facts(validation_data)
+        validation_identity = validation_data and _validation_identity(validation_data)
     if _DRY_RUN.value:
         _train(spec, runtime, precision, output, image_size, num_classes, num_examples)
         return

@@ -2,7 +2,6 @@
 
 import dataclasses
 import inspect
-import math
 import os
 import re
 import struct
@@ -142,31 +141,32 @@ def test_reader_memory_is_set_by_its_arguments(written, constant_inputs):
 
 def test_reader_decodes_at_most_prefetch_batches_ahead(tmp_path, monkeypatch):
     """Pauses that let the buffer fill, then bursts that drain it (as validation runs or
-    checkpoints do): the reader never gets more than `prefetch_batches` + the batches being
-    built ahead of the consumer. With tf.data.AUTOTUNE the same loop measured 10 batches
-    ahead instead of 4 (2 cores), and growing with every drained burst."""
+    checkpoints do): the reader never gets more than `prefetch_batches`, the batch being built
+    and the blocks being decoded ahead of the consumer (with tf.data.AUTOTUNE it grows with
+    every drained burst)."""
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, size=(800, 6, 5, 3), dtype=np.uint8)
     tfmem.write_image_tfrecords((images, rng.integers(0, 3, 800)), str(tmp_path),
                                 class_names=["a", "b", "c"], shard_size_mb=0.02, shuffle=False)
     decoded = []
-    example_fn = pipeline.example_fn
+    decode_fn = pipeline.decode_fn
 
-    def counting_example_fn(*args, **kwargs):
-        to_example = example_fn(*args, **kwargs)
+    def counting_decode_fn(*args, **kwargs):
+        decode_block = decode_fn(*args, **kwargs)
 
-        def counted(*element):
-            def tick():
-                decoded.append(1)
-                time.sleep(0.002)  # decoding takes time, so that a burst drains the buffer
+        def counted(payloads, *locators):
+            def tick(size):
+                decoded.extend([1] * int(size))
+                time.sleep(0.002 * int(size))  # decoding takes time: a burst drains the buffer
                 return np.int64(0)
 
-            with tf.control_dependencies([tf.py_function(tick, [], tf.int64)]):
-                return to_example(*element)
+            size = tf.shape(payloads)[0]
+            with tf.control_dependencies([tf.py_function(tick, [size], tf.int64)]):
+                return decode_block(payloads, *locators)
 
         return counted
 
-    monkeypatch.setattr(pipeline, "example_fn", counting_example_fn)
+    monkeypatch.setattr(pipeline, "decode_fn", counting_decode_fn)
     batch_size = 8
     dataset = tfmem.image_dataset(str(tmp_path), image_size=(6, 5), batch_size=batch_size,
                                   training=False)
@@ -178,10 +178,10 @@ def test_reader_decodes_at_most_prefetch_batches_ahead(tmp_path, monkeypatch):
             next(iterator)
             consumed += 1
     del iterator  # stop the pipeline's py_function threads before the interpreter exits
-    # 2 prefetched + the batch being built + the batches tf.data's fused map-and-batch keeps
-    # (ceil(cores / batch_size)).
-    in_flight = 2 + 1 + math.ceil(os.cpu_count() / batch_size)
-    assert max(ahead) <= in_flight * batch_size, ahead
+    # 2 prefetched batches + the batch being built, and the blocks being decoded: one per
+    # core, plus the one being unbatched.
+    in_flight = (2 + 1) * batch_size + (os.cpu_count() + 1) * pipeline.BLOCK
+    assert max(ahead) <= in_flight, ahead
 
 
 def test_numpy_input_errors_come_before_any_file(tmp_path):

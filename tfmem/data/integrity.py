@@ -87,25 +87,27 @@ class SkippedRecords:
                 lines.append(f"  {shard}: {which}: {reason}")
         return "\n".join(lines)
 
-    def _add_from_graph(self, shard, first, count, reason) -> None:
-        shard, first, count = shard.numpy().decode(), int(first), int(count)
-        reason = reason.numpy().decode()
-        if self.add(shard, first, count, reason):  # each skip is printed once per process
-            what = f"record {first}" if count == 1 else f"records from {first}"
-            print(f"tfmem: skipped {what} of {shard}: {reason}", file=sys.stderr, flush=True)
+    def _add_from_graph(self, shards, firsts, counts, reasons) -> None:
+        for shard, first, count, reason in zip(shards.numpy(), firsts.numpy(), counts.numpy(),
+                                               reasons.numpy()):
+            shard, first, count, reason = shard.decode(), int(first), int(count), reason.decode()
+            if self.add(shard, first, count, reason):  # each skip printed once per process
+                what = f"record {first}" if count == 1 else f"records from {first}"
+                print(f"tfmem: skipped {what} of {shard}: {reason}", file=sys.stderr,
+                      flush=True)
 
 
-def report_skip(log: SkippedRecords | None, shard, first, count, reason) -> None:
-    """In a tf.data function: adds one skip to `log` and prints it on stderr (without a
-    log: prints it each time it happens)."""
-    first, count = tf.cast(first, tf.int64), tf.cast(count, tf.int64)
+def report_skips(log: SkippedRecords | None, shards, firsts, counts, reasons) -> None:
+    """In a tf.data function: adds skips (vectors, one entry per skip) to `log` and prints
+    them on stderr (without a log: prints them each time they happen)."""
+    firsts, counts = tf.cast(firsts, tf.int64), tf.cast(counts, tf.int64)
     if log is not None:
-        tf.py_function(log._add_from_graph, [shard, first, count, reason], [])
+        tf.py_function(log._add_from_graph, [shards, firsts, counts, reasons], [])
         return
-    what = tf.where(count == 1, tf.strings.join(["record ", tf.strings.as_string(first)]),
-                    tf.strings.join(["records from ", tf.strings.as_string(first)]))
-    tf.print(tf.strings.join(["tfmem: skipped ", what, " of ", shard, ": ", reason]),
-             output_stream=sys.stderr)
+    what = tf.where(counts == 1, tf.strings.join(["record ", tf.strings.as_string(firsts)]),
+                    tf.strings.join(["records from ", tf.strings.as_string(firsts)]))
+    lines = tf.strings.join(["tfmem: skipped ", what, " of ", shards, ": ", reasons])
+    tf.print(tf.strings.reduce_join(lines, separator="\n"), output_stream=sys.stderr)
 
 
 def check_shards(manifest: manifest_lib.Manifest, files: Sequence[str], skip_corrupt: bool,
@@ -182,7 +184,8 @@ def checked_records(filename, shard, size, expected, skip_corrupt: bool,
                                  " records, its manifest says ", tf.strings.as_string(expected)]))
             if skip_corrupt:
                 if lost != 0:
-                    report_skip(log, filename, num_records, lost, reason)
+                    report_skips(log, filename[None], num_records[None], lost[None],
+                                 reason[None])
             else:
                 read = tf.where(
                     expected >= 0,
@@ -204,26 +207,23 @@ def checked_records(filename, shard, size, expected, skip_corrupt: bool,
 
 
 def count_records(path: str) -> int | None:
-    """Records in a local TFRecord file from its framing (lengths only, payloads skipped).
+    """Complete records in a local TFRecord file, from its framing (lengths only, payloads
+    skipped); a record cut by the end of the file is not counted (the reader names it).
 
     None for remote files (a URL such as gs://...), where one seek per record is slow.
-
-    Raises:
-        ValueError: the file ends inside a record.
     """
     if "://" in path:
         return None
     count, offset, size = 0, 0, os.path.getsize(path)
     with open(path, "rb") as file:
-        while offset < size:
+        while True:
             header = file.read(8)
             if len(header) < 8:
                 break
             (length,) = struct.unpack("<Q", header)
             offset += length + RECORD_FRAMING_BYTES
+            if offset > size:
+                break
             file.seek(offset)
             count += 1
-    if offset != size:
-        raise ValueError(f"{path} ends inside its record {count - 1} (at byte {size} of "
-                         f"{offset}): the file is truncated; copy or write it again")
     return count

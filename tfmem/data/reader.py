@@ -130,14 +130,15 @@ class _Source:
 
 
 def count_records(path_or_pattern: str | os.PathLike) -> int | None:
-    """Records in TFRecord files (a directory, a file or a glob), read from their framing.
+    """Complete records in TFRecord files (a directory, a file or a glob), from their framing.
 
     Reads 8 bytes per record and skips the payloads, so it is quick on a local disk. Returns
     None for remote files (gs://...), where a seek per record is slow; a tfmem set's manifest
-    gives the count without reading at all.
+    gives the count without reading at all. A record cut by the end of its file is not
+    counted (`image_dataset` names it when it reads there).
 
     Raises:
-        ValueError: no files, or a file that ends inside a record (truncated).
+        ValueError: no files there.
 
     Example:
         >>> tfmem.count_records("/kaggle/input/flowers/train/*.tfrec")  # doctest: +SKIP
@@ -286,13 +287,12 @@ def image_dataset(
     if shard_records:
         records = records.shard(pipelines, index)
     spec, names = source.spec, tf.constant(source.files)
-    to_example = pipeline.example_fn(
+    decode_block = pipeline.decode_fn(
         schema, parse=lambda record: tf.io.parse_single_example(record, spec),
         label_is_string=schema.labelled and spec[schema.label_key].dtype == tf.string,
         num_classes=source.num_classes, options=options,
-        describe=lambda shard, index: (tf.gather(names, shard), index),
+        describe=lambda shards, indices: (tf.gather(names, shards), indices),
         skip_corrupt=bool(skip_corrupt), log=skipped)
-    dataset = pipeline.batched(records, to_example,
-                               dataclasses.replace(options, batch_size=batch_size),
-                               bool(skip_corrupt))
+    dataset = pipeline.batched(records, decode_block,
+                               dataclasses.replace(options, batch_size=batch_size))
     return dataset.with_options(pipeline.dataset_options(options, num_files))

@@ -100,17 +100,18 @@ def tfds_image_dataset(
     elements = builder.as_dataset(split=split, shuffle_files=options.training,
                                   read_config=read_config,
                                   decoders={image_key: tfds.decode.SkipDecoding()})
-    elements = elements.map(lambda example: (example, example["tfds_id"]))
+    elements = elements.map(lambda example: (
+        {image_key: example[image_key], label_key: example[label_key]}, example["tfds_id"]))
 
-    def describe(tfds_id):  # "mnist-train.tfrecord-00000-of-00001__17" → (file, 17)
-        parts = tf.strings.split(tfds_id, "__")
-        return parts[0], tf.strings.to_number(parts[-1], tf.int64)
+    def describe(tfds_ids):  # "mnist-train.tfrecord-00000-of-00001__17" → (file, 17)
+        return (tf.strings.regex_replace(tfds_ids, "__[0-9]+$", ""),
+                tf.strings.to_number(tf.strings.regex_replace(tfds_ids, "^.*__", ""), tf.int64))
 
-    to_example = pipeline.example_fn(
+    decode_block = pipeline.decode_fn(
         Schema(image_key=image_key, label_key=label_key), parse=None, label_is_string=False,
         num_classes=getattr(features[label_key], "num_classes", None), options=options,
         describe=describe, skip_corrupt=False, log=None)
-    dataset = pipeline.batched(elements, to_example,
-                               dataclasses.replace(options, batch_size=batch_size), False)
+    dataset = pipeline.batched(elements, decode_block,
+                               dataclasses.replace(options, batch_size=batch_size))
     return dataset.with_options(
         pipeline.dataset_options(options, builder.info.splits[split].num_shards))
