@@ -2,6 +2,8 @@
 
     python benchmarks/planner_accuracy.py                 # the zoo below, ~30-45 min on 2 cores
     python benchmarks/planner_accuracy.py --models unet   # one model
+    python benchmarks/planner_accuracy.py --batches 16,128 \
+        --models convnext-tiny,mobilenetv3-small,vit,subclassed-cnn   # estimate vs runs only
 
 The setting: a machine with `--device_gib` (6) GiB of RAM for the training process, planned
 with the default 80% rule, so the budget is 4.8 GiB; Adam, 64×64 inputs, synthetic data. For
@@ -116,8 +118,58 @@ def tiramisu():
     return keras.Model(inputs, outputs, name="tiramisu")
 
 
+def convnext_tiny():
+    return keras.applications.ConvNeXtTiny(weights=None, input_shape=IMAGE, classes=10)
+
+
+def mobilenetv3_small():
+    return keras.applications.MobileNetV3Small(weights=None, input_shape=IMAGE, classes=10)
+
+
+def vit():
+    """A ViT-style classifier from Keras layers: 8×8 patches (64 tokens), width 192, 6 blocks
+    of pre-norm 3-head attention and a GELU MLP, learned position embedding (keras.ops add)."""
+    inputs = keras.Input(IMAGE)
+    patches = keras.layers.Conv2D(192, 8, strides=8)(inputs)
+    tokens = keras.layers.Reshape((64, 192))(patches)
+    positions = keras.layers.Embedding(64, 192)(keras.ops.arange(64))
+    x = tokens + positions
+    for _ in range(6):
+        h = keras.layers.LayerNormalization(epsilon=1e-6)(x)
+        x = x + keras.layers.MultiHeadAttention(num_heads=3, key_dim=64)(h, h)
+        h = keras.layers.LayerNormalization(epsilon=1e-6)(x)
+        h = keras.layers.Dense(768, activation="gelu")(h)
+        x = x + keras.layers.Dense(192)(h)
+    x = keras.layers.GlobalAveragePooling1D()(keras.layers.LayerNormalization(epsilon=1e-6)(x))
+    return keras.Model(inputs, keras.layers.Dense(10)(x), name="vit")
+
+
+class SubclassedCNN(keras.Model):
+    """A subclassed CNN (no functional graph): four conv-BN-ReLU blocks, pooling, a head."""
+
+    def __init__(self):
+        super().__init__(name="subclassed_cnn")
+        self.blocks = [(keras.layers.Conv2D(filters, 3, padding="same", use_bias=False),
+                        keras.layers.BatchNormalization()) for filters in (32, 64, 128, 256)]
+        self.pool = keras.layers.MaxPooling2D()
+        self.head = keras.layers.Dense(10)
+
+    def call(self, x, training=False):
+        for conv, norm in self.blocks:
+            x = self.pool(keras.ops.relu(norm(conv(x), training=training)))
+        return self.head(keras.ops.mean(x, axis=(1, 2)))
+
+
+def subclassed_cnn():
+    model = SubclassedCNN()
+    model(keras.KerasTensor((None,) + IMAGE))  # a symbolic call builds its layers
+    return model
+
+
 ZOO = {"resnet50": resnet50, "efficientnetv2-b0": efficientnetv2_b0,
-       "densenet121": densenet121, "unet": unet, "tiramisu": tiramisu}
+       "densenet121": densenet121, "unet": unet, "tiramisu": tiramisu,
+       "convnext-tiny": convnext_tiny, "mobilenetv3-small": mobilenetv3_small, "vit": vit,
+       "subclassed-cnn": subclassed_cnn}
 
 
 def _truth(pool, builder, batch, device):
@@ -167,6 +219,36 @@ def run_model(name, builder, pool, device):
     return rows, verdicts, model.count_params(), line, budget
 
 
+def accuracy_rows(name, builder, pool, device, batches):
+    """The estimate against a real `fit` step at each batch (no probe, no recommendation)."""
+    estimate = tfmem.plan(builder(), global_batch_size=GLOBAL, optimizer="adam",
+                          memory_budget=device)
+    truths = {b: _truth(pool, builder, b, device) for b in batches}
+    return [(name, b, estimate.peak_bytes(b, 1), truths[b].result()) for b in batches]
+
+
+def print_accuracy(rows, began):
+    print(f"\nEstimate against the peak of a real `fit` step, Adam, {IMAGE[0]}×{IMAGE[1]}, "
+          "fresh process per row; above import: both minus the resident set right after "
+          "`import tensorflow, keras` (the planner's import term).\n")
+    print("| model | batch | peak RSS | estimate | est./meas. | above import | est./meas. |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    worst = 1.0
+    for name, b, predicted, truth in rows:
+        if truth.stopped:
+            print(f"| {name} | {b} | stopped: {truth.reason} | {_gib(predicted)} | | | |")
+            worst = float("inf")
+            continue
+        grown = truth.peak_bytes - truth.baseline_bytes
+        ratio = predicted / truth.peak_bytes
+        worst = max(worst, ratio, 1 / ratio)
+        print(f"| {name} | {b} | {_gib(truth.peak_bytes)} | {_gib(predicted)} | {ratio:.2f} | "
+              f"{grown / MIB:.0f} MiB | {(predicted - _IMPORT) / grown:.2f} |")
+    verdict = "within" if worst <= 1.2 else "NOT within"
+    print(f"\nEvery row {verdict} ±20% of the measured peak (worst ratio {worst:.2f} either "
+          f"way); {(time.time() - began) / 60:.1f} min, load average {os.getloadavg()[0]:.1f}")
+
+
 def _gib(nbytes):
     return f"{nbytes / GIB:.2f} GiB"
 
@@ -176,6 +258,9 @@ def main(argv=None):
     parser.add_argument("--models", default=",".join(ZOO), help="comma-separated zoo names")
     parser.add_argument("--device_gib", type=float, default=6.0,
                         help="RAM of the simulated device for the training process (GiB)")
+    parser.add_argument("--batches", default=None,
+                        help="comma-separated batch sizes: only the estimate against real "
+                             "steps at these batches (no probe, no recommendation)")
     args = parser.parse_args(argv)
     names = args.models.split(",")
     device = int(args.device_gib * GIB)
@@ -183,6 +268,13 @@ def main(argv=None):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     zoo = __import__("planner_accuracy")
     began = time.time()
+    if args.batches:
+        batches = [int(b) for b in args.batches.split(",")]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+            rows = [row for name in names for row in accuracy_rows(
+                name, getattr(zoo, zoo.ZOO[name].__name__), pool, device, batches)]
+        print_accuracy(rows, began)
+        return
     results = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
         # One model at a time: its probe and its runs share the two workers.

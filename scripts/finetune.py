@@ -22,11 +22,13 @@ written, 2 epochs of the small CNN train in about a minute, and it prints a vali
 accuracy near 0.9 against a chance level of 0.25.
 """
 
+import contextlib
 import glob
 import json
 import math
 import os
 import shutil
+import sys
 import time
 
 from absl import flags
@@ -39,7 +41,8 @@ import tensorflow as tf  # noqa: E402
 import tfmem  # noqa: E402
 from tfmem import cli, models  # noqa: E402
 from tfmem.data import manifest as manifest_lib  # noqa: E402
-from tfmem.memory import planner  # noqa: E402
+from tfmem.memory import levers, planner  # noqa: E402
+from tfmem.runtime import devices  # noqa: E402
 from tfmem.training import run_directory  # noqa: E402
 
 _MODEL = flags.DEFINE_string("model", "small-cnn", "A name of tfmem.models.MODELS.")
@@ -210,17 +213,40 @@ def _save_results(accum, results: dict, output: str) -> None:
     os.replace(temporary, os.path.join(output, "metrics.json"))
 
 
-def _accumulation_steps(memory_plan: tfmem.MemoryPlan, runtime: tfmem.Runtime) -> int:
+def _accumulation_steps(memory_plan: tfmem.MemoryPlan | None, target: tfmem.Runtime) -> int:
     """k from the flag ('auto': the plan's choice), checked against the batch and the budget."""
     if _ACCUMULATION_STEPS.value == "auto":
+        if memory_plan is None:
+            raise cli.UsageError("--accumulation-steps auto takes k from the memory plan, "
+                                 "which could not be made (see the warning above); pass "
+                                 "--accumulation-steps k")
         planner.check(memory_plan, allow_over_budget=_ALLOW_OVER_BUDGET.value)
         return memory_plan.accumulation_steps or 1
     steps = int(_ACCUMULATION_STEPS.value)  # a positive int: checked by its flag validator
     with cli.usage_errors():  # divisible? suggests sizes
-        runtime.split_global_batch(_GLOBAL_BATCH_SIZE.value, steps)
-    planner.check(memory_plan, accumulation_steps=steps,
-                  allow_over_budget=_ALLOW_OVER_BUDGET.value)
+        target.split_global_batch(_GLOBAL_BATCH_SIZE.value, steps)
+    if memory_plan is not None:
+        planner.check(memory_plan, accumulation_steps=steps,
+                      allow_over_budget=_ALLOW_OVER_BUDGET.value)
     return steps
+
+
+def _plan(model, optimizer, runtime, precision, image_size, num_classes):
+    """The memory plan for the detected runtime or --device (None, with a warning, when the
+    planner cannot size the model: training goes on without the check)."""
+    try:
+        return tfmem.plan(
+            model, global_batch_size=_GLOBAL_BATCH_SIZE.value, optimizer=optimizer,
+            # --device with --precision auto: the named device's policy, not this host's.
+            precision=_PRECISION.value if _DEVICE.value else precision,
+            runtime=None if _DEVICE.value else runtime, device=_DEVICE.value,
+            smaller_variants=levers.registry_variants(
+                _MODEL.value, image_size=image_size, num_classes=num_classes))
+    except Exception as error:  # noqa: BLE001 - the planner must never stop a run
+        print(f"warning: no memory plan, the planner could not size {model.name} "
+              f"({type(error).__name__}: {error}); training without the memory check.",
+              file=sys.stderr)
+        return None
 
 
 def main(argv):
@@ -289,22 +315,31 @@ def main(argv):
 def _train(spec, runtime, precision, output, image_size, num_classes, num_examples,
            train_data=None, validation_data=None) -> dict:
     """Builds, plans and (unless --dry-run) trains and evaluates; returns metrics.json's dict."""
+    # A dry run reads only shapes: its model's weights are never initialised (no RAM for them).
+    deferred = _DRY_RUN.value and not _WEIGHTS.value
     with runtime.scope(), cli.usage_errors():  # e.g. an image size the model cannot take
-        model = models.build(spec.name, num_classes=num_classes, image_size=image_size,
-                             weights=_WEIGHTS.value, freeze_backbone=_FREEZE_BACKBONE.value)
+        with (keras.StatelessScope(initialize_variables=False) if deferred
+              else contextlib.nullcontext()):
+            model = models.build(spec.name, num_classes=num_classes, image_size=image_size,
+                                 weights=_WEIGHTS.value, freeze_backbone=_FREEZE_BACKBONE.value)
         optimizer = keras.optimizers.get({"class_name": _OPTIMIZER.value,
                                           "config": {"learning_rate": _LEARNING_RATE.value}})
     print(f"{spec.name}: {model.count_params():,} parameters "
-          f"({sum(int(tf.size(w)) for w in model.trainable_weights):,} trainable)")
-    memory_plan = tfmem.plan(
-        model, global_batch_size=_GLOBAL_BATCH_SIZE.value, optimizer=optimizer,
-        precision=precision, runtime=None if _DEVICE.value else runtime,
-        device=_DEVICE.value)
-    print(memory_plan.table())
-    accumulation_steps = _accumulation_steps(memory_plan, runtime)
-    micro_batch = runtime.split_global_batch(_GLOBAL_BATCH_SIZE.value, accumulation_steps)
+          f"({sum(math.prod(w.shape) for w in model.trainable_weights):,} trainable)")
+    # The split is the planned device's: --device tpu-v3-8 splits over its 8 replicas.
+    target = runtime
+    if _DEVICE.value and _DEVICE.value.lower() != "cpu":
+        accelerator = devices.lookup(_DEVICE.value)
+        target = tfmem.Runtime(accelerator.kind, None, accelerator.num_replicas)
+    with cli.usage_errors():  # splits over the replicas? else the nearest sizes
+        target.split_global_batch(_GLOBAL_BATCH_SIZE.value)
+    memory_plan = _plan(model, optimizer, runtime, precision, image_size, num_classes)
+    if memory_plan is not None:
+        print(memory_plan.table())
+    accumulation_steps = _accumulation_steps(memory_plan, target)
+    micro_batch = target.split_global_batch(_GLOBAL_BATCH_SIZE.value, accumulation_steps)
     print(f"global batch {_GLOBAL_BATCH_SIZE.value} = micro-batch {micro_batch} × "
-          f"{accumulation_steps} accumulation steps × {runtime.num_replicas} replicas")
+          f"{accumulation_steps} accumulation step(s) × {target.num_replicas} replica(s)")
     if _DRY_RUN.value:
         return {}
 
@@ -347,10 +382,11 @@ def _train(spec, runtime, precision, output, image_size, num_classes, num_exampl
         "model": spec.name, "num_parameters": model.count_params(), "data": train_data,
         "num_examples": num_examples, "num_classes": num_classes, "epochs": _EPOCHS.value,
         "global_batch_size": _GLOBAL_BATCH_SIZE.value, "micro_batch_size": micro_batch,
-        "accumulation_steps": accumulation_steps, "num_replicas": runtime.num_replicas,
+        "accumulation_steps": accumulation_steps, "num_replicas": target.num_replicas,
         "device": runtime.device_name, "precision": precision,
-        "planned_peak_bytes": memory_plan.peak_bytes(micro_batch, accumulation_steps),
-        "budget_bytes": memory_plan.budget_bytes, "history": history,
+        "planned_peak_bytes": (memory_plan.peak_bytes(micro_batch, accumulation_steps)
+                               if memory_plan else None),
+        "budget_bytes": memory_plan.budget_bytes if memory_plan else None, "history": history,
         "train_seconds_this_run": seconds,
     }
     if validation is not None:
@@ -359,7 +395,7 @@ def _train(spec, runtime, precision, output, image_size, num_classes, num_exampl
         print(f"finetune: validation accuracy {accuracy:.3f} after {_EPOCHS.value} epochs "
               f"(chance {1 / num_classes:.3f}), {spec.name}, global batch "
               f"{_GLOBAL_BATCH_SIZE.value} = {micro_batch} × {accumulation_steps} × "
-              f"{runtime.num_replicas}")
+              f"{target.num_replicas}")
     if skipped is not None:
         results["skipped"] = skipped.summary()
     _save_results(accum, results, output)

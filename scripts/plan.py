@@ -1,11 +1,12 @@
 """Print the memory plan of a training run before running it.
 
     python scripts/plan.py --model resnet50 --global_batch_size 64 --device v100-16gb \
-        --image_size 224 --optimizer adam --precision mixed_float16 --plot resnet50.png
+        --image_size 224 --optimizer adam --plot resnet50.png
 
 Any machine, no accelerator needed (it builds the model on the CPU to read its graph; a few
-seconds for ResNet50, about a minute for EfficientNetV2-XL). Prints the breakdown per replica,
-the micro-batch × accumulation steps that reach the global batch within 80% of the device,
+seconds for ResNet50, half a minute for EfficientNetV2-XL). Prints the breakdown per replica in
+the device's precision, the micro-batch × accumulation steps × replicas that reach the global
+batch within 80% of the device (or, when nothing fits, the smallest change checked to fit),
 and, with --plot, draws predicted memory against the micro-batch with the budget line
 (needs matplotlib: `pip install 'tfmem[plot]'`). Flags accept dashes or underscores. Errors
 are one line on stderr (exit 2: a flag is wrong; `--debug` adds the traceback).
@@ -16,7 +17,7 @@ from absl import flags
 import tfmem
 from tfmem import cli, models
 from tfmem.runtime import devices
-from tfmem.memory import planner
+from tfmem.memory import levers, plan_report
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, f"Model name: {', '.join(models.MODELS)}.")
@@ -25,8 +26,9 @@ flags.DEFINE_string("device", "cpu", f"cpu or one of: {', '.join(devices.ACCELER
 flags.DEFINE_integer("image_size", 224, "Height and width of the input images.")
 flags.DEFINE_integer("num_classes", 1000, "Classes of the classifier head.")
 flags.DEFINE_string("optimizer", "adam", "Keras optimizer name (sgd, adam, adamw, rmsprop, …).")
-flags.DEFINE_enum("precision", "float32", ["float32", "mixed_float16", "mixed_bfloat16"],
-                  "Keras dtype policy of the run.")
+flags.DEFINE_enum("precision", "auto", ["auto", "float32", "mixed_float16", "mixed_bfloat16"],
+                  "Keras dtype policy of the run; 'auto': the --device's (bf16 on TPU, fp16 on "
+                  "GPUs of compute capability >= 7, float32 on CPU).")
 flags.DEFINE_float("safety", 0.8, "Fraction of the device memory to plan for.")
 flags.DEFINE_string("plot", None, "Write memory vs micro-batch to this PNG file.")
 flags.mark_flags_as_required(["model", "global_batch_size"])
@@ -72,21 +74,22 @@ def main(argv):
     del argv
     import keras
 
-    keras.mixed_precision.set_global_policy(FLAGS.precision)
-    model = models.build(FLAGS.model, num_classes=FLAGS.num_classes, image_size=FLAGS.image_size)
+    # Only shapes are read: the weights are never initialised (no RAM for them).
+    with keras.StatelessScope(initialize_variables=False):
+        model = models.build(FLAGS.model, num_classes=FLAGS.num_classes,
+                             image_size=FLAGS.image_size)
     plan = tfmem.plan(model, global_batch_size=FLAGS.global_batch_size,
                       optimizer=FLAGS.optimizer, precision=FLAGS.precision,
-                      device=FLAGS.device, safety=FLAGS.safety)
+                      device=FLAGS.device, safety=FLAGS.safety,
+                      smaller_variants=levers.registry_variants(
+                          FLAGS.model, image_size=FLAGS.image_size,
+                          num_classes=FLAGS.num_classes))
     print(plan.table())
     if plan.fits:
-        print(f"choice: micro-batch {plan.micro_batch_size} × {plan.accumulation_steps} "
-              f"accumulation step(s) × {plan.num_replicas} replica(s); the largest single "
-              f"step that fits is {plan.max_micro_batch}")
+        print(f"choice: {plan.split()}; the largest single step that fits is "
+              f"{plan.max_micro_batch}")
     else:
-        try:
-            planner.check(plan)
-        except tfmem.MemoryPlanError as error:
-            print(str(error).split("\n")[0])
+        print(f"nothing fits: {plan_report.format_nothing_fits(plan)}.")
     if FLAGS.plot:
         draw(plan, FLAGS.plot)
         print(f"wrote {FLAGS.plot}")

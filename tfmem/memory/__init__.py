@@ -1,7 +1,8 @@
 """Memory: the plan of a run before it starts, and the measurements that calibrate it.
 
 `planner` adds params + grads + optimizer slots + batch × (data + activations), keeps it
-under 80% of the device and picks micro-batch × k; `plan_report` formats it; `saved_tensors`
-reads what the backward pass keeps per sample; `optimizer_state` sizes each optimizer's
-slots; `probe` and `probe_jax` measure real steps.
+under 80% of the device and picks micro-batch × k (`memory_plan` holds the result, `levers`
+what fits when nothing does, `plan_report` prints it); `saved_tensors` reads what the backward
+pass keeps per sample (`layer_rules` for Keras's layers, `gradient_trace` for everything
+else); `optimizer_state` sizes optimizer slots; `probe` and `probe_jax` measure real steps.
 """

@@ -9,7 +9,7 @@ variables and graph; each comment says where it comes from. Nothing here trains 
 Example:
     >>> model = keras.applications.ResNet50(weights=None, input_shape=(224, 224, 3))
     >>> p = plan(model, global_batch_size=256, optimizer="adam", device="v100-16gb",
-    ...          precision="mixed_float16")
+    ...          precision="auto")
     >>> p.micro_batch_size, p.accumulation_steps  # doctest: +SKIP
     (128, 2)
     >>> print(p.table())  # doctest: +SKIP
@@ -17,18 +17,23 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import Any
+import types
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import keras
 import numpy as np
 
-from tfmem.memory import saved_tensors as _saved_tensors
-from tfmem.runtime import devices
-from tfmem.runtime.cluster import nearest_multiples
+from tfmem import _keras_internals as internals
+from tfmem.memory import levers
+from tfmem.memory.memory_plan import MemoryPlan, MemoryPlanError, choose
 from tfmem.memory.optimizer_state import optimizer_slot_bytes
-from tfmem.memory.plan_report import MemoryPlanError, format_bytes, format_table
+from tfmem.memory.saved_tensors import saved_tensors
+from tfmem.runtime import devices, precision as precision_lib
+from tfmem.runtime.cluster import nearest_multiples
+
+__all__ = ["Budget", "MemoryPlan", "MemoryPlanError", "check", "guard", "plan"]
 
 # -- The CPU runtime term (host RAM only; zero in accelerator memory) --------------------------
 # Measured on this project's reference machine (TF 2.21 / Keras 3.15.1 CPU with oneDNN,
@@ -37,163 +42,32 @@ from tfmem.memory.plan_report import MemoryPlanError, format_bytes, format_table
 # variable (its gradient, optimizer-update and assign ops, the optimizer's Python objects, the
 # traced function graphs, oneDNN primitives and allocator pools): fitted as
 # 15 MiB + 1.63 MiB × variables on MobileNetV2 (262 variables), ResNet50 (320) and
-# DenseNet121 (606) at 64 px with Adam; held out, it predicts EfficientNetV2B0 within 7%
-# (benchmarks/planner_accuracy.py) and EfficientNetV2-XL at 384 px (1806 variables; FACTS.md:
-# 7.5 / 9.3 GiB at batch 1 / 2) within 3%. It is not a tensor count, which is why
-# tensor-only planners miss ~0.5 GB on small models. Other TF builds and optimizers differ:
-# `tfmem.probe` replaces the whole term with a measurement.
+# DenseNet121 (606) at 64 px with Adam. It is not a tensor count, which is why tensor-only
+# planners miss ~0.5 GB on small models. Accuracy on held-out models: docs/planning.md.
+# Other TF builds and optimizers differ: `tfmem.probe` replaces the whole term with a
+# measurement.
 _CPU_IMPORT_BYTES = 750 * 2**20
 _CPU_GRAPH_BASE_BYTES = 15 * 2**20
 _CPU_BYTES_PER_VARIABLE = int(1.63 * 2**20)
 
 _MIXED = ("mixed_float16", "mixed_bfloat16")
+_PRECISIONS = ("auto", "float32") + _MIXED
 
 
-@dataclasses.dataclass(frozen=True)
-class MeasuredLine:
-    """Peak memory measured by `tfmem.probe`: `fixed_bytes + per_sample_bytes × micro_batch`."""
+class Budget(NamedTuple):
+    """Where a plan is for: device label and kind, memory and replicas, and the target whose
+    precision policy `precision="auto"` takes (a `Runtime`, a device-table entry, or None
+    for this host's CPU)."""
 
-    fixed_bytes: int
-    per_sample_bytes: int
-    micro_batch_sizes: tuple[int, ...]
-    peak_bytes: tuple[int, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryPlan:
-    """The memory a training run needs per replica, and the micro-batch × k it will use.
-
-    Fixed terms (bytes per replica): `parameter_bytes`, `gradient_bytes`, `optimizer_bytes`,
-    `accumulation_bytes` (float32 buffers, only when `accumulation_steps > 1`),
-    `mixed_precision_bytes`, `runtime_bytes`. Per-sample terms: `input_bytes_per_sample`
-    (× the global batch per replica × `input_batches_in_flight`: AccumModel receives the whole
-    global batch and splits it inside the step), `activation_bytes_per_sample` and
-    `workspace_bytes_per_sample` (× the micro-batch). `measured`, when set by `tfmem.probe`,
-    replaces the estimated runtime, state and per-sample terms with a measured line.
-
-    `micro_batch_size` and `accumulation_steps` are the chosen setting: the largest micro-batch
-    that divides the per-replica batch and fits `budget_bytes`; both are 0 when nothing fits.
-    """
-
-    model_name: str
-    num_parameters: int
-    num_trainable_parameters: int
-    optimizer: str
-    precision: str
     device: str
-    device_kind: str
-    num_replicas: int
+    kind: str
     memory_per_replica: int
-    safety: float
-    global_batch_size: int
-    parameter_bytes: int
-    gradient_bytes: int
-    optimizer_bytes: int
-    accumulation_bytes: int
-    mixed_precision_bytes: int
-    runtime_bytes: int
-    input_bytes_per_sample: int
-    activation_bytes_per_sample: int
-    workspace_bytes_per_sample: int
-    input_batches_in_flight: int = 2
-    micro_batch_size: int = 0
-    accumulation_steps: int = 0
-    measured: MeasuredLine | None = None
-    notes: tuple[str, ...] = ()
-
-    @property
-    def budget_bytes(self) -> int:
-        """Bytes one replica may plan for: `safety × memory_per_replica`."""
-        return int(self.safety * self.memory_per_replica)
-
-    @property
-    def per_replica_batch_size(self) -> int:
-        """Samples each replica contributes to one update: global batch ÷ replicas."""
-        return self.global_batch_size // self.num_replicas
-
-    @property
-    def fits(self) -> bool:
-        """Whether some micro-batch × k reaches the global batch within the budget."""
-        return self.micro_batch_size > 0
-
-    def breakdown(self, micro_batch_size: int | None = None,
-                  accumulation_steps: int | None = None) -> dict[str, int]:
-        """Named bytes per replica for a setting (default: the chosen one, or micro-batch 1)."""
-        b = micro_batch_size or self.micro_batch_size or 1
-        k = accumulation_steps or max(self.per_replica_batch_size // b, 1)
-        inputs = self.input_bytes_per_sample * b * k * self.input_batches_in_flight
-        accumulation = self.accumulation_bytes if k > 1 else 0
-        if self.measured is not None:
-            # The probe ran plain steps (k = 1) with one batch in flight: it measured everything
-            # but the accumulation buffers and the extra input of a k-times larger batch.
-            extra_inputs = inputs - self.input_bytes_per_sample * b
-            return {
-                "measured fixed (probe)": self.measured.fixed_bytes,
-                "accumulation buffers": accumulation,
-                "measured per-sample × micro-batch": self.measured.per_sample_bytes * b,
-                "input data beyond the probe": extra_inputs,
-            }
-        return {
-            "parameters": self.parameter_bytes,
-            "gradients": self.gradient_bytes,
-            "optimizer slots": self.optimizer_bytes,
-            "accumulation buffers": accumulation,
-            "mixed-precision copies": self.mixed_precision_bytes,
-            "framework runtime": self.runtime_bytes,
-            "input data": inputs,
-            "activations": self.activation_bytes_per_sample * b,
-            "backward workspace": self.workspace_bytes_per_sample * b,
-        }
-
-    def peak_bytes(self, micro_batch_size: int, accumulation_steps: int | None = None) -> int:
-        """Predicted peak bytes per replica for one micro-batch size (k defaults to the
-        per-replica batch ÷ micro-batch).
-
-        Example:
-            >>> p.peak_bytes(8) <= p.budget_bytes
-        """
-        if micro_batch_size < 1:
-            raise ValueError(f"`micro_batch_size` must be ≥ 1, got {micro_batch_size}.")
-        return sum(self.breakdown(micro_batch_size, accumulation_steps).values())
-
-    def fixed_bytes(self, accumulation_steps: int = 1) -> int:
-        """Bytes that do not grow with the micro-batch (at micro-batch 1 with k steps)."""
-        rows = self.breakdown(1, accumulation_steps)
-        return sum(v for name, v in rows.items() if name not in _PER_MICRO_BATCH)
-
-    @property
-    def max_micro_batch(self) -> int:
-        """The largest batch one plain step (k = 1) can run within the budget; 0 if none."""
-        return self.largest_micro_batch(self.budget_bytes)
-
-    def largest_micro_batch(self, limit_bytes: float) -> int:
-        """The largest batch one plain step (k = 1) can run within `limit_bytes`; 0 if none."""
-        fixed, slope = self.peak_bytes(1, 1), self.peak_bytes(2, 1) - self.peak_bytes(1, 1)
-        if fixed > limit_bytes:
-            return 0
-        return 1 + int((limit_bytes - fixed) // slope)
-
-    def table(self) -> str:
-        """The breakdown of the chosen setting (or micro-batch 1) as a text table."""
-        return format_table(self)
-
-    def replace(self, **changes) -> MemoryPlan:
-        """A copy with `changes`, the micro-batch × k chosen again."""
-        return _choose(dataclasses.replace(self, **changes))
+    num_replicas: int
+    target: Any = None
 
 
-def _choose(p: MemoryPlan) -> MemoryPlan:
-    """Largest micro-batch dividing the per-replica batch whose peak (with its k) fits."""
-    per_replica = p.per_replica_batch_size
-    for micro in sorted((d for d in range(1, per_replica + 1) if per_replica % d == 0), reverse=True):
-        if p.peak_bytes(micro, per_replica // micro) <= p.budget_bytes:
-            return dataclasses.replace(p, micro_batch_size=micro,
-                                       accumulation_steps=per_replica // micro)
-    return dataclasses.replace(p, micro_batch_size=0, accumulation_steps=0)
-
-
-def _budget(runtime, memory_budget, device) -> tuple[str, str, int, int]:
-    """(device label, kind, memory per replica, replicas) from exactly one source."""
+def _budget(runtime, memory_budget, device) -> Budget:
+    """The budget from exactly one of `runtime`, `memory_budget`, `device` (default: cpu)."""
     given = [name for name, v in (("runtime", runtime), ("memory_budget", memory_budget),
                                   ("device", device)) if v is not None]
     if len(given) > 1:
@@ -204,26 +78,126 @@ def _budget(runtime, memory_budget, device) -> tuple[str, str, int, int]:
         if runtime.memory_per_replica is None:
             raise ValueError(
                 f"The runtime does not know the memory of its {kind} ({label!r}): pass "
-                "`device=` (a name from tfmem.runtime.devices.ACCELERATORS) or `memory_budget=` bytes."
-            )
+                "`device=` (a name from tfmem.runtime.devices.ACCELERATORS) or "
+                "`memory_budget=` bytes.")
         memory, replicas = int(runtime.memory_per_replica), int(runtime.num_replicas)
         if kind == "cpu":
             # Host RAM that was free at detection: this process's own share comes on top,
             # as for device="cpu" below (the plan counts the whole process).
             memory += (devices.resident_bytes() or 0) // replicas
-        return label, kind, memory, replicas
+        return Budget(label, kind, memory, replicas, runtime)
     if memory_budget is not None:
         if memory_budget <= 0:
             raise ValueError(f"`memory_budget` must be positive bytes, got {memory_budget}.")
-        return f"{format_bytes(memory_budget)} budget", "cpu", int(memory_budget), 1
+        return Budget("a memory budget", "cpu", int(memory_budget), 1)
     if device is None or device.lower() == "cpu":
         # The plan counts the whole process (TF import included), and this process already
         # holds part of that: what it may grow to is its own resident set plus what is free.
         own = devices.resident_bytes() or 0  # not Linux: count nothing already held
-        return "cpu (this host)", "cpu", devices.host_available_memory() + own, 1
+        return Budget("cpu (this host)", "cpu", devices.host_available_memory() + own, 1)
     accelerator = devices.lookup(device)
-    return (accelerator.name, accelerator.kind, accelerator.memory_per_replica,
-            accelerator.num_replicas)
+    target = types.SimpleNamespace(kind=accelerator.kind, device_name=accelerator.name,
+                                   compute_capability=accelerator.compute_capability)
+    return Budget(accelerator.name, accelerator.kind, accelerator.memory_per_replica,
+                  accelerator.num_replicas, target)
+
+
+def _resolve_precision(precision: str, budget: Budget) -> tuple[str, str | None]:
+    """The policy a run on `budget` uses, and a note saying so when it was "auto"."""
+    if precision not in _PRECISIONS:
+        raise ValueError(f"`precision` must be one of {', '.join(map(repr, _PRECISIONS))}, "
+                         f"got {precision!r}.")
+    if precision != "auto":
+        return precision, None
+    if budget.target is None:
+        return "float32", "precision='auto' on a CPU budget: float32"
+    chosen = precision_lib.policy_for(budget.target)
+    return chosen, (f"precision='auto': {chosen}, the policy tfmem.policy_for picks on "
+                    f"{budget.device} (bf16 on TPU, fp16 on GPUs of compute capability ≥ 7)")
+
+
+def _nbytes(variables) -> int:
+    return sum(math.prod(v.shape) * np.dtype(keras.backend.standardize_dtype(v.dtype)).itemsize
+               for v in variables)
+
+
+def _estimate(model, *, global_batch_size, optimizer, precision, budget, safety,
+              input_batches_in_flight, frozen=frozenset(), input_shape=None,
+              notes=(), analyses=None) -> MemoryPlan:
+    """The plan's terms for one setting (micro-batch × k not chosen yet); `analyses` caches
+    the activation analysis across settings that share the model, dtype and frozen set."""
+    optimizer = keras.optimizers.get(optimizer)
+    own_compute = keras.backend.standardize_dtype(model.dtype_policy.compute_dtype)
+    override = None
+    if precision in _MIXED and own_compute == "float32":
+        # Built in float32, planned mixed: its float32 activations are counted in 2 bytes.
+        override = "float16" if precision == "mixed_float16" else "bfloat16"
+    analyses = {} if analyses is None else analyses
+    key = (id(model), override, frozenset(frozen))
+    if key not in analyses:
+        analyses[key] = saved_tensors(model, compute_dtype=override, frozen=frozen,
+                                      input_shapes=input_shape)
+    saved = analyses[key]
+    trainable = [v for v in model.trainable_variables if id(v) not in frozen]
+    num_trainable = sum(math.prod(v.shape) for v in trainable)
+    mixed = 0
+    if precision in _MIXED:
+        # Keras autocasts each float32 variable to the compute dtype at every call; conv/dense
+        # backward keeps that 2-byte copy (input gradient = dy ⊛ kernel). Normalization layers
+        # upcast to float32 instead, so their variables get no copy.
+        mixed = 2 * sum(math.prod(w.shape) for layer in internals.flatten_layers(model)
+                        if not isinstance(layer, keras.layers.BatchNormalization)
+                        for w in internals.own_trainable_variables(layer)
+                        if id(w) not in frozen)
+        if precision == "mixed_float16":
+            # LossScaleOptimizer unscales into new float32 gradients and checks them all for
+            # inf/nan before applying: a second gradient set is alive at once.
+            mixed += _nbytes(trainable)
+    notes = list(notes)
+    if override:
+        notes.append(f"built in float32, planned {precision}: float32 activations counted "
+                     f"as {override}")
+    if saved.traced_calls:
+        notes.append("measured by tracing the framework's gradient: "
+                     + ", ".join(saved.traced_calls))
+    if saved.fallback_calls:
+        notes.append("could not be traced, counted as keeping inputs and outputs (an upper "
+                     "bound): " + "; ".join(saved.fallback_calls))
+    if saved.loop_calls:
+        notes.append("loop intermediates not counted in: " + ", ".join(saved.loop_calls))
+    return MemoryPlan(
+        model_name=model.name,
+        num_parameters=int(model.count_params()),
+        num_trainable_parameters=int(num_trainable),
+        optimizer=type(optimizer).__name__,
+        precision=precision,
+        device=budget.device,
+        device_kind=budget.kind,
+        num_replicas=budget.num_replicas,
+        memory_per_replica=budget.memory_per_replica,
+        safety=safety,
+        global_batch_size=global_batch_size,
+        # Every weight (trainable and BN moving statistics) in its own dtype; not the few
+        # bytes of dropout seed states.
+        parameter_bytes=_nbytes(model.weights),
+        # tape.gradient returns one gradient per trainable variable, in the variable's dtype,
+        # all alive together until `apply_gradients`.
+        gradient_bytes=_nbytes(trainable),
+        optimizer_bytes=optimizer_slot_bytes(optimizer, trainable),
+        # AccumModel's float32 running sum of gradients (one per trainable variable).
+        accumulation_bytes=4 * int(num_trainable),
+        mixed_precision_bytes=int(mixed),
+        runtime_bytes=(_CPU_IMPORT_BYTES + _CPU_GRAPH_BASE_BYTES
+                       + _CPU_BYTES_PER_VARIABLE * len(model.variables)
+                       if budget.kind == "cpu" else 0),
+        input_bytes_per_sample=saved.input_bytes,
+        activation_bytes_per_sample=saved.saved_bytes,
+        # The backward pass of the largest op holds its output gradient and input gradient
+        # next to the kept tensors.
+        workspace_bytes_per_sample=2 * saved.largest_tensor_bytes,
+        input_batches_in_flight=input_batches_in_flight,
+        notes=tuple(notes),
+    )
 
 
 def plan(
@@ -238,33 +212,49 @@ def plan(
     num_replicas: int | None = None,
     safety: float = 0.8,
     input_batches_in_flight: int = 2,
+    input_shape: Sequence | None = None,
+    smaller_variants: Sequence[tuple[str, Callable[[], keras.Model]]] = (),
 ) -> MemoryPlan:
     """Sizes one training run of `model` and picks micro-batch × accumulation steps.
 
     Args:
-        model: a built functional or Sequential Keras model with concrete input shapes.
+        model: a built Keras model: functional, Sequential or subclassed, with concrete
+            input shapes. Only shapes are read: a model built inside
+            `keras.StatelessScope(initialize_variables=False)` (no weights in memory) plans
+            the same.
         global_batch_size: samples per optimizer update, over all replicas.
         optimizer: Keras optimizer instance or name; decides the slot count.
-        precision: "float32", "mixed_float16" or "mixed_bfloat16" (activations in the
-            compute dtype; float32 master weights stay).
+        precision: "float32", "mixed_float16", "mixed_bfloat16", or "auto": the policy
+            tfmem uses on the planned device (bf16 on TPU, fp16 on GPUs of compute
+            capability ≥ 7, float32 on CPU). A float32-built model planned mixed has its
+            activations counted in the 2-byte compute dtype.
         runtime: anything with `memory_per_replica` and `num_replicas` (a
             `tfmem.Runtime`); `kind` "cpu" adds the framework's host RAM.
         memory_budget: bytes per replica instead of a runtime (planned as host RAM).
-        device: a name from `tfmem.runtime.devices.ACCELERATORS` or "cpu" (this host's available RAM).
-            With none of the three, "cpu".
+        device: a name from `tfmem.runtime.devices.ACCELERATORS` or "cpu" (this host's
+            available RAM). With none of the three, "cpu".
         num_replicas: overrides the replica count of the runtime/device.
         safety: fraction of `memory_per_replica` to plan for (0.8: the classic 80% rule).
         input_batches_in_flight: global batches of input resident at once (the step's own and
             one prefetched by `tf.data`).
+        input_shape: one sample's shape (or a list of them), for a subclassed model that
+            was never built; default: the shapes it was built with.
+        smaller_variants: `(description, builder)` pairs the planner builds and checks, when
+            nothing fits, after the changes it can check on `model` itself (precision,
+            optimizer, frozen backbone), e.g. `("image size 288", lambda: build(...))`.
 
     Returns:
-        A frozen `MemoryPlan`.
+        A frozen `MemoryPlan`; when nothing fits, its `alternative` names the smallest
+        change checked to fit.
 
     Raises:
-        ValueError: the global batch does not split over the replicas, or bad arguments.
+        ValueError: the global batch does not split over the replicas, bad arguments, or a
+            model whose shapes are unknown.
     """
-    label, kind, memory, replicas = _budget(runtime, memory_budget, device)
-    replicas = num_replicas or replicas
+    budget = _budget(runtime, memory_budget, device)
+    if num_replicas:
+        budget = budget._replace(num_replicas=num_replicas)
+    replicas = budget.num_replicas
     if global_batch_size < 1 or global_batch_size % replicas:
         raise ValueError(
             f"`global_batch_size` ({global_batch_size}) must be a positive multiple of the "
@@ -272,70 +262,23 @@ def plan(
         )
     if not 0 < safety <= 1:
         raise ValueError(f"`safety` must be in (0, 1], got {safety}.")
-    if precision not in ("float32",) + _MIXED:
-        raise ValueError(f"`precision` must be 'float32', 'mixed_float16' or 'mixed_bfloat16', "
-                         f"got {precision!r}.")
-    optimizer = keras.optimizers.get(optimizer)
-    saved = _saved_tensors.saved_tensors(model)
-    trainable = model.trainable_variables
+    chosen_precision, precision_note = _resolve_precision(precision, budget)
+    settings = dict(global_batch_size=global_batch_size, optimizer=optimizer, budget=budget,
+                    safety=safety, input_batches_in_flight=input_batches_in_flight,
+                    input_shape=input_shape, analyses={})
+    result = choose(_estimate(model, precision=chosen_precision,
+                              notes=[precision_note] if precision_note else [], **settings))
+    if result.fits:
+        return result
 
-    def nbytes(variables) -> int:
-        return sum(math.prod(v.shape) * np.dtype(keras.backend.standardize_dtype(v.dtype)).itemsize
-                   for v in variables)
+    def evaluate(candidate, changes: dict) -> MemoryPlan:
+        changes = dict(changes)
+        frozen = levers.backbone_ids(candidate) if changes.pop("freeze_backbone", False) else ()
+        return choose(_estimate(candidate, **{**settings, "precision": chosen_precision,
+                                              **changes, "frozen": frozenset(frozen)}))
 
-    num_trainable = sum(math.prod(v.shape) for v in trainable)
-    mixed = 0
-    if precision in _MIXED:
-        # Keras autocasts each float32 variable to the compute dtype at every call; conv/dense
-        # backward keeps that 2-byte copy (input gradient = dy ⊛ kernel). Normalization layers
-        # upcast to float32 instead, so their variables get no copy.
-        mixed = 2 * sum(math.prod(w.shape) for layer in model._flatten_layers(include_self=False)
-                        if not isinstance(layer, keras.layers.BatchNormalization)
-                        for w in layer._trainable_variables)
-        if precision == "mixed_float16":
-            # LossScaleOptimizer unscales into new float32 gradients and checks them all for
-            # inf/nan before applying: a second gradient set is alive at once.
-            mixed += nbytes(trainable)
-    notes = []
-    if saved.traced_layers:
-        notes.append("measured by tracing their TensorFlow gradient graph: "
-                     + ", ".join(saved.traced_layers))
-    if saved.unknown_layers:
-        notes.append("counted as keeping inputs and outputs (unknown to the planner): "
-                     + ", ".join(saved.unknown_layers))
-    estimate = MemoryPlan(
-        model_name=model.name,
-        num_parameters=int(model.count_params()),
-        num_trainable_parameters=int(num_trainable),
-        optimizer=type(optimizer).__name__,
-        precision=precision,
-        device=label,
-        device_kind=kind,
-        num_replicas=replicas,
-        memory_per_replica=memory,
-        safety=safety,
-        global_batch_size=global_batch_size,
-        # Every weight (trainable and BN moving statistics) in its own dtype; not the few
-        # bytes of dropout seed states.
-        parameter_bytes=nbytes(model.weights),
-        # tape.gradient returns one gradient per trainable variable, in the variable's dtype,
-        # all alive together until `apply_gradients`.
-        gradient_bytes=nbytes(trainable),
-        optimizer_bytes=optimizer_slot_bytes(optimizer, trainable),
-        # AccumModel's float32 running sum of gradients (one per trainable variable).
-        accumulation_bytes=4 * int(num_trainable),
-        mixed_precision_bytes=int(mixed),
-        runtime_bytes=(_CPU_IMPORT_BYTES + _CPU_GRAPH_BASE_BYTES
-                       + _CPU_BYTES_PER_VARIABLE * len(model.variables) if kind == "cpu" else 0),
-        input_bytes_per_sample=saved.input_bytes,
-        activation_bytes_per_sample=saved.saved_bytes,
-        # The backward pass of the largest op holds its output gradient and input gradient
-        # next to the kept tensors.
-        workspace_bytes_per_sample=2 * saved.largest_tensor_bytes,
-        input_batches_in_flight=input_batches_in_flight,
-        notes=tuple(notes),
-    )
-    return _choose(estimate)
+    alternative = levers.search(model, result, evaluate, smaller_variants)
+    return result.replace(alternative=alternative)
 
 
 def check(plan: MemoryPlan, *, accumulation_steps: int | None = None,
@@ -373,9 +316,6 @@ def check(plan: MemoryPlan, *, accumulation_steps: int | None = None,
     raise MemoryPlanError(plan, micro, accumulation_steps, needed)
 
 
-# Breakdown terms that scale with the micro-batch (the rest is fixed for a given k).
-_PER_MICRO_BATCH = ("activations", "backward workspace", "measured per-sample × micro-batch")
-
 def guard(
     model: keras.Model,
     *,
@@ -384,7 +324,7 @@ def guard(
     allow_over_budget: bool = False,
     **plan_kwargs: Any,
 ) -> MemoryPlan:
-    """Plans a run and stops it before the first step if it cannot fit (AccumModel's check).
+    """Plans a run and stops it before the first step if it cannot fit.
 
     Args:
         model: the model about to train.
@@ -402,9 +342,9 @@ def guard(
     Example:
         >>> k = guard(model, global_batch_size=64, device="t4").accumulation_steps
     """
-    memory_plan = plan(model, global_batch_size=global_batch_size, **plan_kwargs)
     steps = None if accumulation_steps in (None, "auto") else accumulation_steps
     if isinstance(steps, str):
         raise ValueError(f"`accumulation_steps` must be a positive int or 'auto', got {steps!r}.")
+    memory_plan = plan(model, global_batch_size=global_batch_size, **plan_kwargs)
     check(memory_plan, accumulation_steps=steps, allow_over_budget=allow_over_budget)
     return memory_plan

@@ -43,6 +43,8 @@ import numpy as np
 
 from tfmem.runtime import devices
 from tfmem.memory import planner
+from tfmem.memory.memory_plan import MeasuredLine, MemoryPlan
+from tfmem.memory.plan_report import format_bytes
 
 # Fraction of the budget the *estimated* peak of a probe run may reach. The estimate is
 # within ~20% (benchmarks/planner_accuracy.py), so half the budget keeps every probe run
@@ -157,7 +159,7 @@ def probe(
     micro_batch_sizes: Sequence[int] | None = None,
     num_steps: int = 2,
     timeout: float = 900.0,
-) -> planner.MemoryPlan:
+) -> MemoryPlan:
     """Measures `model`'s peak at 2–3 micro-batch sizes and returns a calibrated plan.
 
     Takes the arguments of `tfmem.plan` (the estimate it starts from) plus the probe's own.
@@ -207,8 +209,8 @@ def probe(
     if len(sizes) < 2 or too_big:
         raise ValueError(
             f"Probing needs two micro-batch sizes whose estimated peak stays under half the "
-            f"budget ({planner.format_bytes(ceiling)}); got {sizes} (over: {too_big}). "
-            f"The estimate at micro-batch 1 is {planner.format_bytes(estimate.peak_bytes(1, 1))}"
+            f"budget ({format_bytes(ceiling)}); got {sizes} (over: {too_big}). "
+            f"The estimate at micro-batch 1 is {format_bytes(estimate.peak_bytes(1, 1))}"
             ": give a larger `memory_budget`, or a smaller model or image size."
         )
     results = []
@@ -226,12 +228,12 @@ def probe(
             f"Measured peaks {[r.peak_bytes for r in results]} at micro-batches {sizes} do not "
             "grow with the batch: noise dominates. Probe larger `micro_batch_sizes`."
         )
-    line = planner.MeasuredLine(int(intercept), int(slope), tuple(sizes),
+    line = MeasuredLine(int(intercept), int(slope), tuple(sizes),
                                 tuple(r.peak_bytes for r in results))
     return estimate.replace(measured=line)
 
 
-def default_sizes(estimate: planner.MemoryPlan) -> list[int]:
+def default_sizes(estimate: MemoryPlan) -> list[int]:
     """The probe's micro-batch sizes for `estimate`: ¼, ½ and all of the largest plain step
     whose *estimated* peak stays under half the budget (capped at the per-replica batch).
 
@@ -368,7 +370,9 @@ def _child_main(spec_path: str, result_path: str) -> None:
     size = spec["micro_batch_size"]
     rng = np.random.default_rng(0)
     images = rng.uniform(0, 1, (size,) + spec["input_shape"]).astype("float32")
-    targets = np.zeros((size,) + tuple(model.output_shape[1:]), "float32")
+    # A subclassed model has no `output_shape`: its symbolic call gives it.
+    output = model.compute_output_spec(keras.KerasTensor((size,) + spec["input_shape"]))
+    targets = np.zeros((size,) + tuple(output.shape[1:]), "float32")
     # One batch repeated: the data costs one batch, as a streaming pipeline's current batch does.
     dataset = tf.data.Dataset.from_tensors((images, targets)).repeat(spec["num_steps"])
     if spec["device"] == "cpu" and "path" in spec:

@@ -1,67 +1,28 @@
 """Per-sample bytes of the tensors a training step keeps alive for its backward pass.
 
-Walks a functional Keras model node by node (nested models included) and asks, for each
-layer call, which tensors its gradient reads. The answers come from the gradient functions
-TensorFlow registers for the ops Keras 3 emits (`tensorflow/python/ops/nn_grad.py`,
-`math_grad.py`) and from the Keras 3 layer code:
+A functional or Sequential model is walked node by node (nested models, shared layers,
+`keras.ops` nodes and several inputs/outputs included): Keras's own layers go through the
+rules of `layer_rules` (each checked against the framework's gradient), every other call,
+and any layer a rule does not cover, through the general path `gradient_trace`, once per
+distinct configuration and shape. A subclassed model has no graph to walk: its whole call
+is traced. A call that cannot be traced is counted as keeping its inputs and outputs (an
+upper bound) and named in the plan's notes; nothing here raises for an unknown layer.
 
-- Conv*/Dense/EinsumDense: the kernel gradient reads the layer *input* (`Conv2DBackpropFilter`,
-  `MatMul`); the input gradient reads only the kernel. The input is kept in the layer's
-  compute dtype (under mixed precision Keras casts it, so a float32 input is kept as a new
-  float16 copy). SeparableConv also keeps its depthwise intermediate.
-- BatchNormalization (training): Keras 3 upcasts to float32, computes `tf.nn.moments` and
-  `x * inv + b`; `SquaredDifference` and `Mul` read the float32 input, nothing else of size.
-- Activations read their output (`ReluGrad`, `Relu6Grad`, `SigmoidGrad`, `TanhGrad`,
-  `EluGrad`, softmax) or their input (`nn.silu`'s custom gradient, `SoftplusGrad`,
-  `LeakyReluGrad`): one tensor of the output's size; GELU/hard-swish/mish keep two.
-- Add/Subtract/Concatenate/Reshape/padding/cropping/average pools/nearest upsampling/
-  Rescaling: gradients need only shapes, nothing is kept.
-- Multiply/Maximum/Minimum keep their inputs; MaxPooling keeps input and output
-  (`MaxPoolGrad`); Dropout (`stateless_dropout`: `where(mask, x * scale, 0)`) keeps its
-  boolean mask, one byte per element.
-- Any other layer (a custom block such as MBConv) is traced once per configuration and
-  input shape with TensorFlow: forward and `GradientTape` backward in one graph, and the
-  forward tensors the backward ops read are the saved ones (`traced_saved_tensors`). Without
-  TensorFlow it is counted as keeping its inputs and outputs (an upper bound) and named in
-  the plan's notes.
-
-A layer whose output needs no gradient (frozen weights and no trainable layer before it)
-keeps nothing: TensorFlow builds no backward op for it.
+A call whose output needs no gradient (frozen weights and no trainable layer before it)
+keeps nothing: no backward op is built for it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Collection
 
 import keras
 import numpy as np
 
-# Activations by the tensor their gradient reads (see the module docstring).
-_KEEPS_OUTPUT = {"relu", "relu6", "sigmoid", "tanh", "softmax", "log_softmax", "elu", "selu",
-                 "exponential", "hard_sigmoid"}
-_KEEPS_INPUT = {"silu", "swish", "softplus", "softsign", "leaky_relu"}
-_KEEPS_TWO = {"gelu", "hard_silu", "hard_swish", "mish"}
-
-_NO_SAVED_TENSORS = (
-    keras.layers.Add, keras.layers.Subtract, keras.layers.Average, keras.layers.Concatenate,
-    keras.layers.Reshape, keras.layers.Flatten, keras.layers.Permute, keras.layers.RepeatVector,
-    keras.layers.ZeroPadding1D, keras.layers.ZeroPadding2D, keras.layers.ZeroPadding3D,
-    keras.layers.Cropping1D, keras.layers.Cropping2D, keras.layers.Cropping3D,
-    keras.layers.AveragePooling1D, keras.layers.AveragePooling2D, keras.layers.AveragePooling3D,
-    keras.layers.GlobalAveragePooling1D, keras.layers.GlobalAveragePooling2D,
-    keras.layers.GlobalAveragePooling3D, keras.layers.Rescaling, keras.layers.Normalization,
-    keras.layers.Identity, keras.layers.Embedding, keras.layers.InputLayer,
-)
-_VIEWS = (keras.layers.Reshape, keras.layers.Flatten, keras.layers.Identity)
-_KEEPS_INPUTS = (keras.layers.Multiply, keras.layers.Maximum, keras.layers.Minimum)
-_MAX_POOLS = (keras.layers.MaxPooling1D, keras.layers.MaxPooling2D, keras.layers.MaxPooling3D)
-_GLOBAL_MAX_POOLS = (keras.layers.GlobalMaxPooling1D, keras.layers.GlobalMaxPooling2D,
-                     keras.layers.GlobalMaxPooling3D)
-_DROPOUTS = (keras.layers.Dropout, keras.layers.SpatialDropout1D, keras.layers.SpatialDropout2D,
-             keras.layers.SpatialDropout3D, keras.layers.GaussianDropout,
-             keras.layers.AlphaDropout)
-_TWO_TENSOR_NORMS = (keras.layers.LayerNormalization, keras.layers.GroupNormalization)
+from tfmem import _keras_internals as internals
+from tfmem.memory import gradient_trace, layer_rules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,16 +32,23 @@ class SavedTensors:
     Attributes:
         saved_bytes: bytes of the distinct tensors the backward pass reads, for one sample.
         largest_tensor_bytes: bytes of the largest single tensor of the forward pass (one sample).
-        input_bytes: bytes of one sample of the model's inputs, as fed (float32 images).
-        unknown_layers: class names counted as keeping inputs and outputs (an upper bound).
-        traced_layers: class names measured by tracing their TensorFlow gradient graph.
+        input_bytes: bytes of one sample of the model's inputs, as fed.
+        fallback_calls: calls counted as keeping their inputs and outputs (an upper bound),
+            each with the reason the general path failed on it.
+        traced_calls: class names of the calls measured by the general path (`gradient_trace`).
+        loop_calls: class names of traced calls with loops whose intermediates are not counted.
     """
 
     saved_bytes: int
     largest_tensor_bytes: int
     input_bytes: int
-    unknown_layers: tuple[str, ...]
-    traced_layers: tuple[str, ...] = ()
+    fallback_calls: tuple[str, ...] = ()
+    traced_calls: tuple[str, ...] = ()
+    loop_calls: tuple[str, ...] = ()
+
+
+def _itemsize(dtype) -> int:
+    return np.dtype(keras.backend.standardize_dtype(dtype)).itemsize
 
 
 def _sample_bytes(shape, dtype) -> int:
@@ -91,274 +59,345 @@ def _sample_bytes(shape, dtype) -> int:
             "The planner needs concrete shapes: build the model with a concrete input shape, "
             "e.g. `keras.Input((224, 224, 3))` instead of `(None, None, 3)`."
         )
-    return math.prod(dims) * np.dtype(keras.backend.standardize_dtype(dtype)).itemsize
+    return math.prod(dims) * _itemsize(dtype)
 
 
-def _activation_name(activation) -> str:
-    if activation is None:
-        return "linear"
-    return getattr(activation, "__name__", type(activation).__name__).lower()
+# Traces by call configuration, shared by every plan in this process: a model planned again
+# (the guard at each `fit`, the levers when nothing fits, several devices) is not retraced.
+_TRACES: dict = {}
+_MAX_TRACES = 4096
 
 
 class _Walker:
-    def __init__(self):
-        self.canonical: dict[int, int] = {}  # id(KerasTensor) -> id of the tensor it aliases
-        self.sizes: dict[object, int] = {}  # key -> bytes per sample of each kept tensor
-        self.needs_grad: set[int] = set()
+    """Collects the kept tensors of one model, keyed so that a tensor counts once."""
+
+    def __init__(self, compute_dtype: str | None, frozen: Collection[int], backend_name: str):
+        self.override = compute_dtype  # the plan's compute dtype for a float32-built model
+        self.frozen = frozenset(frozen)  # ids of layers the plan treats as not trainable
+        self.backend_name = backend_name
+        self.context: tuple = ()  # the nested-model calls the walk is inside
+        self.alias: dict = {}  # key -> key of the tensor whose buffer it shares
+        self.sizes: dict = {}  # kept key -> bytes per sample
+        self.needs_grad: set = set()
+        self.model_inputs: set = set()
         self.largest = 0
-        self.unknown: set[str] = set()
-        self.traced_layers: set[str] = set()
-        self.trace_cache: dict = {}
-        self._tensors: list = []  # keep walked tensors alive so their ids stay unique
+        self.fallbacks: set[str] = set()
+        self.traced: set[str] = set()
+        self.loops: set[str] = set()
 
-    def key(self, tensor) -> int:
-        return self.canonical.get(id(tensor), id(tensor))
+    # -- keys and dtypes --------------------------------------------------------------------
+    def key(self, tensor):
+        raw = (self.context, id(tensor))
+        return self.alias.get(raw, raw)
 
+    def dtype_of(self, tensor) -> str:
+        dtype = keras.backend.standardize_dtype(tensor.dtype)
+        if self.override and dtype == "float32" and self.key(tensor) not in self.model_inputs:
+            return self.override
+        return dtype
+
+    def compute_dtype(self, layer) -> str:
+        dtype = keras.backend.standardize_dtype(getattr(layer, "compute_dtype", "float32"))
+        return self.override if self.override and dtype == "float32" else dtype
+
+    def is_frozen(self, layer) -> bool:
+        return id(layer) in self.frozen
+
+    def has_trainable(self, layer) -> bool:
+        if not isinstance(layer, keras.layers.Layer) or self.is_frozen(layer):
+            return False
+        return any(id(w) not in self.frozen for w in layer.trainable_weights)
+
+    # -- what is kept -----------------------------------------------------------------------
     def keep(self, tensor, dtype=None) -> None:
-        """Keeps `tensor` (shared by identity) or, cast to another dtype, a new copy of it."""
-        dtype = keras.backend.standardize_dtype(dtype or tensor.dtype)
-        if dtype == keras.backend.standardize_dtype(tensor.dtype):
-            self.sizes[self.key(tensor)] = _sample_bytes(tensor.shape, dtype)
-        else:
-            self.sizes[(self.key(tensor), dtype)] = _sample_bytes(tensor.shape, dtype)
+        """Keeps `tensor` (shared by identity) or, in another dtype, a new copy of it."""
+        own = self.dtype_of(tensor)
+        dtype = keras.backend.standardize_dtype(dtype) if dtype else own
+        key = self.key(tensor) if dtype == own else (self.key(tensor), dtype)
+        self.sizes[key] = _sample_bytes(tensor.shape, dtype)
+        self.largest = max(self.largest, self.sizes[key])
 
     def keep_new(self, shape, dtype) -> None:
-        self.sizes[("new", len(self.sizes))] = _sample_bytes(shape, dtype)
+        self.keep_bytes(_sample_bytes(shape, dtype))
+        self.largest = max(self.largest, _sample_bytes(shape, dtype))
 
-    def keep_activation(self, name: str, output, pre_activation=None) -> None:
-        """Keeps what activation `name` reads; `pre_activation` None: an internal tensor."""
-        if name == "linear":
-            return
-        if name in _KEEPS_OUTPUT:
-            self.keep(output)
-            return
-        if name not in _KEEPS_INPUT:
-            if name not in _KEEPS_TWO:
-                self.unknown.add(f"activation {name}")
-            self.keep(output)
-        if pre_activation is None:
-            self.keep_new(output.shape, output.dtype)
-        else:
-            self.keep(pre_activation)
+    def keep_bytes(self, nbytes: int) -> None:
+        self.sizes[("new", len(self.sizes))] = int(nbytes)
 
+    # -- the walk ---------------------------------------------------------------------------
     def walk(self, model) -> None:
-        if isinstance(model, keras.Sequential):
-            model = model._functional  # Sequential keeps a Functional once built
-        for depth in sorted(model._nodes_by_depth, reverse=True):
-            for node in model._nodes_by_depth[depth]:
+        graph = internals.functional_of(model)
+        by_depth = internals.nodes_by_depth(graph)
+        for depth in sorted(by_depth, reverse=True):
+            for node in by_depth[depth]:
                 if node.operation is None or node.is_input:
                     continue
-                self._tensors.extend(node.input_tensors + node.outputs)
-                self.layer_call(node.operation, node.input_tensors, node.outputs)
+                self.call(node)
 
-    def layer_call(self, layer, inputs, outputs) -> None:
-        functional = isinstance(layer, keras.Model) and hasattr(layer, "_nodes_by_depth")
-        if functional or isinstance(layer, keras.Sequential):
-            self.nested(layer, inputs, outputs)
+    def call(self, node) -> None:
+        operation, inputs, outputs = node.operation, node.input_tensors, node.outputs
+        if internals.is_graph_network(operation) or isinstance(operation, keras.Sequential):
+            self.nested(node)
             return
         for tensor in outputs:
-            self.largest = max(self.largest, _sample_bytes(tensor.shape, tensor.dtype))
-        if isinstance(layer, _VIEWS) or (isinstance(layer, _DROPOUTS) and not layer.rate):
-            # Reshapes share their input's buffer; a rate-0 dropout returns its input.
-            self.canonical[id(outputs[0])] = self.key(inputs[0])
-            if self.key(inputs[0]) in self.needs_grad:
-                self.needs_grad.add(self.key(outputs[0]))
+            self.largest = max(self.largest, _sample_bytes(tensor.shape, self.dtype_of(tensor)))
+        viewing = isinstance(operation, layer_rules.VIEWS) or (
+            isinstance(operation, layer_rules.DROPOUTS) and not operation.rate)
+        if viewing and len(inputs) == 1:
+            self.alias[(self.context, id(outputs[0]))] = self.key(inputs[0])
             return
-        has_trainable = any(w.trainable for w in layer.weights) and layer.trainable
-        needs_grad = has_trainable or any(self.key(t) in self.needs_grad for t in inputs)
-        if not needs_grad:
+        has_trainable = self.has_trainable(operation)
+        if not has_trainable and not any(self.key(t) in self.needs_grad for t in inputs):
             return
         self.needs_grad.update(self.key(t) for t in outputs)
-        self.saved_by(layer, inputs, outputs, has_trainable)
+        if isinstance(operation, keras.layers.Layer) and layer_rules.apply(
+                self, operation, inputs, outputs, has_trainable):
+            return
+        self.general(node, has_trainable)
 
-    def nested(self, model, inputs, outputs) -> None:
-        inner = model._functional if isinstance(model, keras.Sequential) else model
-        for outer, inner_input in zip(inputs, inner.inputs):
-            self.canonical[id(inner_input)] = self.key(outer)
+    def nested(self, node) -> None:
+        inner = internals.functional_of(node.operation)
+        outer_keys = [self.key(t) for t in node.input_tensors]
+        outer_context, self.context = self.context, self.context + (id(node),)
+        for outer_key, inner_input in zip(outer_keys, inner.inputs):
+            self.alias[(self.context, id(inner_input))] = outer_key
         self.walk(inner)
-        for outer, inner_output in zip(outputs, inner.outputs):
-            self.canonical[id(outer)] = self.key(inner_output)
-            if self.key(inner_output) in self.needs_grad:
-                self.needs_grad.add(self.key(outer))
+        inner_keys = [self.key(t) for t in inner.outputs]
+        self.context = outer_context
+        for outer, inner_key in zip(node.outputs, inner_keys):
+            self.alias[(self.context, id(outer))] = inner_key
 
-    def saved_by(self, layer, inputs, outputs, has_trainable: bool) -> None:
-        compute = layer.compute_dtype
-        out = outputs[0]
-        if isinstance(layer, keras.layers.SeparableConv2D | keras.layers.SeparableConv1D):
-            if has_trainable:
-                self.keep(inputs[0], compute)
-            # The depthwise result feeds the pointwise kernel gradient.
-            channels = inputs[0].shape[-1] * layer.depth_multiplier
-            self.keep_new(tuple(out.shape[:-1]) + (channels,), compute)
-            self.keep_activation(_activation_name(layer.activation), out)
-        elif hasattr(layer, "kernel") and not isinstance(layer, keras.layers.Embedding):
-            # Conv*, DepthwiseConv*, Conv*Transpose, Dense, EinsumDense.
-            if has_trainable:
-                self.keep(inputs[0], compute)
-            self.keep_activation(_activation_name(getattr(layer, "activation", None)), out)
-        elif isinstance(layer, keras.layers.BatchNormalization):
-            if layer.trainable:
-                self.keep(inputs[0], "float32")
-        elif isinstance(layer, _TWO_TENSOR_NORMS):
-            self.keep(inputs[0], "float32")
-            self.keep_new(out.shape, "float32")
-        elif isinstance(layer, keras.layers.Activation):
-            self.keep_activation(_activation_name(layer.activation), out, inputs[0])
-        elif isinstance(layer, keras.layers.ReLU | keras.layers.ELU | keras.layers.Softmax):
-            self.keep(out)
-        elif isinstance(layer, keras.layers.LeakyReLU | keras.layers.PReLU):
-            self.keep(inputs[0])
-        elif isinstance(layer, _NO_SAVED_TENSORS):
-            pass
-        elif isinstance(layer, keras.layers.UpSampling2D):
-            if layer.interpolation != "nearest":
-                self.keep(inputs[0])  # ResizeBilinearGrad reads the original image
-        elif isinstance(layer, _KEEPS_INPUTS):
-            for tensor in inputs:
-                self.keep(tensor, compute)
-        elif isinstance(layer, _MAX_POOLS):
-            self.keep(inputs[0])
-            self.keep(out)
-        elif isinstance(layer, _GLOBAL_MAX_POOLS):
-            self.keep(inputs[0])
-        elif isinstance(layer, _DROPOUTS):
-            self.keep_new(inputs[0].shape, "bool")  # SelectV2's keep-mask, one byte each
-        else:
-            self.traced(layer, inputs, outputs)
+    # -- the general path -------------------------------------------------------------------
+    def general(self, node, has_trainable: bool) -> None:
+        operation, inputs = node.operation, node.input_tensors
+        differentiable = [self.key(t) in self.needs_grad for t in inputs]
 
-    def traced(self, layer, inputs, outputs) -> None:
-        try:
-            cache_key = (type(layer), repr(sorted((k, v) for k, v in layer.get_config().items()
-                                                  if k != "name")),
-                         tuple((tuple(t.shape[1:]), str(t.dtype)) for t in inputs),
-                         layer.trainable)
-        except (NotImplementedError, TypeError):
-            cache_key = None
-        result = self.trace_cache.get(cache_key) if cache_key else None
+        def call(xs):
+            args, kwargs = node.arguments.fill_in({id(t): x for t, x in zip(inputs, xs)})
+            if (isinstance(operation, keras.layers.Layer)
+                    and internals.call_has_training_arg(operation)):
+                kwargs = {**kwargs, "training": True}
+            return operation(*args, **kwargs)
+
+        result = self.trace(operation, call, inputs, differentiable, has_trainable,
+                            extra_key=repr(node.arguments.convert(_placeholder)))
         if result is None:
-            try:
-                result = traced_saved_tensors(layer, inputs)
-            except Exception as error:  # noqa: BLE001 - any trace failure: fall back, say so
-                self.unknown.add(f"{type(layer).__name__} ({type(error).__name__})")
-                for tensor in list(inputs) + list(outputs):
-                    self.keep(tensor)
-                return
-            if cache_key:
-                self.trace_cache[cache_key] = result
-        self.traced_layers.add(type(layer).__name__)
-        input_indices, output_indices, internal, largest = result
-        for index in input_indices:
+            for tensor in list(inputs) + list(node.outputs):
+                self.keep(tensor)
+            return
+        for index in result.kept_inputs:
             self.keep(inputs[index])
-        for index in output_indices:
-            self.keep(outputs[index])
-        for nbytes in internal:
-            self.sizes[("new", len(self.sizes))] = nbytes
-        self.largest = max(self.largest, largest)
+        for index in result.kept_outputs:
+            self.keep(node.outputs[index])
+        self.keep_internal(result)
+
+    def keep_internal(self, result: gradient_trace.TracedCall, repeat: int = 1) -> None:
+        for nbytes, dtype in result.internal:
+            if self.override and dtype == "float32":
+                nbytes = nbytes * _itemsize(self.override) // 4
+            self.keep_bytes(nbytes * repeat)
+        self.largest = max(self.largest, result.largest_bytes)
+
+    def recurrent(self, layer, sequence, has_trainable: bool) -> None:
+        """A recurrent layer keeps what one step of its cell keeps, once per timestep."""
+        cell = layer.cell
+        sizes = cell.state_size if isinstance(cell.state_size, (list, tuple)) else [
+            cell.state_size]
+        dtype = keras.backend.standardize_dtype(sequence.dtype)
+        step = [(tuple(sequence.shape[2:]), dtype)] + [
+            ((s,) if isinstance(s, int) else tuple(s), layer.compute_dtype) for s in sizes]
+        timesteps = sequence.shape[1]
+        grad_in = self.key(sequence) in self.needs_grad
+
+        def call(xs):
+            states = list(xs[1:])
+            return cell(xs[0], states if len(states) > 1 or isinstance(
+                cell.state_size, (list, tuple)) else states[0], training=True)
+
+        specs = [keras.KerasTensor((None,) + shape, dtype=d) for shape, d in step]
+        result = self.trace(cell, call, specs, [grad_in] + [True] * len(sizes),
+                            has_trainable, extra_key="cell")
+        if result is None or timesteps is None:
+            self.keep(sequence)
+            return
+        kept_in, kept_out = set(result.kept_inputs), set(result.kept_outputs)
+        total = _sample_bytes(specs[0].shape, specs[0].dtype) * timesteps if 0 in kept_in else 0
+        for j, spec in enumerate(specs[1:]):
+            # State j enters step t as input j + 1 and leaves step t - 1 as output j + 1 (a
+            # built-in cell's output 0 is state 0 too): kept on either side, it is one tensor
+            # per step, plus the initial (or last) state when both sides keep it.
+            as_input = j + 1 in kept_in
+            as_output = j + 1 in kept_out or (j == 0 and 0 in kept_out)
+            if as_input or as_output:
+                nbytes = _sample_bytes(spec.shape, spec.dtype)
+                total += nbytes * (timesteps + int(as_input and as_output))
+        self.keep_bytes(total)
+        self.keep_internal(result, repeat=timesteps)
+
+    def trace(self, operation, call, inputs, differentiable, has_trainable, extra_key=""):
+        """`gradient_trace.trace_call` for one call, cached; None when it cannot be traced."""
+        name = type(operation).__name__
+        weights = list(getattr(operation, "weights", []))
+        trainable = [w for w in getattr(operation, "trainable_weights", [])
+                     if has_trainable and id(w) not in self.frozen]
+        trainable_ids = {id(w) for w in trainable}
+        others = [w for w in weights if id(w) not in trainable_ids]
+        specs = [(tuple(t.shape[1:]), keras.backend.standardize_dtype(t.dtype)) for t in inputs]
+        cache_key = (self.backend_name, type(operation), _config_key(operation), extra_key,
+                     str(getattr(operation, "compute_dtype", "")), tuple(specs),
+                     tuple(differentiable), tuple((tuple(w.shape), str(w.dtype),
+                                                   id(w) in trainable_ids) for w in weights))
+        if cache_key in _TRACES:
+            result, reason = _TRACES[cache_key]
+        else:
+            result, reason = None, ""
+            try:
+                result = gradient_trace.trace_call(
+                    call, specs, differentiable=differentiable, trainable=trainable,
+                    non_trainable=others, backend_name=self.backend_name)
+            except Exception as error:  # noqa: BLE001 - any failure: the upper bound, named
+                reason = f"{name} ({type(error).__name__}: {_first_line(error)})"
+            if len(_TRACES) >= _MAX_TRACES:
+                _TRACES.clear()
+            _TRACES[cache_key] = result, reason
+        if result is None:
+            self.fallbacks.add(reason)
+        else:
+            self.traced.add(name)
+            if result.has_loop:
+                self.loops.add(name)
+        return result
 
 
-def saved_tensors(model: keras.Model) -> SavedTensors:
-    """Per-sample bytes the backward pass of `model` keeps, read from its functional graph.
+def _placeholder(value):
+    return "<tensor>" if isinstance(value, keras.KerasTensor) else value
+
+
+def _config_key(operation) -> str:
+    """The configuration as a cache key. Non-zero float settings (dropout and
+    stochastic-depth rates, which change from block to block) are one value: they decide
+    whether a mask exists, not its size; sizes are in the key through weights and shapes."""
+    try:
+        config = operation.get_config()
+    except Exception:  # noqa: BLE001 - a config that cannot be read: the weights still differ
+        return ""
+
+    def normal(value):
+        if isinstance(value, float):
+            return "float>0" if value else 0.0
+        return value
+
+    return repr(sorted((k, keras.tree.map_structure(normal, v)) for k, v in config.items()
+                       if k != "name"))
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:160] if text else ""
+
+
+def saved_tensors(model: keras.Model, *, compute_dtype: str | None = None,
+                  frozen: Collection[int] = (), input_shapes=None) -> SavedTensors:
+    """Per-sample bytes the backward pass of `model` keeps.
 
     Args:
-        model: a built functional or Sequential Keras model with concrete input shapes.
+        model: a built Keras model: functional, Sequential or subclassed.
+        compute_dtype: count float32 activations in this dtype instead (a float32-built
+            model planned under a mixed policy); None counts the model's own dtypes.
+        frozen: ids of layers and variables to treat as not trainable (a frozen backbone).
+        input_shapes: for a subclassed model, the shape of one sample of each input (no
+            batch axis); default: the shapes it was built with.
 
     Raises:
-        TypeError: `model` is a subclassed model (it has no graph to walk).
-        ValueError: a tensor has an unknown non-batch dimension.
+        ValueError: a tensor has an unknown non-batch dimension, or a subclassed model was
+            never built and no `input_shapes` were given.
     """
-    if isinstance(model, keras.Sequential):
-        if model._functional is None:
-            raise ValueError("The Sequential model is not built: give its first layer an "
-                             "`input_shape` or call `model.build((None, H, W, C))` first.")
-    elif not hasattr(model, "_nodes_by_depth"):
-        raise TypeError(
-            f"{type(model).__name__} is a subclassed model: the planner reads activations "
-            "from a functional graph. Build it functionally (`keras.Model(inputs, outputs)`) "
-            "or measure it with `tfmem.probe`."
-        )
-    walker = _Walker()
-    inputs = model._functional.inputs if isinstance(model, keras.Sequential) else model.inputs
-    walker.walk(model)
+    graph = internals.functional_of(model)
+    if graph is None:
+        raise ValueError("The Sequential model is not built: give it a `keras.Input` first "
+                         "layer or call `model.build((None, H, W, C))`.")
+    if not internals.is_graph_network(graph):
+        return traced_saved_tensors(model, compute_dtype=compute_dtype, frozen=frozen,
+                                    input_shapes=input_shapes)
+    walker = _walker(compute_dtype, frozen)
+    walker.model_inputs = {walker.key(t) for t in graph.inputs}
+    walker.walk(graph)
+    return _result(walker, graph.inputs)
+
+
+def traced_saved_tensors(model: keras.Model, *, compute_dtype: str | None = None,
+                         frozen: Collection[int] = (), input_shapes=None) -> SavedTensors:
+    """The same, from one trace of the whole model's forward and backward (`gradient_trace`).
+
+    What `saved_tensors` does for a subclassed model; for a functional one, the reference
+    that its node-by-node walk is tested against. Arguments as `saved_tensors`.
+
+    Raises:
+        ValueError: the model cannot be traced (the message says why).
+    """
+    walker = _walker(compute_dtype, frozen)
+    graph = internals.functional_of(model)
+    if graph is not None and internals.is_graph_network(graph):
+        inputs = list(graph.inputs)
+    else:
+        inputs = _subclassed_inputs(model, input_shapes)
+        if not all(layer.built for layer in internals.flatten_layers(model)):
+            # `Model.build(shape)` does not build the layers a subclassed `call` uses; a
+            # symbolic call does, as the first `fit` step would.
+            model(inputs[0] if len(inputs) == 1 else inputs)
+    walker.model_inputs = {walker.key(t) for t in inputs}
+
+    def call(xs):
+        return model(xs[0] if len(xs) == 1 else list(xs), training=True)
+
+    result = walker.trace(model, call, inputs, [False] * len(inputs),
+                          walker.has_trainable(model))
+    if result is None:
+        raise ValueError(
+            f"{type(model).__name__} could not be traced to find what its backward pass "
+            f"keeps: {'; '.join(sorted(walker.fallbacks))}. Build it functionally, or "
+            "measure it with `tfmem.probe`.")
+    for index in result.kept_inputs:
+        walker.keep(inputs[index])
+    for index in result.kept_outputs:
+        nbytes = result.output_bytes[index]
+        walker.keep_bytes(nbytes * _itemsize(walker.override) // 4 if walker.override else nbytes)
+    walker.keep_internal(result)
+    return _result(walker, inputs)
+
+
+def _walker(compute_dtype, frozen) -> _Walker:
+    from tfmem import backend  # chosen once there; imported here so the planner stays TF-free
+
+    return _Walker(compute_dtype, frozen, backend.NAME)
+
+
+def _result(walker: _Walker, inputs) -> SavedTensors:
     return SavedTensors(
         saved_bytes=int(sum(walker.sizes.values())),
         largest_tensor_bytes=int(walker.largest),
         input_bytes=int(sum(_sample_bytes(t.shape, t.dtype) for t in inputs)),
-        unknown_layers=tuple(sorted(walker.unknown)),
-        traced_layers=tuple(sorted(walker.traced_layers)),
+        fallback_calls=tuple(sorted(walker.fallbacks)),
+        traced_calls=tuple(sorted(walker.traced)),
+        loop_calls=tuple(sorted(walker.loops)),
     )
 
 
-# Ops whose outputs alias an input's buffer, and ops that read only a tensor's shape (the
-# dataflow executor runs those as soon as the forward tensor exists, so they keep nothing).
-_ALIASING_OPS = {"Reshape", "Identity", "IdentityN", "Squeeze", "ExpandDims", "StopGradient"}
-_SHAPE_OPS = {"Shape", "ShapeN", "Size", "Rank", "BroadcastGradientArgs", "ZerosLike",
-              "OnesLike"}
-
-
-def traced_saved_tensors(layer, inputs):
-    """Which tensors the TensorFlow backward of `layer(*inputs)` reads, from its graph.
-
-    Builds forward and `GradientTape` backward of one call in a `tf.function` with a
-    symbolic batch dimension; every forward tensor with that batch dimension that a backward
-    op (one created by `tape.gradient`) reads is saved. Reshape-like ops share their input's
-    buffer and are followed to it; shape-only reads keep nothing.
-
-    Returns:
-        (indices of inputs kept, indices of outputs kept, bytes per sample of each other
-        kept tensor, bytes per sample of the largest forward tensor).
-    """
-    import tensorflow as tf
-
-    boundary = {}
-
-    @tf.function(autograph=False)
-    def forward_backward(*xs):
-        with tf.GradientTape() as tape:
-            tape.watch(xs)
-            ys = tf.nest.flatten(layer(*xs, training=True))
-            loss = tf.add_n([tf.reduce_sum(tf.cast(y, tf.float32)) for y in ys])
-        boundary["ops"] = len(tf.compat.v1.get_default_graph().get_operations())
-        boundary["outputs"] = ys
-        return tape.gradient(loss, list(xs) + layer.trainable_variables)
-
-    specs = [tf.TensorSpec((None,) + tuple(t.shape[1:]), t.dtype) for t in inputs]
-    graph = forward_backward.get_concrete_function(*specs).graph
-    operations = graph.get_operations()
-    forward = {op.name for op in operations[:boundary["ops"]]}
-
-    def root(tensor):
-        while tensor.op.type in _ALIASING_OPS and tensor.op.inputs:
-            index = tensor.value_index if tensor.op.type == "IdentityN" else 0
-            tensor = tensor.op.inputs[index]
-        return tensor
-
-    def per_sample(tensor) -> int | None:
-        shape = tensor.shape
-        if shape.rank is None or shape.rank == 0 or shape[0] is not None:
-            return None  # not a batch tensor: a weight, a constant or a shape
-        if not shape[1:].is_fully_defined() or tensor.dtype == tf.resource:
-            return None
-        return int(np.prod(shape[1:], dtype=np.int64)) * tensor.dtype.size
-
-    saved = {}
-    for op in operations[boundary["ops"]:]:
-        if op.type in _SHAPE_OPS:
-            continue
-        for tensor in op.inputs:
-            tensor = root(tensor)
-            if tensor.op.name in forward and per_sample(tensor):
-                saved[tensor.ref()] = tensor
-    placeholders = [t for t in graph.inputs if t.dtype != tf.resource][:len(inputs)]
-    input_refs = {t.ref(): i for i, t in enumerate(placeholders)}
-    output_refs = {root(t).ref(): i for i, t in enumerate(boundary["outputs"])}
-    kept_inputs, kept_outputs, internal = [], [], []
-    for ref, tensor in saved.items():
-        if ref in input_refs:
-            kept_inputs.append(input_refs[ref])
-        elif ref in output_refs:
-            kept_outputs.append(output_refs[ref])
+def _subclassed_inputs(model, input_shapes) -> list:
+    """Symbolic inputs of a subclassed model, from `input_shapes` or its build shapes."""
+    if input_shapes is not None:
+        if input_shapes and isinstance(input_shapes[0], int):
+            input_shapes = [input_shapes]  # one shape given bare
+        input_shapes = [(None,) + tuple(shape) for shape in input_shapes]
+    else:
+        config = model.get_build_config() if model.built else None
+        if not config:
+            raise ValueError(
+                f"{type(model).__name__} is a subclassed model that has not been built, so "
+                "its input shape is unknown. Call it once on a batch, `model.build((None, H, "
+                "W, C))`, or pass `input_shape=(H, W, C)` to the planner.")
+        if "input_shape" in config:
+            input_shapes = [config["input_shape"]]
         else:
-            internal.append(per_sample(tensor))
-    largest = max((per_sample(t) or 0 for op in operations[:boundary["ops"]]
-                   for t in op.outputs), default=0)
-    return kept_inputs, kept_outputs, internal, largest
+            input_shapes = list(config["shapes_dict"].values())
+    return [keras.KerasTensor(tuple(shape), dtype="float32") for shape in input_shapes]

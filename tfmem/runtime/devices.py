@@ -26,6 +26,7 @@ class Accelerator:
         memory_per_replica: bytes of device memory one replica can use.
         num_replicas: replicas in this configuration (8 for a TPU v3-8, 1 for one GPU).
         description: what the table entry stands for, for printing.
+        compute_capability: a GPU's CUDA compute capability (NVIDIA's table), None for TPUs.
     """
 
     name: str
@@ -33,10 +34,11 @@ class Accelerator:
     memory_per_replica: int
     num_replicas: int
     description: str
+    compute_capability: tuple[int, int] | None = None
 
 
-def _gpu(name: str, mib: int, description: str) -> Accelerator:
-    return Accelerator(name, "gpu", mib * _MIB, 1, description)
+def _gpu(name: str, mib: int, capability: tuple[int, int], description: str) -> Accelerator:
+    return Accelerator(name, "gpu", mib * _MIB, 1, description, capability)
 
 
 def _tpu(name: str, gib_per_replica: int, num_replicas: int, description: str) -> Accelerator:
@@ -46,16 +48,16 @@ def _tpu(name: str, gib_per_replica: int, num_replicas: int, description: str) -
 ACCELERATORS: dict[str, Accelerator] = {
     accelerator.name: accelerator
     for accelerator in [
-        _gpu("k80", 11441, "NVIDIA Tesla K80 (one of its two GPUs), 12 GB"),
-        _gpu("p100", 16280, "NVIDIA Tesla P100 16 GB (Kaggle 'GPU P100')"),
-        _gpu("t4", 15360, "NVIDIA T4 16 GB (Colab/Kaggle 'T4')"),
-        _gpu("v100-16gb", 16160, "NVIDIA V100 16 GB"),
-        _gpu("v100-32gb", 32510, "NVIDIA V100 32 GB"),
-        _gpu("l4", 23034, "NVIDIA L4 24 GB (Colab 'L4')"),
-        _gpu("a100-40gb", 40960, "NVIDIA A100 40 GB"),
-        _gpu("a100-80gb", 81920, "NVIDIA A100 80 GB"),
-        _gpu("h100", 81559, "NVIDIA H100 80 GB"),
-        _gpu("h200", 143771, "NVIDIA H200 141 GB"),
+        _gpu("k80", 11441, (3, 7), "NVIDIA Tesla K80 (one of its two GPUs), 12 GB"),
+        _gpu("p100", 16280, (6, 0), "NVIDIA Tesla P100 16 GB (Kaggle 'GPU P100')"),
+        _gpu("t4", 15360, (7, 5), "NVIDIA T4 16 GB (Colab/Kaggle 'T4')"),
+        _gpu("v100-16gb", 16160, (7, 0), "NVIDIA V100 16 GB"),
+        _gpu("v100-32gb", 32510, (7, 0), "NVIDIA V100 32 GB"),
+        _gpu("l4", 23034, (8, 9), "NVIDIA L4 24 GB (Colab 'L4')"),
+        _gpu("a100-40gb", 40960, (8, 0), "NVIDIA A100 40 GB"),
+        _gpu("a100-80gb", 81920, (8, 0), "NVIDIA A100 80 GB"),
+        _gpu("h100", 81559, (9, 0), "NVIDIA H100 80 GB"),
+        _gpu("h200", 143771, (9, 0), "NVIDIA H200 141 GB"),
         _tpu("tpu-v2-8", 8, 8, "TPU v2-8: 8 cores × 8 GiB HBM (Colab's legacy TPU)"),
         _tpu("tpu-v3-8", 16, 8, "TPU v3-8: 8 cores × 16 GiB HBM (Kaggle 'TPU v3-8')"),
         _tpu("tpu-v4-8", 32, 4, "TPU v4-8: 4 chips × 32 GiB HBM"),

@@ -170,11 +170,26 @@ class AccumModel(backend.AccumTrainer, keras.Model):
                               "unknown; pass fit(..., memory_budget=bytes) to check.")
                 return
         precision = self.dtype_policy.name
-        memory_plan = planner.guard(
-            self, global_batch_size=global_batch,
-            accumulation_steps="auto" if auto else self.accumulation_steps,
-            allow_over_budget=not check_memory and not auto, optimizer=self.optimizer,
-            precision=precision if precision.startswith("mixed_") else "float32", **budget)
+        try:
+            memory_plan = planner.plan(
+                self, global_batch_size=global_batch, optimizer=self.optimizer,
+                precision=precision if precision.startswith("mixed_") else "float32", **budget)
+        except Exception as error:  # noqa: BLE001 - a model the planner cannot size still trains
+            reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            if auto:
+                raise ValueError(
+                    'accumulation_steps="auto" takes k from the memory plan, and the planner '
+                    f"could not plan this run ({reason}). Set `accumulation_steps` to a "
+                    f"number k that divides the per-replica batch ({per_replica}), e.g. "
+                    "`accumulation_steps=1`.") from error
+            if not getattr(self, "_unplanned_warning_given", False):
+                warnings.warn(f"AccumModel: memory check skipped, the planner could not plan "
+                              f"this run ({reason}); training without the check.")
+                self._unplanned_warning_given = True
+            return
+        # The guard refuses only a plan it computed.
+        planner.check(memory_plan, accumulation_steps=None if auto else self.accumulation_steps,
+                      allow_over_budget=not check_memory and not auto)
         if auto:
             self.accumulation_steps = memory_plan.accumulation_steps
 

@@ -1,0 +1,85 @@
+"""A second opinion on the planner: XLA's own memory analysis of the same train step (JAX).
+
+    KERAS_BACKEND=jax python benchmarks/planner_jax.py                  # the zoo, batch 32
+    KERAS_BACKEND=jax python benchmarks/planner_jax.py --models vit --batches 16,64
+
+For each model of `benchmarks/planner_accuracy.py` (Adam, 64×64, float32): the planner's
+estimate for one plain step on an accelerator (no CPU runtime term, one batch in flight), and
+`tfmem.memory.probe_jax.compiled_step_memory` of the model's jitted `train_step` at the same
+batch: what XLA's buffer assignment holds at once (arguments + outputs − donated aliases +
+temporaries). Nothing runs but one tiny step that builds the optimizer; on a CPU host this is
+XLA:CPU's plan, which buffers like XLA:GPU but fuses differently. Prints both and the ratio.
+Where and why they differ: docs/planning.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+import jax  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import tfmem  # noqa: E402
+from tfmem.memory import probe_jax  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import planner_accuracy as zoo  # noqa: E402
+
+MIB = 2**20
+
+
+def compare(name: str, batch: int) -> dict:
+    """The plan and XLA's analysis of one model's train step at `batch`."""
+    model = zoo.ZOO[name]()
+    model.compile(optimizer=keras.optimizers.Adam(), loss="mse")
+    output = model.compute_output_spec(keras.KerasTensor((2,) + zoo.IMAGE))
+    model.train_on_batch(np.zeros((2,) + zoo.IMAGE, "float32"),
+                         np.zeros((2,) + tuple(output.shape[1:]), "float32"))
+    batch_x = jax.ShapeDtypeStruct((batch,) + zoo.IMAGE, np.float32)
+    batch_y = jax.ShapeDtypeStruct((batch,) + tuple(output.shape[1:]), np.float32)
+    xla = probe_jax.compiled_step_memory(model, (batch_x, batch_y))
+    # An accelerator plan (no host runtime term) with the batch held once, as XLA's arguments.
+    plan = tfmem.plan(model, global_batch_size=batch, optimizer=model.optimizer,
+                      device="a100-80gb", input_batches_in_flight=1)
+    rows = plan.breakdown(batch, 1)
+    state = plan.parameter_bytes + plan.gradient_bytes + plan.optimizer_bytes
+    per_batch = plan.peak_bytes(batch, 1) - sum(rows.values()) + sum(
+        v for t, v in rows.items() if t.per_micro_batch)
+    return dict(name=name, batch=batch, xla=xla, state=state,
+                kept=per_batch, planned=plan.peak_bytes(batch, 1), notes=plan.notes)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(zoo.ZOO), help="comma-separated zoo names")
+    parser.add_argument("--batches", default="32", help="comma-separated batch sizes")
+    args = parser.parse_args(argv)
+    if keras.backend.backend() != "jax":
+        raise SystemExit("error: run with KERAS_BACKEND=jax; this compares with XLA's analysis")
+    began = time.time()
+    print(f"Planner vs XLA's compiled memory analysis of `train_step`, Adam, "
+          f"{zoo.IMAGE[0]}×{zoo.IMAGE[1]}, float32, {jax.devices()[0].platform}\n")
+    print("| model | batch | XLA arguments | XLA temporaries | XLA peak | plan: state | "
+          "plan: activations + workspace | plan peak | plan / XLA |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name in args.models.split(","):
+        for batch in (int(b) for b in args.batches.split(",")):
+            r = compare(name, batch)
+            xla = r["xla"]
+            print(f"| {name} | {batch} | {xla['argument_bytes'] / MIB:.0f} MiB | "
+                  f"{xla['temp_bytes'] / MIB:.0f} MiB | {xla['peak_bytes'] / MIB:.0f} MiB | "
+                  f"{r['state'] / MIB:.0f} MiB | {r['kept'] / MIB:.0f} MiB | "
+                  f"{r['planned'] / MIB:.0f} MiB | {r['planned'] / xla['peak_bytes']:.2f} |",
+                  flush=True)
+            keras.backend.clear_session()
+    print(f"\n{(time.time() - began) / 60:.1f} min, load average {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""Every kind of Keras graph plans, against hand counts or the whole model's own gradient trace."""
+
+import math
+import warnings
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+import tfmem
+from tfmem.memory.saved_tensors import traced_saved_tensors
+
+GIB = 2**30
+
+
+def _plan(model, **kwargs):
+    return tfmem.plan(model, global_batch_size=4, memory_budget=GIB, **kwargs)
+
+
+def _floats(*shape):
+    return 4 * math.prod(shape)
+
+
+def _assert_equals_whole_trace(model):
+    """The node-by-node analysis equals one trace of the whole model's forward and backward."""
+    p = _plan(model)
+    reference = traced_saved_tensors(model)
+    assert p.activation_bytes_per_sample == reference.saved_bytes > 0
+    return p
+
+
+def test_keras_ops_nodes():
+    inputs = keras.Input((8,))
+    a, b = keras.layers.Dense(8)(inputs), keras.layers.Dense(8)(inputs)
+    outputs = ops.relu(a + b) * 2.0  # three Operation nodes, not layers
+    p = _assert_equals_whole_trace(keras.Model(inputs, outputs))
+    # Both Dense keep the one model input; relu keeps its output; + and × 2.0 keep nothing.
+    assert p.activation_bytes_per_sample == _floats(8) + _floats(8)
+    assert any("Add" in note and "Relu" in note for note in p.notes)
+
+
+def test_residual_attention_block_with_layer_norm_and_gelu():
+    inputs = keras.Input((16, 32))
+    attention = keras.layers.MultiHeadAttention(num_heads=4, key_dim=8)(inputs, inputs)
+    x = keras.layers.LayerNormalization()(attention + inputs)
+    hidden = keras.layers.Dense(64, activation="gelu")(x)
+    outputs = keras.layers.LayerNormalization()(keras.layers.Dense(32)(hidden) + x)
+    p = _assert_equals_whole_trace(keras.Model(inputs, outputs))
+    # The softmax output of the attention scores (4 heads × 16 × 16) is among what is kept.
+    assert p.activation_bytes_per_sample > _floats(4, 16, 16)
+    assert any("MultiHeadAttention" in note for note in p.notes)
+
+
+def test_nested_models_count_as_their_flat_twin():
+    def block():
+        inputs = keras.Input((8, 8, 4))
+        x = keras.layers.Conv2D(4, 3, padding="same", activation="relu")(inputs)
+        return keras.Model(inputs, keras.layers.BatchNormalization()(x))
+
+    inputs = keras.Input((8, 8, 4))
+    sequential = keras.Sequential([keras.Input((8, 8, 4)), keras.layers.Conv2D(4, 1),
+                                   keras.layers.Activation("tanh")])
+    nested = keras.Model(inputs, sequential(block()(inputs)))
+    flat_x = keras.layers.Conv2D(4, 3, padding="same", activation="relu")(inputs)
+    flat_x = keras.layers.BatchNormalization()(flat_x)
+    flat_x = keras.layers.Activation("tanh")(keras.layers.Conv2D(4, 1)(flat_x))
+    flat = keras.Model(inputs, flat_x)
+    assert _plan(nested).activation_bytes_per_sample == _plan(flat).activation_bytes_per_sample
+    _assert_equals_whole_trace(nested)
+
+
+def test_a_nested_model_called_twice_counts_twice():
+    inner_input = keras.Input((6,))
+    inner = keras.Model(inner_input, keras.layers.Dense(6, activation="sigmoid")(inner_input))
+    inputs = keras.Input((6,))
+    once = keras.Model(inputs, inner(inputs))
+    twice = keras.Model(inputs, inner(inner(inputs)))
+    # Each call keeps its own Dense input and sigmoid output.
+    assert _plan(once).activation_bytes_per_sample == 2 * _floats(6)
+    assert _plan(twice).activation_bytes_per_sample == 4 * _floats(6) - _floats(6)
+    _assert_equals_whole_trace(twice)
+
+
+def test_a_layer_called_twice_keeps_each_calls_tensors():
+    shared = keras.layers.Dense(5, activation="tanh")
+    inputs = keras.Input((5,))
+    p = _assert_equals_whole_trace(keras.Model(inputs, shared(shared(inputs))))
+    # Call 1 keeps the input and its tanh output; call 2's input *is* that output.
+    assert p.activation_bytes_per_sample == _floats(5) * 3
+
+
+def test_several_inputs_and_outputs():
+    image, scalars = keras.Input((4, 4, 2), name="image"), keras.Input((3,), name="scalars")
+    features = keras.layers.GlobalAveragePooling2D()(keras.layers.Conv2D(3, 3)(image))
+    joined = keras.layers.Concatenate()([features, scalars])
+    outputs = [keras.layers.Dense(2, activation="softmax")(joined), keras.layers.Dense(1)(joined)]
+    p = _assert_equals_whole_trace(keras.Model([image, scalars], outputs))
+    assert p.input_bytes_per_sample == _floats(4, 4, 2) + _floats(3)
+    # conv keeps the image; both Dense keep the 6-wide concatenation; softmax its output.
+    assert p.activation_bytes_per_sample == _floats(4, 4, 2) + _floats(6) + _floats(2)
+
+
+@pytest.mark.parametrize("layer", [keras.layers.LSTM, keras.layers.GRU, keras.layers.SimpleRNN])
+def test_recurrent_layers_keep_each_step(layer):
+    inputs = keras.Input((7, 5))
+    looped = keras.Model(inputs, layer(6)(inputs))
+    # Reference: the same layer unrolled, so the whole-model trace sees every step.
+    unrolled = keras.Model(inputs, layer(6, unroll=True)(inputs))
+    p = _plan(looped)
+    assert p.activation_bytes_per_sample == traced_saved_tensors(unrolled).saved_bytes
+    assert any(layer.__name__ + "Cell" in note for note in p.notes)
+
+
+def test_custom_layer_and_folded_batch_reshape():
+    class Folded(keras.layers.Layer):
+        """Squares every channel vector, with the batch folded into the rows."""
+
+        def call(self, x):
+            rows = ops.reshape(x, (-1, x.shape[-1]))  # (batch × 4 × 4, 3)
+            return ops.reshape(ops.square(rows), ops.shape(x))
+
+    inputs = keras.Input((4, 4, 3))
+    x = keras.layers.Conv2D(3, 1)(inputs)
+    p = _assert_equals_whole_trace(keras.Model(inputs, Folded()(x)))
+    # conv keeps the input; square's gradient reads its (folded) input, 4·4·3 per sample.
+    assert p.activation_bytes_per_sample == _floats(4, 4, 3) + _floats(4, 4, 3)
+
+
+class SmallCNN(keras.Model):
+    """A subclassed model: its call is Python, not a graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = keras.layers.Conv2D(8, 3, activation="relu")
+        self.pool = keras.layers.GlobalAveragePooling2D()
+        self.head = keras.layers.Dense(3)
+
+    def call(self, x, training=False):
+        return self.head(self.pool(self.conv(x)))
+
+
+def test_subclassed_model_plans_like_its_functional_twin():
+    model = SmallCNN()
+    model.build((None, 10, 10, 3))
+    inputs = keras.Input((10, 10, 3))
+    twin = keras.Model(inputs, model.head(model.pool(model.conv(inputs))))
+    p = _plan(model)
+    assert p.activation_bytes_per_sample == _plan(twin).activation_bytes_per_sample == (
+        _floats(10, 10, 3) + _floats(8, 8, 8) + _floats(8))  # conv in, relu out, head in
+    assert p.num_parameters == twin.count_params()
+    assert p.input_bytes_per_sample == _floats(10, 10, 3)
+    with pytest.raises(ValueError, match=r"not been built.*input_shape=\(H, W, C\)"):
+        _plan(SmallCNN())
+    unbuilt = SmallCNN()
+    unbuilt.build((None, 10, 10, 3))
+    assert _plan(unbuilt, input_shape=(10, 10, 3)).activation_bytes_per_sample == (
+        p.activation_bytes_per_sample)
+
+
+def test_a_call_that_cannot_be_traced_is_an_upper_bound_not_an_error():
+    class HostSide(keras.layers.Layer):
+        def call(self, x):
+            return x * float(np.asarray(x).mean())  # needs a concrete tensor
+
+        def compute_output_shape(self, shape):  # so that a functional graph can hold it
+            return shape
+
+    inputs = keras.Input((6,))
+    x = keras.layers.Dense(6)(inputs)
+    p = _plan(keras.Model(inputs, HostSide()(x)))
+    # Dense keeps the input; HostSide is counted as keeping its input and output.
+    assert p.activation_bytes_per_sample == 3 * _floats(6)
+    assert any("HostSide" in note and "upper bound" in note for note in p.notes)
+
+
+def _dataset():
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 8)).astype("float32")
+    y = rng.normal(size=(32, 8)).astype("float32")
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(16, drop_remainder=True)
+
+
+def test_accum_model_trains_a_graph_with_keras_ops():
+    inputs = keras.Input((8,))
+    a, b = keras.layers.Dense(8)(inputs), keras.layers.Dense(8)(inputs)
+    model = tfmem.AccumModel(inputs, ops.relu(a + b) * 2.0, accumulation_steps="auto")
+    model.compile("sgd", "mse")
+    model.fit(_dataset(), epochs=1, verbose=0, memory_budget=GIB)
+    assert model.accumulation_steps == 1 and int(model.optimizer.iterations) == 2
+
+
+def test_a_model_the_planner_cannot_plan_warns_once_and_trains():
+    inputs = keras.Input((None,))  # a length only known at run time: no plan can be made
+    hidden = keras.layers.Dense(8)(ops.expand_dims(inputs, -1))
+    model = tfmem.AccumModel(inputs, ops.mean(hidden, axis=1), accumulation_steps=1)
+    model.compile("sgd", "mse")
+    with pytest.warns(UserWarning, match=r"memory check skipped, the planner could not plan "
+                                         r"this run \(ValueError: A tensor of shape"):
+        model.fit(_dataset(), epochs=1, verbose=0, memory_budget=GIB)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(_dataset(), epochs=1, verbose=0, memory_budget=GIB)
+    assert not [w for w in caught if "memory check skipped" in str(w.message)]  # warned once
+    assert int(model.optimizer.iterations) == 4
+    auto = tfmem.AccumModel(inputs, ops.mean(hidden, axis=1), accumulation_steps="auto")
+    auto.compile("sgd", "mse")
+    with pytest.raises(ValueError, match=r'accumulation_steps="auto" takes k from the memory '
+                                         r"plan.*Set `accumulation_steps` to a number k"):
+        auto.fit(_dataset(), epochs=1, verbose=0, memory_budget=GIB)

@@ -1,0 +1,291 @@
+"""What a call's backward pass keeps, read from the framework's own gradient: the general path.
+
+`trace_call` runs one call (a layer, a `keras.ops` node, a recurrent cell, a whole subclassed
+model) forward and backward on symbolic inputs, and reports which forward tensors the
+backward reads. On TensorFlow that is the graph `tf.GradientTape` builds (every forward
+tensor a gradient op takes as input); on JAX, the residuals `jax.vjp` saves. Nothing is
+computed: weights enter as symbolic values through `keras.StatelessScope`, so a model whose
+variables were never initialised can be traced too.
+
+On TensorFlow a call is traced once with a symbolic batch axis: a tensor's bytes per sample
+are its size beyond that axis. Where that cannot be read (a reshape folds the batch into
+another axis), and always on JAX, it is traced at two batch sizes and a tensor's bytes per
+sample are the difference, so weights and their casts drop out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import keras
+import numpy as np
+
+# Two batch sizes for the difference, neither 1 (a size-1 axis can be squeezed or broadcast).
+_BATCHES = (2, 3)
+
+# TensorFlow ops whose output is a view of an input, and ops that read only a tensor's shape
+# (the executor runs those as soon as the forward tensor exists, so they keep nothing).
+_ALIASING_OPS = {"Reshape", "Identity", "IdentityN", "Squeeze", "ExpandDims", "StopGradient"}
+_SHAPE_OPS = {"Shape", "ShapeN", "Size", "Rank", "BroadcastGradientArgs", "ZerosLike",
+              "OnesLike"}
+
+
+@dataclasses.dataclass(frozen=True)
+class TracedCall:
+    """The tensors one call's backward pass keeps, per sample.
+
+    Attributes:
+        kept_inputs: indices (into the flat tensor arguments) of inputs the backward reads.
+        kept_outputs: indices (into the flat outputs) of outputs the backward reads.
+        internal: `(bytes per sample, dtype)` of each other forward tensor the backward reads.
+        largest_bytes: bytes per sample of the largest tensor of the forward pass.
+        output_bytes: bytes per sample of each flat output.
+        has_loop: the call runs a loop whose per-iteration intermediates the backward keeps in
+            a list this analysis cannot size (TensorFlow `while` accumulators).
+    """
+
+    kept_inputs: tuple[int, ...]
+    kept_outputs: tuple[int, ...]
+    internal: tuple[tuple[int, str], ...]
+    largest_bytes: int
+    output_bytes: tuple[int, ...] = ()
+    has_loop: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class _Trace:
+    kept_inputs: frozenset
+    kept_outputs: frozenset
+    internal: dict  # a name stable across traces -> (bytes, dtype)
+    forward: dict  # name -> bytes of every forward tensor
+    outputs: tuple  # bytes of each flat output
+    has_loop: bool
+    ambiguous: bool = False  # a symbolic-batch trace that cannot say what is per sample
+
+
+def trace_call(call: Callable, specs: Sequence[tuple[tuple, str]], *,
+               differentiable: Sequence[bool], trainable: Sequence, non_trainable: Sequence,
+               backend_name: str) -> TracedCall:
+    """Which forward tensors the backward pass of `call(*tensors)` reads.
+
+    Args:
+        call: takes the flat list of input tensors and returns the output structure; it may
+            read `trainable` and `non_trainable` variables, which are mapped to symbolic values.
+        specs: `(shape without the batch axis, dtype)` of each input tensor.
+        differentiable: per input, whether a gradient flows into it (an earlier layer trains).
+        trainable: the variables the gradient is taken for.
+        non_trainable: the other variables `call` reads (statistics, seeds).
+        backend_name: "tensorflow" or "jax".
+
+    Raises:
+        whatever the framework raises when the call cannot be traced; callers fall back.
+    """
+    arguments = (call, specs, differentiable, trainable, non_trainable)
+    if backend_name == "tensorflow":
+        symbolic = _trace_tensorflow(*arguments, batch=None)
+        if not symbolic.ambiguous:
+            return TracedCall(tuple(sorted(symbolic.kept_inputs)),
+                              tuple(sorted(symbolic.kept_outputs)),
+                              tuple(v for v in symbolic.internal.values() if v[0] > 0),
+                              max(symbolic.forward.values(), default=0), symbolic.outputs,
+                              symbolic.has_loop)
+        trace = _trace_tensorflow
+    else:
+        trace = _trace_jax
+    small, large = (trace(*arguments, batch=batch) for batch in _BATCHES)
+
+    def per_sample(name, small_bytes, large_bytes):
+        if name not in small_bytes:  # no twin: assume the tensor grows with the batch
+            return large_bytes[name] // _BATCHES[1]
+        return (large_bytes[name] - small_bytes[name]) // (_BATCHES[1] - _BATCHES[0])
+
+    small_internal = {name: nbytes for name, (nbytes, _) in small.internal.items()}
+    large_internal = {name: nbytes for name, (nbytes, _) in large.internal.items()}
+    internal = []
+    for name, (_, dtype) in large.internal.items():
+        nbytes = per_sample(name, small_internal, large_internal)
+        if nbytes > 0:  # zero: a weight or a cast of one, not an activation
+            internal.append((nbytes, dtype))
+    largest = max((per_sample(name, small.forward, large.forward) for name in large.forward),
+                  default=0)
+    outputs = tuple((big - little) // (_BATCHES[1] - _BATCHES[0])
+                    for big, little in zip(large.outputs, small.outputs))
+    return TracedCall(tuple(sorted(large.kept_inputs)), tuple(sorted(large.kept_outputs)),
+                      tuple(internal), max(largest, 0), outputs, large.has_loop)
+
+
+def _map_variables(trainable, non_trainable, trainable_values, non_trainable_values):
+    return list(zip(trainable, trainable_values)) + list(zip(non_trainable, non_trainable_values))
+
+
+def _float_sum(outputs, cast, reduce_sum, is_float):
+    """The scalar the trace differentiates: the sum of every floating output."""
+    total = None
+    for y in keras.tree.flatten(outputs):
+        if is_float(y):
+            part = reduce_sum(cast(y))
+            total = part if total is None else total + part
+    return total
+
+
+def _trace_tensorflow(call, specs, differentiable, trainable, non_trainable, *, batch) -> _Trace:
+    """One trace; with `batch` None, every size is already per sample (a tensor without the
+    symbolic batch axis is a weight or a reduction over the batch: 0)."""
+    import tensorflow as tf
+
+    boundary = {}
+
+    @tf.function(autograph=False)
+    def forward_backward(xs, trainable_values, non_trainable_values):
+        xs = list(xs)
+        watched = [x for x, wanted in zip(xs, differentiable) if wanted] + list(trainable_values)
+        with tf.GradientTape() as tape:
+            tape.watch(watched)
+            mapping = _map_variables(trainable, non_trainable, trainable_values,
+                                     non_trainable_values)
+            with keras.StatelessScope(state_mapping=mapping, initialize_variables=False):
+                outputs = call(xs)
+            flat = [tf.convert_to_tensor(y) for y in keras.tree.flatten(outputs)]
+            loss = _float_sum(flat, lambda y: tf.cast(y, tf.float32), tf.reduce_sum,
+                              lambda y: y.dtype.is_floating)
+        boundary["ops"] = len(tf.compat.v1.get_default_graph().get_operations())
+        boundary["inputs"] = xs
+        boundary["outputs"] = flat
+        if loss is None or not watched:
+            return []
+        return [g for g in tape.gradient(loss, watched) if g is not None]
+
+    def spec_of(shape, dtype):
+        return tf.TensorSpec((batch,) + tuple(shape), tf.as_dtype(dtype))  # batch None: symbolic
+
+    graph = forward_backward.get_concrete_function(
+        [spec_of(shape, dtype) for shape, dtype in specs],
+        [tf.TensorSpec(v.shape, tf.as_dtype(v.dtype)) for v in trainable],
+        [tf.TensorSpec(v.shape, tf.as_dtype(v.dtype)) for v in non_trainable],
+    ).graph
+    operations = graph.get_operations()
+    forward_names = {op.name for op in operations[:boundary["ops"]]}
+
+    def root(tensor):
+        while tensor.op.type in _ALIASING_OPS and tensor.op.inputs:
+            index = tensor.value_index if tensor.op.type == "IdentityN" else 0
+            tensor = tensor.op.inputs[index]
+        return tensor
+
+    ambiguous = False
+
+    def nbytes(tensor) -> int:
+        nonlocal ambiguous
+        shape = tensor.shape
+        if tensor.dtype in (tf.resource, tf.variant) or shape.rank is None:
+            return 0
+        if batch is not None:
+            return int(np.prod(shape, dtype=np.int64)) * tensor.dtype.size
+        if shape.rank == 0 or shape[0] is not None:
+            return 0  # no batch axis: a weight, a constant, or reduced over the batch
+        if not shape[1:].is_fully_defined():
+            ambiguous = True  # a size that depends on the batch in some other way
+            return 0
+        return int(np.prod(shape[1:], dtype=np.int64)) * tensor.dtype.size
+
+    input_refs = {root(t).ref(): i for i, t in enumerate(boundary["inputs"])}
+    output_refs = {root(t).ref(): i for i, t in enumerate(boundary["outputs"])}
+    kept_inputs, kept_outputs, internal, has_loop = set(), set(), {}, False
+    for op in operations[boundary["ops"]:]:
+        if op.type in _SHAPE_OPS:
+            continue
+        for tensor in op.inputs:
+            tensor = root(tensor)
+            if tensor.op.name not in forward_names:
+                continue
+            if tensor.ref() in input_refs:
+                kept_inputs.add(input_refs[tensor.ref()])
+            elif tensor.ref() in output_refs:
+                kept_outputs.add(output_refs[tensor.ref()])
+            elif tensor.dtype == tf.variant:
+                has_loop = True  # a while loop's accumulator (a TensorList)
+            elif tensor.shape.rank and nbytes(tensor):
+                internal[tensor.name] = (nbytes(tensor), tensor.dtype.name)
+    forward = {t.name: nbytes(t) for op in operations[:boundary["ops"]] for t in op.outputs}
+    outputs = tuple(nbytes(t) for t in boundary["outputs"])
+    if batch is None:
+        ambiguous = ambiguous or any(_folds_batch(op) for op in operations[:boundary["ops"]])
+    return _Trace(frozenset(kept_inputs), frozenset(kept_outputs), internal, forward, outputs,
+                  has_loop, ambiguous)
+
+
+def _folds_batch(op) -> bool:
+    """A reshape that moves part of the batch axis elsewhere (`(-1, C)` of a `(B, H, W, C)`):
+    its symbolic leading axis no longer counts samples."""
+    if op.type != "Reshape":
+        return False
+    before, after = op.inputs[0].shape, op.outputs[0].shape
+    if before.rank is None or after.rank is None or not before.rank or not after.rank:
+        return False
+    if before[0] is not None or after[0] is not None:
+        return before[0] != after[0] and None in (before[0], after[0])
+    return (before[1:].is_fully_defined() and after[1:].is_fully_defined()
+            and before[1:].num_elements() != after[1:].num_elements())
+
+
+def _trace_jax(call, specs, differentiable, trainable, non_trainable, *, batch) -> _Trace:
+    import jax
+    import jax.numpy as jnp
+
+    def run(xs, trainable_values, non_trainable_values):
+        mapping = _map_variables(trainable, non_trainable, trainable_values,
+                                 non_trainable_values)
+        with keras.StatelessScope(state_mapping=mapping, initialize_variables=False):
+            outputs = call(list(xs))
+        return [jnp.asarray(y) for y in keras.tree.flatten(outputs)]
+
+    wanted = [i for i, flag in enumerate(differentiable) if flag]
+
+    def with_residuals(xs, trainable_values, non_trainable_values):
+        def differentiated(chosen, weights):
+            full = list(xs)
+            for index, value in zip(wanted, chosen):
+                full[index] = value
+            outputs = run(full, weights, non_trainable_values)
+            loss = _float_sum(outputs, lambda y: y.astype(jnp.float32), jnp.sum,
+                              lambda y: jnp.issubdtype(y.dtype, jnp.floating))
+            return (jnp.zeros((), jnp.float32) if loss is None else loss), outputs
+
+        primals = ([xs[i] for i in wanted], list(trainable_values))
+        _, vjp, outputs = jax.vjp(differentiated, *primals, has_aux=True)
+        return outputs, jax.tree_util.tree_leaves(vjp)
+
+    def abstract(shape, dtype):
+        return jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype))
+
+    closed, shapes = jax.make_jaxpr(with_residuals, return_shape=True)(
+        [abstract((batch,) + tuple(shape), dtype) for shape, dtype in specs],
+        [abstract(v.shape, keras.backend.standardize_dtype(v.dtype)) for v in trainable],
+        [abstract(v.shape, keras.backend.standardize_dtype(v.dtype)) for v in non_trainable],
+    )
+    jaxpr = closed.jaxpr
+    num_outputs = len(shapes[0])
+    input_vars = {id(v): i for i, v in enumerate(jaxpr.invars[:len(specs)])}
+    output_vars = {id(v): i for i, v in enumerate(jaxpr.outvars[:num_outputs])}
+    kept_inputs, kept_outputs, internal = set(), set(), {}
+    for position, var in enumerate(jaxpr.outvars[num_outputs:]):
+        aval = getattr(var, "aval", None)
+        if aval is None or not getattr(aval, "shape", ()):
+            continue
+        if id(var) in input_vars:
+            kept_inputs.add(input_vars[id(var)])
+        elif id(var) in output_vars:
+            kept_outputs.add(output_vars[id(var)])
+        elif type(var).__name__ != "Literal":
+            internal[f"residual{position}"] = (math.prod(aval.shape) * aval.dtype.itemsize,
+                                               str(aval.dtype))
+    forward = {f"eqn{i}.{j}": math.prod(v.aval.shape) * v.aval.dtype.itemsize
+               for i, eqn in enumerate(jaxpr.eqns) for j, v in enumerate(eqn.outvars)
+               if hasattr(v.aval, "shape")}
+    outputs = tuple(math.prod(v.aval.shape) * v.aval.dtype.itemsize
+                    for v in jaxpr.outvars[:num_outputs])
+    return _Trace(frozenset(kept_inputs), frozenset(kept_outputs), internal, forward, outputs,
+                  False)
+

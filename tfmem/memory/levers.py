@@ -1,0 +1,163 @@
+"""When nothing fits: the levers a user has, each checked by the planner, smallest change first.
+
+The levers, in the order they are tried (least change to the run first): mixed precision,
+an optimizer with fewer slots (SGD with momentum, Adafactor) instead of the one asked for, a
+frozen backbone (train the head only), then the caller's smaller variants (smaller images,
+a smaller model of the family). Single changes are checked before pairs, pairs before
+triples; the first that fits is the answer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+from collections.abc import Callable, Sequence
+
+import keras
+
+from tfmem import _keras_internals as internals
+from tfmem.memory.memory_plan import Alternative, MemoryPlan
+from tfmem.memory.optimizer_state import optimizer_slot_bytes
+
+# Combinations of more changes than this are not searched: the answer would not be "a change".
+_MAX_CHANGES = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Lever:
+    """One change to try. Levers of the same `group` exclude each other."""
+
+    description: str
+    group: str
+    changes: dict
+    build: Callable[[], keras.Model] | None = None
+
+
+def backbone_ids(model: keras.Model) -> frozenset[int]:
+    """ids of the largest nested model inside `model` (its layers and weights), or empty."""
+    nested = [layer for layer in model.layers if isinstance(layer, keras.Model)]
+    if not nested:
+        return frozenset()
+    backbone = max(nested, key=lambda layer: layer.count_params())
+    layers = [backbone] + internals.flatten_layers(backbone)
+    return frozenset([id(layer) for layer in layers] + [id(w) for w in backbone.weights])
+
+
+def levers_for(model: keras.Model, base: MemoryPlan,
+               smaller_variants: Sequence[tuple[str, Callable[[], keras.Model]]] = ()
+               ) -> list[Lever]:
+    """The levers that could lower `base`'s peak, in the order they are tried."""
+    found = []
+    if base.precision == "float32":
+        policy = "mixed_float16" if base.device_kind == "gpu" else "mixed_bfloat16"
+        found.append(Lever(f"precision {policy}", "precision", {"precision": policy}))
+    trainable = model.trainable_variables
+    for description, optimizer in (
+            ("optimizer SGD (momentum 0.9)", keras.optimizers.SGD(momentum=0.9)),
+            ("optimizer Adafactor", keras.optimizers.Adafactor())):
+        if optimizer_slot_bytes(optimizer, trainable) < base.optimizer_bytes:
+            found.append(Lever(description, "optimizer", {"optimizer": optimizer}))
+    if backbone_ids(model):
+        found.append(Lever("frozen backbone (train the head only)", "freeze",
+                           {"freeze_backbone": True}))
+    for description, build in smaller_variants:
+        found.append(Lever(description, "model", {}, build))
+    return found
+
+
+def search(model: keras.Model, base: MemoryPlan,
+           evaluate: Callable[[keras.Model, dict], MemoryPlan],
+           smaller_variants: Sequence[tuple[str, Callable[[], keras.Model]]] = ()
+           ) -> Alternative:
+    """The smallest combination of levers whose plan fits, or an empty `Alternative`.
+
+    Args:
+        model: the model as asked for.
+        base: its plan, which does not fit.
+        evaluate: plans `(model, changes)`, where `changes` holds plan settings
+            (`precision`, `optimizer`) and `freeze_backbone`.
+        smaller_variants: `(description, builder)` pairs, built only when reached.
+    """
+    levers = levers_for(model, base, smaller_variants)
+    built: dict[int, keras.Model | None] = {}
+    tried = []
+    for size in range(1, min(_MAX_CHANGES, len(levers)) + 1):
+        for combination in itertools.combinations(range(len(levers)), size):
+            groups = [levers[i].group for i in combination]
+            if len(set(groups)) < len(groups):
+                continue
+            candidate, changes = model, {}
+            for i in combination:
+                if levers[i].build is not None:
+                    if i not in built:
+                        built[i] = _build(levers[i], tried)
+                    candidate = built[i]
+                changes.update(levers[i].changes)
+            if candidate is None:
+                continue
+            descriptions = tuple(levers[i].description for i in combination)
+            tried.append(" + ".join(descriptions))
+            result = evaluate(candidate, changes)
+            if result.fits:
+                return Alternative(descriptions, result.micro_batch_size,
+                                   result.accumulation_steps,
+                                   result.peak_bytes(result.micro_batch_size,
+                                                     result.accumulation_steps), tuple(tried))
+    return Alternative((), 0, 0, 0, tuple(tried))
+
+
+def _build(lever: Lever, tried: list) -> keras.Model | None:
+    try:
+        return lever.build()
+    except (ValueError, TypeError) as error:  # a size the model does not accept
+        tried.append(f"{lever.description} (not buildable: {str(error).splitlines()[0]})")
+        return None
+
+
+def registry_variants(name: str, *, image_size: int, **build_kwargs
+                      ) -> list[tuple[str, Callable[[], keras.Model]]]:
+    """Smaller variants of a `tfmem.models` name for `plan(smaller_variants=...)`: ¾ and ½
+    of the image size (valid sizes only), then the next smaller model of its family.
+
+    The builders leave weights uninitialised (the planner reads shapes only).
+
+    Example:
+        >>> [d for d, _ in registry_variants("efficientnetv2-xl", image_size=384)]
+        ['image size 288', 'image size 192', 'model efficientnetv2-l']
+    """
+    from tfmem import models
+
+    if name not in models.MODELS:
+        return []
+    spec = models.MODELS[name]
+    step = max(spec.image_size_multiple, 32)
+    variants = []
+    for fraction in (0.75, 0.5):
+        size = int(image_size * fraction) // step * step
+        if spec.min_image_size <= size < image_size and all(
+                f"image size {size}" != d for d, _ in variants):
+            variants.append((f"image size {size}", _deferred(name, size, build_kwargs)))
+    siblings = [other for other in models.MODELS if _family(other) == _family(name)]
+    smaller = siblings[:siblings.index(name)]
+    if smaller:
+        variants.append((f"model {smaller[-1]}",
+                         _deferred(smaller[-1], image_size, build_kwargs)))
+    return variants
+
+
+def _family(name: str) -> str:
+    """"efficientnetv2-xl" → "efficientnetv2-#", "resnet50v2" → "resnet#v2"; registry order
+    within a family is smallest first."""
+    if "-" in name:
+        return name.rsplit("-", 1)[0] + "-#"
+    return re.sub(r"\d+", "#", name)
+
+
+def _deferred(name: str, image_size: int, build_kwargs: dict) -> Callable[[], keras.Model]:
+    def build() -> keras.Model:
+        from tfmem import models
+
+        with keras.StatelessScope(initialize_variables=False):
+            return models.build(name, image_size=image_size, **build_kwargs)
+    return build

@@ -1,0 +1,236 @@
+"""`MemoryPlan`: the frozen result of planning, its named terms, and the guard's error.
+
+Shared by the planner (which computes a plan), the probe (which calibrates one) and the
+report (which prints one); it imports neither of the first two.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from tfmem.memory import plan_report
+
+
+class Term(enum.Enum):
+    """One line of a plan's breakdown: its label, where the number comes from, and whether
+    it grows with the micro-batch."""
+
+    PARAMETERS = ("parameters", "all variables × their dtype size", False)
+    GRADIENTS = ("gradients", "trainable variables, float32 (alive until apply)", False)
+    OPTIMIZER_SLOTS = ("optimizer slots", "Keras optimizer build(): slots × trainable bytes",
+                       False)
+    ACCUMULATION = ("accumulation buffers", "AccumModel float32 gradient sums, k > 1", False)
+    MIXED_PRECISION = ("mixed-precision copies",
+                       "compute-dtype kernel casts (+ unscaled grads, fp16)", False)
+    RUNTIME = ("framework runtime", "CPU: TF import + traced step per variable (measured)",
+               False)
+    INPUT = ("input data", "global batch per replica × in-flight batches", False)
+    ACTIVATIONS = ("activations", "tensors the backward reads, from the model graph", True)
+    WORKSPACE = ("backward workspace", "2 × the largest tensor (its grads)", True)
+    MEASURED_FIXED = ("measured fixed (probe)", "tfmem.probe: intercept of the measured line",
+                      False)
+    MEASURED_PER_SAMPLE = ("measured per-sample × micro-batch",
+                           "tfmem.probe: slope of the measured line", True)
+    INPUT_BEYOND_PROBE = ("input data beyond the probe",
+                          "extra input of the k-times larger batch", False)
+
+    def __init__(self, label: str, source: str, per_micro_batch: bool):
+        self.label = label
+        self.source = source
+        self.per_micro_batch = per_micro_batch
+
+
+@dataclasses.dataclass(frozen=True)
+class MeasuredLine:
+    """Peak memory measured by `tfmem.probe`: `fixed_bytes + per_sample_bytes × micro_batch`."""
+
+    fixed_bytes: int
+    per_sample_bytes: int
+    micro_batch_sizes: tuple[int, ...]
+    peak_bytes: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Alternative:
+    """A change of the run that the planner checked to fit when the asked one does not.
+
+    Attributes:
+        changes: what to change, in words (e.g. `("precision mixed_float16",
+            "optimizer SGD (momentum 0.9)")`); empty when nothing that was tried fits.
+        micro_batch_size, accumulation_steps: the split the changed run would use.
+        peak_bytes: its predicted peak per replica.
+        tried: every change (or combination) checked, in the order tried.
+    """
+
+    changes: tuple[str, ...]
+    micro_batch_size: int
+    accumulation_steps: int
+    peak_bytes: int
+    tried: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """The memory a training run needs per replica, and the micro-batch × k it will use.
+
+    Fixed terms (bytes per replica): `parameter_bytes`, `gradient_bytes`, `optimizer_bytes`,
+    `accumulation_bytes` (float32 buffers, only when `accumulation_steps > 1`),
+    `mixed_precision_bytes`, `runtime_bytes`. Per-sample terms: `input_bytes_per_sample`
+    (× the global batch per replica × `input_batches_in_flight`: AccumModel receives the whole
+    global batch and splits it inside the step), `activation_bytes_per_sample` and
+    `workspace_bytes_per_sample` (× the micro-batch). `measured`, when set by `tfmem.probe`,
+    replaces the estimated runtime, state and per-sample terms with a measured line.
+
+    `micro_batch_size` and `accumulation_steps` are the chosen setting: the largest micro-batch
+    that divides the per-replica batch and fits `budget_bytes`; both are 0 when nothing fits,
+    and `alternative` then names the smallest change the planner checked to fit.
+    """
+
+    model_name: str
+    num_parameters: int
+    num_trainable_parameters: int
+    optimizer: str
+    precision: str
+    device: str
+    device_kind: str
+    num_replicas: int
+    memory_per_replica: int
+    safety: float
+    global_batch_size: int
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+    accumulation_bytes: int
+    mixed_precision_bytes: int
+    runtime_bytes: int
+    input_bytes_per_sample: int
+    activation_bytes_per_sample: int
+    workspace_bytes_per_sample: int
+    input_batches_in_flight: int = 2
+    micro_batch_size: int = 0
+    accumulation_steps: int = 0
+    measured: MeasuredLine | None = None
+    alternative: Alternative | None = None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def budget_bytes(self) -> int:
+        """Bytes one replica may plan for: `safety × memory_per_replica`."""
+        return int(self.safety * self.memory_per_replica)
+
+    @property
+    def per_replica_batch_size(self) -> int:
+        """Samples each replica contributes to one update: global batch ÷ replicas."""
+        return self.global_batch_size // self.num_replicas
+
+    @property
+    def fits(self) -> bool:
+        """Whether some micro-batch × k reaches the global batch within the budget."""
+        return self.micro_batch_size > 0
+
+    @property
+    def state_bytes(self) -> int:
+        """Parameters, gradients and optimizer slots: what the model alone holds."""
+        return self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes
+
+    def breakdown(self, micro_batch_size: int | None = None,
+                  accumulation_steps: int | None = None) -> dict[Term, int]:
+        """Bytes per replica of each `Term` for a setting (default: the chosen one, or 1).
+
+        Example:
+            >>> p.breakdown(8, 4)[Term.ACCUMULATION]  # float32 sums, since k > 1
+        """
+        b = micro_batch_size or self.micro_batch_size or 1
+        k = accumulation_steps or max(self.per_replica_batch_size // b, 1)
+        inputs = self.input_bytes_per_sample * b * k * self.input_batches_in_flight
+        accumulation = self.accumulation_bytes if k > 1 else 0
+        if self.measured is not None:
+            # The probe ran plain steps (k = 1) with one batch in flight: it measured everything
+            # but the accumulation buffers and the extra input of a k-times larger batch.
+            return {
+                Term.MEASURED_FIXED: self.measured.fixed_bytes,
+                Term.ACCUMULATION: accumulation,
+                Term.MEASURED_PER_SAMPLE: self.measured.per_sample_bytes * b,
+                Term.INPUT_BEYOND_PROBE: inputs - self.input_bytes_per_sample * b,
+            }
+        return {
+            Term.PARAMETERS: self.parameter_bytes,
+            Term.GRADIENTS: self.gradient_bytes,
+            Term.OPTIMIZER_SLOTS: self.optimizer_bytes,
+            Term.ACCUMULATION: accumulation,
+            Term.MIXED_PRECISION: self.mixed_precision_bytes,
+            Term.RUNTIME: self.runtime_bytes,
+            Term.INPUT: inputs,
+            Term.ACTIVATIONS: self.activation_bytes_per_sample * b,
+            Term.WORKSPACE: self.workspace_bytes_per_sample * b,
+        }
+
+    def peak_bytes(self, micro_batch_size: int, accumulation_steps: int | None = None) -> int:
+        """Predicted peak bytes per replica for one micro-batch size (k defaults to the
+        per-replica batch ÷ micro-batch).
+
+        Example:
+            >>> p.peak_bytes(8) <= p.budget_bytes
+        """
+        if micro_batch_size < 1:
+            raise ValueError(f"`micro_batch_size` must be ≥ 1, got {micro_batch_size}.")
+        return sum(self.breakdown(micro_batch_size, accumulation_steps).values())
+
+    def fixed_bytes(self, accumulation_steps: int = 1) -> int:
+        """Bytes that do not grow with the micro-batch (at micro-batch 1 with k steps)."""
+        rows = self.breakdown(1, accumulation_steps)
+        return sum(value for term, value in rows.items() if not term.per_micro_batch)
+
+    @property
+    def max_micro_batch(self) -> int:
+        """The largest batch one plain step (k = 1) can run within the budget; 0 if none."""
+        return self.largest_micro_batch(self.budget_bytes)
+
+    def largest_micro_batch(self, limit_bytes: float) -> int:
+        """The largest batch one plain step (k = 1) can run within `limit_bytes`; 0 if none."""
+        fixed, slope = self.peak_bytes(1, 1), self.peak_bytes(2, 1) - self.peak_bytes(1, 1)
+        if fixed > limit_bytes:
+            return 0
+        return 1 + int((limit_bytes - fixed) // slope)
+
+    def split(self, accumulation_steps: int | None = None) -> str:
+        """The run's split in words: "global batch 64 = micro-batch 8 × 1 accumulation
+        step(s) × 8 replica(s)" (default k: the plan's choice, or micro-batch 1)."""
+        return plan_report.format_split(self, accumulation_steps)
+
+    def table(self) -> str:
+        """The breakdown of the chosen setting (or micro-batch 1) as a text table."""
+        return plan_report.format_table(self)
+
+    def replace(self, **changes) -> MemoryPlan:
+        """A copy with `changes`, the micro-batch × k chosen again."""
+        return choose(dataclasses.replace(self, **changes))
+
+
+def choose(p: MemoryPlan) -> MemoryPlan:
+    """Largest micro-batch dividing the per-replica batch whose peak (with its k) fits."""
+    per_replica = p.per_replica_batch_size
+    for micro in sorted((d for d in range(1, per_replica + 1) if per_replica % d == 0),
+                        reverse=True):
+        if p.peak_bytes(micro, per_replica // micro) <= p.budget_bytes:
+            return dataclasses.replace(p, micro_batch_size=micro,
+                                       accumulation_steps=per_replica // micro)
+    return dataclasses.replace(p, micro_batch_size=0, accumulation_steps=0)
+
+
+class MemoryPlanError(ValueError):
+    """A training setting does not fit its memory budget (raised by the guard).
+
+    Attributes:
+        plan: the `MemoryPlan` that was checked.
+        micro_batch_size, accumulation_steps: the setting that does not fit.
+        needed_bytes: its predicted peak per replica.
+    """
+
+    def __init__(self, plan: MemoryPlan, micro_batch_size: int, accumulation_steps: int,
+                 needed_bytes: int):
+        self.plan, self.needed_bytes = plan, needed_bytes
+        self.micro_batch_size, self.accumulation_steps = micro_batch_size, accumulation_steps
+        super().__init__(plan_report.format_error(plan, micro_batch_size, accumulation_steps,
+                                                  needed_bytes))
