@@ -70,10 +70,7 @@ class AccumTrainer:
         bn_start = [tf.identity(v.value) for v in bn_variables]
         has_gradient = [False] * len(variables)
 
-        def body(i, loss_sum, grad_sums, bn_sums):
-            x_i, y_i, w_i = tf.nest.map_structure(
-                lambda t: None if t is None else t[i], split
-            )
+        def micro_step(x_i, y_i, w_i, loss_sum, grad_sums, bn_sums):
             with tf.GradientTape() as tape:
                 y_pred = self(x_i, training=True) if internals.call_has_training_arg(self) else self(x_i)
                 loss = internals.compute_loss(
@@ -94,12 +91,19 @@ class AccumTrainer:
             for v, start in zip(bn_variables, bn_start):
                 v.assign(start)
             self.compute_metrics(x_i, y_i, y_pred, sample_weight=w_i)
-            return i + 1, loss_sum + tf.cast(loss, tf.float32), grad_sums, bn_sums
+            return loss_sum + tf.cast(loss, tf.float32), grad_sums, bn_sums
 
         if self._xla_loop_on_host():
             # The step runs without XLA and each micro-step is one loop-free XLA program
-            # (`tfmem.training.placement`).
-            body = tf.function(body, jit_compile=True, autograph=False)
+            # (`tfmem.training.placement`). It takes the micro-batch, not its index: XLA
+            # needs slice bounds as compile-time constants, so an index would compile k programs.
+            micro_step = tf.function(micro_step, jit_compile=True, autograph=False)
+
+        def body(i, loss_sum, grad_sums, bn_sums):
+            x_i, y_i, w_i = tf.nest.map_structure(
+                lambda t: None if t is None else t[i], split
+            )
+            return (i + 1, *micro_step(x_i, y_i, w_i, loss_sum, grad_sums, bn_sums))
         _, loss_sum, grad_sums, bn_sums = tf.while_loop(
             lambda i, *_: i < k,
             body,
