@@ -17,7 +17,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-import tensorflow as tf
+from tfmem._tf import tf
 
 from tfmem.data import manifest as manifest_lib
 from tfmem.data import schema as schema_lib

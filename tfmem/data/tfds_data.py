@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-import tensorflow as tf
+from tfmem._tf import tf
 
 from tfmem.data import reader as data
 from tfmem.data.schema import Schema

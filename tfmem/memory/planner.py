@@ -298,7 +298,7 @@ def plan(
             mixed += nbytes(trainable)
     notes = []
     if saved.traced_layers:
-        notes.append("measured by tracing their TensorFlow gradient graph: "
+        notes.append("measured by tracing their backward pass: "
                      + ", ".join(saved.traced_layers))
     if saved.unknown_layers:
         notes.append("counted as keeping inputs and outputs (unknown to the planner): "

@@ -21,8 +21,9 @@ TensorFlow registers for the ops Keras 3 emits (`tensorflow/python/ops/nn_grad.p
   boolean mask, one byte per element.
 - Any other layer (a custom block such as MBConv) is traced once per configuration and
   input shape with TensorFlow: forward and `GradientTape` backward in one graph, and the
-  forward tensors the backward ops read are the saved ones (`traced_saved_tensors`). Without
-  TensorFlow it is counted as keeping its inputs and outputs (an upper bound) and named in
+  forward tensors the backward ops read are the saved ones (`traced_saved_tensors`); on the
+  JAX backend, `jax.vjp`'s residuals (`tfmem.memory.probe_jax.saved_residuals`). A layer that
+  cannot be traced is counted as keeping its inputs and outputs (an upper bound) and named in
   the plan's notes.
 
 A layer whose output needs no gradient (frozen weights and no trainable layer before it)
@@ -73,7 +74,8 @@ class SavedTensors:
         largest_tensor_bytes: bytes of the largest single tensor of the forward pass (one sample).
         input_bytes: bytes of one sample of the model's inputs, as fed (float32 images).
         unknown_layers: class names counted as keeping inputs and outputs (an upper bound).
-        traced_layers: class names measured by tracing their TensorFlow gradient graph.
+        traced_layers: class names measured by tracing their backward pass (TensorFlow's
+            gradient graph, or JAX's vjp residuals).
     """
 
     saved_bytes: int
@@ -237,7 +239,7 @@ class _Walker:
         result = self.trace_cache.get(cache_key) if cache_key else None
         if result is None:
             try:
-                result = traced_saved_tensors(layer, inputs)
+                result = _trace(layer, inputs)
             except Exception as error:  # noqa: BLE001 - any trace failure: fall back, say so
                 self.unknown.add(f"{type(layer).__name__} ({type(error).__name__})")
                 for tensor in list(inputs) + list(outputs):
@@ -286,6 +288,15 @@ def saved_tensors(model: keras.Model) -> SavedTensors:
         unknown_layers=tuple(sorted(walker.unknown)),
         traced_layers=tuple(sorted(walker.traced_layers)),
     )
+
+
+def _trace(layer, inputs):
+    """The backend's own answer: TensorFlow's gradient graph, or on JAX `jax.vjp`'s residuals."""
+    if keras.backend.backend() == "jax":
+        from tfmem.memory import probe_jax
+
+        return probe_jax.saved_residuals(layer, inputs)
+    return traced_saved_tensors(layer, inputs)
 
 
 # Ops whose outputs alias an input's buffer, and ops that read only a tensor's shape (the

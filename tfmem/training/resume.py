@@ -25,10 +25,12 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import keras
-import tensorflow as tf
+
+if TYPE_CHECKING:  # only in annotations: resuming needs no TensorFlow of its own
+    import tensorflow as tf
 
 STATE_FILE = "state.json"
 
