@@ -188,3 +188,33 @@ def test_a_missing_internal_raises_naming_it_and_the_tested_versions():
 
     with pytest.raises(internals.KerasInternalsError, match=r"NotAModel\._loss_tracker.*keras>="):
         internals.loss_tracker(NotAModel())
+
+
+def test_jax_train_function_and_state_shardings():
+    program = textwrap.dedent(
+        """
+        import keras, numpy as np
+        from tfmem import _keras_internals as internals
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+        model.train_on_batch(np.zeros((2, 2)), np.zeros((2, 1)))
+        shardings = internals.jax_state_shardings(model)
+        print(len(shardings), len(shardings[0]) == len(model.trainable_variables))
+        calls = []
+        def step(state, data):
+            calls.append(data)
+            return {"loss": 0.0}, state
+        model.steps_per_execution = 3
+        function = internals.jax_train_function(model, step)
+        logs, state = function("state", iter([1, 2, 3, 4]))
+        print(calls, state)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="2"),
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    # four state parts (trainable, non-trainable, optimizer, metrics); one step per batch of
+    # a steps_per_execution window, the state threaded through
+    assert result.stdout.split("\n")[-3:-1] == ["4 True", "[1, 2, 3] state"]

@@ -165,3 +165,17 @@ GRAPH_REPLAY_HOOK = "_run_through_graph"
 # The TensorFlow trainer builds a model from the first batch in this method; AccumModel
 # overrides it (see `tfmem.training.accumulation_tf`), so its name is checked like the rest.
 SYMBOLIC_BUILD_HOOK = "_maybe_symbolic_build"
+
+
+def jax_train_function(model: keras.Model, step):
+    """JAX trainer: Keras's `(state, iterator)` train function around a `(state, data)` step.
+
+    It runs `step` `steps_per_execution` times per call, as Keras's own jitted step is run.
+    """
+    return _attribute(model, "_make_function", "the JAX trainer's loop over steps")(step)
+
+
+def jax_state_shardings(model: keras.Model) -> tuple:
+    """JAX trainer: the shardings of `(trainable, non_trainable, optimizer, metrics)` state."""
+    return _attribute(model, "_get_state_sharding_spec",
+                      "the JAX trainer's state shardings")()

@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 
-import tensorflow as tf
+from tfmem._tf import tf
 
 from tfmem._version import __version__
 from tfmem.data.schema import Schema

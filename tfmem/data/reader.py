@@ -17,7 +17,7 @@ import dataclasses
 import os
 import sys
 
-import tensorflow as tf
+from tfmem._tf import tf
 
 from tfmem.data import integrity
 from tfmem.data import manifest as manifest_lib

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-import tensorflow as tf
+from tfmem._tf import tf
 
 from tfmem.data import pipeline
 from tfmem.data.options import ReaderOptions, with_reader_options

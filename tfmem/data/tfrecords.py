@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
-import tensorflow as tf
+from tfmem._tf import tf
 
 from tfmem.data import manifest as manifest_lib
 from tfmem.data.schema import Schema, image_format

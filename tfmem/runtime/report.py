@@ -18,7 +18,7 @@ from tfmem.runtime import precision
 from tfmem._version import __version__
 from tfmem import backend
 from tfmem.backend import detect
-from tfmem.runtime.hardware import inspect_hardware
+from tfmem.runtime import tpu
 from tfmem.runtime.runtime import Runtime, UnavailableDeviceError
 
 _GIB = 1024**3
@@ -58,7 +58,7 @@ def describe(runtime: Runtime | None = None) -> str:
         ("strategy", f"{strategy.__module__}.{strategy.__qualname__}"),
         ("precision policy", f"{precision.policy_for(runtime)} (recommended); "
          f"{keras.mixed_precision.global_policy().name} (set now)"),
-        ("TPU signals", "; ".join(inspect_hardware().tpu_signals) or "none"),
+        ("TPU signals", "; ".join(tpu.signals()) or "none"),
         ("host RAM available", f"{devices.host_available_memory() / _GIB:.1f} GiB"),
         ("CPU cores", str(os.cpu_count())),
         ("tfmem", __version__),

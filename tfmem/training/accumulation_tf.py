@@ -2,6 +2,8 @@
 
 `AccumTrainer` is mixed into `AccumModel` when Keras runs on TensorFlow (`tfmem.backend`):
 `k` micro-batches in one `tf.while_loop`, gradients summed in float32, one optimizer update.
+With `jit_compile=True` on a platform whose XLA runs loop bodies slowly (CPU), the loop stays
+out of XLA and each micro-step is compiled on its own (`tfmem.training.placement`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import tensorflow as tf
 from tfmem import _keras_internals as internals
 from tfmem.training import micro_batches
 from tfmem.runtime.cluster import nearest_multiples
+from tfmem.training import placement
 
 
 class AccumTrainer:
@@ -53,10 +56,7 @@ class AccumTrainer:
         bn_start = [tf.identity(v.value) for v in bn_variables]
         has_gradient = [False] * len(variables)
 
-        def body(i, loss_sum, grad_sums, bn_sums):
-            x_i, y_i, w_i = tf.nest.map_structure(
-                lambda t: None if t is None else _micro_batch(t, i, k), split
-            )
+        def micro_step(x_i, y_i, w_i, loss_sum, grad_sums, bn_sums):
             with tf.GradientTape() as tape:
                 y_pred = self(x_i, training=True) if internals.call_has_training_arg(self) else self(x_i)
                 loss = internals.compute_loss(
@@ -80,8 +80,19 @@ class AccumTrainer:
             for v, start in zip(bn_variables, bn_start):
                 v.assign(start)
             self.compute_metrics(x_i, y_i, y_pred, sample_weight=w_i)
-            return i + 1, loss_sum + tf.cast(loss, loss_sum.dtype), grad_sums, bn_sums
+            return loss_sum + tf.cast(loss, loss_sum.dtype), grad_sums, bn_sums
 
+        if self._xla_loop_on_host():
+            # The step runs without XLA and each micro-step is one loop-free XLA program
+            # (`tfmem.training.placement`). It takes the micro-batch, not its index: XLA
+            # needs slice bounds as compile-time constants, so an index would compile k programs.
+            micro_step = tf.function(micro_step, jit_compile=True, autograph=False)
+
+        def body(i, loss_sum, grad_sums, bn_sums):
+            x_i, y_i, w_i = tf.nest.map_structure(
+                lambda t: None if t is None else _micro_batch(t, i, k), split
+            )
+            return (i + 1, *micro_step(x_i, y_i, w_i, loss_sum, grad_sums, bn_sums))
         _, loss_sum, grad_sums, bn_sums = tf.while_loop(
             lambda i, *_: i < k,
             body,
@@ -116,6 +127,23 @@ class AccumTrainer:
                 self.optimizer.apply_gradients(zip(grads, variables))
         return self._multi_worker_logs(self.get_metrics_result())
 
+    def make_train_function(self, force=False):
+        if not self._xla_loop_on_host():
+            return super().make_train_function(force)
+        # Keras compiles the whole step with XLA when `jit_compile` is on; here only the
+        # micro-step is (`train_step`), so the step function is built with XLA off.
+        self.jit_compile = False
+        try:
+            return super().make_train_function(force)
+        finally:
+            self.jit_compile = True
+
+    def _xla_loop_on_host(self) -> bool:
+        """Whether `jit_compile` is on and XLA runs this platform's loop bodies slowly."""
+        return (not self.run_eagerly and bool(self.jit_compile)
+                and self.accumulation_steps not in (1, "auto")
+                and placement.loop_on_host(_platform(self.distribute_strategy)))
+
     def _multi_worker_logs(self, logs: dict) -> dict:
         if _multi_worker(self.distribute_strategy):
             # Keras 3.15 reduces step logs across workers with
@@ -135,6 +163,17 @@ class AccumTrainer:
             data_batch = _first_local_batch(strategy, iterator)
             iterator = None
         return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+
+
+def _platform(strategy) -> str:
+    """"cpu", "gpu" or "tpu": the kind of device the strategy's replicas run on."""
+    if isinstance(strategy, tf.distribute.TPUStrategy):
+        return "tpu"
+    try:
+        device = strategy.extended.worker_devices[0]
+    except RuntimeError:  # the default strategy: TensorFlow places ops on GPU:0 if there is one
+        return "gpu" if tf.config.list_logical_devices("GPU") else "cpu"
+    return tf.DeviceSpec.from_string(device).device_type.lower()
 
 
 def _multi_worker(strategy) -> bool:

@@ -27,11 +27,13 @@ import re
 import shutil
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import keras
 import numpy as np
-import tensorflow as tf
+
+if TYPE_CHECKING:  # only in annotations: resuming needs no TensorFlow of its own
+    import tensorflow as tf
 
 from tfmem.training import run_directory
 
@@ -55,12 +57,17 @@ def _fsync_directory(directory: str) -> None:
         os.close(descriptor)
 
 
+def _itemsize(dtype) -> int:
+    name = keras.backend.standardize_dtype(dtype)
+    return 2 if name == "bfloat16" else np.dtype(name).itemsize
+
+
 def _state_bytes(model: keras.Model) -> int:
     """Bytes of the weights and optimizer variables: about the size of a weights file."""
     variables = list(model.weights)
     if model.optimizer is not None:
         variables += list(model.optimizer.variables)
-    return sum(math.prod(v.shape) * tf.as_dtype(v.dtype).size for v in variables)
+    return sum(math.prod(v.shape) * _itemsize(v.dtype) for v in variables)
 
 
 class _Saver(keras.callbacks.Callback):
