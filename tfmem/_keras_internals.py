@@ -14,7 +14,8 @@ import importlib
 
 import keras
 
-# The versions the test suite passes on; `setup.cfg`'s `install_requires` states the same.
+# The Keras versions the test suite passes on (with TensorFlow 2.21 and JAX); `setup.cfg`
+# states the same lowest version.
 TESTED_KERAS = ">=3.15"
 
 
