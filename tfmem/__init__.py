@@ -8,6 +8,7 @@ without it raises an ImportError naming the extra that installs it.
 
 import importlib
 import importlib.util
+from typing import TYPE_CHECKING
 
 from tfmem._version import __version__
 
@@ -38,6 +39,17 @@ _TENSORFLOW_NAMES = {
 if importlib.util.find_spec("tensorflow") is not None:
     # `from tfmem import *` takes what works here: the pipeline only where TensorFlow is.
     __all__ += list(_TENSORFLOW_NAMES)
+if TYPE_CHECKING:  # the same names for type checkers and the API reference, never executed
+    from tfmem.data.demo import CLASS_NAMES as DEMO_CLASS_NAMES
+    from tfmem.data.demo import demo_examples, make_demo_dataset
+    from tfmem.data.integrity import SkippedRecords
+    from tfmem.data.manifest import Manifest, Shard, read_manifest
+    from tfmem.data.options import ReaderOptions
+    from tfmem.data.reader import (auto_shard_policy, count_records, image_dataset,
+                                   inspect_tfrecords)
+    from tfmem.data.schema import Schema, detect_schema
+    from tfmem.data.tfds_data import tfds_image_dataset
+    from tfmem.data.tfrecords import write_image_tfrecords
 
 # -- accumulation: AccumModel --
 from tfmem.training.accumulation import AccumModel
