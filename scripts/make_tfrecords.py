@@ -10,28 +10,36 @@ r"""Writes an image-classification set to sharded TFRecords, or inspects existin
 nothing is downloaded). Prints a progress bar and a summary line, e.g. on 2 CPU cores:
 `wrote 2048 examples in 6 shards, 5.9 MB, in 4.1 s to /tmp/demo`.
 `--inspect PATH` prints the feature keys, types and the first record's image shape of any
-TFRecord files, and the schema tfmem detects for them.
+TFRecord files, and the schema tfmem detects for them. `--overwrite` replaces a set by writing
+the new one beside it and switching at the end: a kill at any moment leaves one complete set.
+Errors are one line on stderr (exit 2: the command is wrong, 1: the write failed; `--debug`
+adds the traceback).
 """
 
 import os
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tfmem  # noqa: E402
+from tfmem import cli  # noqa: E402
 
 _SOURCE = flags.DEFINE_string("source", None, "Image folder, 'demo' or 'tfds:NAME'.")
 _OUTPUT = flags.DEFINE_string("output", None, "Directory for the shards and manifest.json.")
 _INSPECT = flags.DEFINE_string("inspect", None, "TFRecord file, directory or glob to describe.")
 _SHARD_SIZE_MB = flags.DEFINE_float("shard_size_mb", 128, "Shard size in MB (10**6 bytes).")
+flags.register_validator("shard_size_mb", lambda value: value > 0,
+                         "--shard-size-mb must be a number > 0, e.g. --shard-size-mb=128")
 _ENCODING = flags.DEFINE_enum("encoding", "png", ["png", "jpeg"], "How arrays are stored.")
 _SKIP_UNREADABLE = flags.DEFINE_bool("skip_unreadable", False, "Skip and count bad images.")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace a set already in --output.")
-_NUM_EXAMPLES = flags.DEFINE_integer("num_examples", 2048, "Demo set: number of images.")
-_IMAGE_SIZE = flags.DEFINE_integer("image_size", 32, "Demo set: image height and width.")
+_NUM_EXAMPLES = flags.DEFINE_integer("num_examples", 2048, "Demo set: number of images.",
+                                     lower_bound=1)
+_IMAGE_SIZE = flags.DEFINE_integer("image_size", 32, "Demo set: image height and width.",
+                                   lower_bound=8)
 _SEED = flags.DEFINE_integer("seed", 0, "Demo set pixels / folder writing order.")
 _SPLIT = flags.DEFINE_string("split", "train", "tfds: split to write.")
 _DATA_DIR = flags.DEFINE_string("data_dir", None, "tfds: where the dataset is prepared.")
@@ -68,7 +76,9 @@ def write(source: str, output: str, progress: ProgressBar) -> tfmem.Manifest:
     if source.startswith("tfds:"):
         import tensorflow_datasets as tfds
 
-        builder = tfds.builder(source.removeprefix("tfds:"), data_dir=_DATA_DIR.value)
+        from tfmem.data.tfds_data import tfds_builder
+
+        builder = tfds_builder(source.removeprefix("tfds:"), data_dir=_DATA_DIR.value)
         dataset = builder.as_dataset(split=_SPLIT.value,
                                      decoders={"image": tfds.decode.SkipDecoding()})
         return tfmem.write_image_tfrecords(
@@ -84,13 +94,15 @@ def write(source: str, output: str, progress: ProgressBar) -> tfmem.Manifest:
 def main(argv):
     del argv
     if _INSPECT.value:
-        print(tfmem.inspect_tfrecords(_INSPECT.value))
+        with cli.usage_errors():  # nothing there: the path is wrong
+            print(tfmem.inspect_tfrecords(_INSPECT.value))
         return
     if not _SOURCE.value or not _OUTPUT.value:
-        raise app.UsageError("Give --source and --output (or --inspect PATH).")
+        raise cli.UsageError("give --source and --output (or --inspect PATH)")
     start = time.perf_counter()
     progress = ProgressBar()
-    manifest = write(_SOURCE.value, _OUTPUT.value, progress)
+    with cli.usage_errors():  # a missing folder, a set already there, bad labels
+        manifest = write(_SOURCE.value, _OUTPUT.value, progress)
     num_read = manifest.num_examples + len(manifest.skipped)
     progress(manifest.num_examples, manifest.num_bytes, num_read, force=True)
     sys.stderr.write("\n")
@@ -101,4 +113,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -8,15 +8,14 @@ seconds for ResNet50, half a minute for EfficientNetV2-XL). Prints the breakdown
 the device's precision, the micro-batch × accumulation steps × replicas that reach the global
 batch within 80% of the device (or, when nothing fits, the smallest change checked to fit),
 and, with --plot, draws predicted memory against the micro-batch with the budget line
-(needs matplotlib: `pip install 'tfmem[plot]'`). Flags accept dashes or underscores.
+(needs matplotlib: `pip install 'tfmem[plot]'`). Flags accept dashes or underscores. Errors
+are one line on stderr (exit 2: a flag is wrong; `--debug` adds the traceback).
 """
 
-import sys
-
-from absl import app, flags
+from absl import flags
 
 import tfmem
-from tfmem import models
+from tfmem import cli, models
 from tfmem.runtime import devices
 from tfmem.memory import levers, plan_report
 
@@ -33,6 +32,11 @@ flags.DEFINE_enum("precision", "auto", ["auto", "float32", "mixed_float16", "mix
 flags.DEFINE_float("safety", 0.8, "Fraction of the device memory to plan for.")
 flags.DEFINE_string("plot", None, "Write memory vs micro-batch to this PNG file.")
 flags.mark_flags_as_required(["model", "global_batch_size"])
+for _name in ("global_batch_size", "image_size", "num_classes"):
+    flags.register_validator(_name, lambda value: value is None or value >= 1,
+                             f"--{_name.replace('_', '-')} must be a positive integer")
+flags.register_validator("safety", lambda value: 0 < value <= 1,
+                         "--safety is the fraction of the device to plan for, in (0, 1]")
 
 def draw(plan, path: str) -> None:
     """Predicted peak per replica against the micro-batch, with the budget and the choice."""
@@ -92,9 +96,10 @@ def main(argv):
     return 0 if plan.fits else 1
 
 
+def _main(argv):
+    with cli.usage_errors():  # every value plan.py checks comes from its flags
+        return main(argv)
+
+
 if __name__ == "__main__":
-    # absl flags use underscores; accept the dashed spelling too (--global-batch-size).
-    sys.argv = [sys.argv[0]] + [
-        "--" + arg[2:].partition("=")[0].replace("-", "_") + "".join(arg.partition("=")[1:])
-        if arg.startswith("--") else arg for arg in sys.argv[1:]]
-    app.run(main)
+    cli.run(_main)

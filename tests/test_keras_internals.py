@@ -105,6 +105,55 @@ def test_symbolic_build_hook_is_the_tensorflow_trainer_method():
     assert callable(getattr(TensorFlowTrainer, internals.SYMBOLIC_BUILD_HOOK))
 
 
+def test_functional_class_and_how_keras_tells_a_functional_construction():
+    inputs = keras.Input((2,))
+    outputs = keras.layers.Dense(1)(inputs)
+    assert type(keras.Model(inputs, outputs)) is internals.functional_class()
+    assert issubclass(internals.functional_class(), keras.Model)
+    assert internals.functional_init_arguments((inputs, outputs), {})
+    assert internals.functional_init_arguments((), {"inputs": inputs, "outputs": outputs})
+    assert internals.functional_init_arguments((inputs,), {"outputs": outputs})
+    assert not internals.functional_init_arguments((), {"name": "net"})
+
+
+def test_symbolic_build_creates_the_weights_without_running_the_model():
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(3)
+            self.bn = keras.layers.BatchNormalization()
+
+        def call(self, x, training=None):
+            return self.bn(self.dense(x), training=training)
+
+    model = Net()
+    model.compile("sgd", "mse")
+    assert model.weights == []
+    internals.symbolic_build(model, (np.ones((4, 2), "float32"), np.ones((4, 3), "float32")))
+    assert [tuple(w.shape) for w in model.dense.weights] == [(2, 3), (3,)]
+    np.testing.assert_array_equal(model.bn.moving_mean.numpy(), np.zeros(3))  # not run
+
+
+def test_clone_model_replays_the_graph_through_the_hook():
+    replays = []
+
+    class Recording(internals.functional_class()):
+        pass
+
+    def hook(self, *args, **kwargs):
+        replays.append(self)
+        return getattr(internals.functional_class(), internals.GRAPH_REPLAY_HOOK)(
+            self, *args, **kwargs)
+
+    setattr(Recording, internals.GRAPH_REPLAY_HOOK, hook)
+    inputs = keras.Input((2,))
+    model = Recording(inputs, keras.layers.Dense(1)(inputs), name="recorded")
+    replays.clear()
+    clone = keras.models.clone_model(model)
+    # The original replays its graph; the copy is built from that replay, with its name.
+    assert replays[0] is model and clone.name == "recorded"
+
+
 def test_jax_stateless_metrics_update_counts_the_rows():
     program = textwrap.dedent(
         """
@@ -139,3 +188,33 @@ def test_a_missing_internal_raises_naming_it_and_the_tested_versions():
 
     with pytest.raises(internals.KerasInternalsError, match=r"NotAModel\._loss_tracker.*keras>="):
         internals.loss_tracker(NotAModel())
+
+
+def test_jax_train_function_and_state_shardings():
+    program = textwrap.dedent(
+        """
+        import keras, numpy as np
+        from tfmem import _keras_internals as internals
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+        model.train_on_batch(np.zeros((2, 2)), np.zeros((2, 1)))
+        shardings = internals.jax_state_shardings(model)
+        print(len(shardings), len(shardings[0]) == len(model.trainable_variables))
+        calls = []
+        def step(state, data):
+            calls.append(data)
+            return {"loss": 0.0}, state
+        model.steps_per_execution = 3
+        function = internals.jax_train_function(model, step)
+        logs, state = function("state", iter([1, 2, 3, 4]))
+        print(calls, state)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="2"),
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    # four state parts (trainable, non-trainable, optimizer, metrics); one step per batch of
+    # a steps_per_execution window, the state threaded through
+    assert result.stdout.split("\n")[-3:-1] == ["4 True", "[1, 2, 3] state"]

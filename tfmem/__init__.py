@@ -1,27 +1,55 @@
 """tfmem: train big Keras models without running out of memory.
 
-The public API is re-exported here explicitly; everything else is private.
+The public API is re-exported here explicitly; everything else is private. The TFRecord
+pipeline (`tfmem.data`) needs TensorFlow, so its names are imported on first use: on
+`KERAS_BACKEND=jax` tfmem imports and trains without TensorFlow, and using one of those names
+without it raises an ImportError naming the extra that installs it.
 """
+
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING
 
 from tfmem._version import __version__
 
 __all__ = ["__version__"]  # each section below adds its names with `__all__ += [...]`
-from tfmem import _tf  # noqa: F401  (fails early, naming the extra to install)
+# Imports Keras, and with it the backend: on the TensorFlow backend without TensorFlow, an
+# ImportError naming the extra to install.
+from tfmem import backend
 
-# -- data: streaming TFRecord pipeline --
-from tfmem.data.reader import auto_shard_policy, image_dataset, inspect_tfrecords
-from tfmem.data.demo import CLASS_NAMES as DEMO_CLASS_NAMES
-from tfmem.data.demo import demo_examples, make_demo_dataset
-from tfmem.data.manifest import Manifest, Shard, read_manifest
-from tfmem.data.schema import Schema, detect_schema
-from tfmem.data.tfds_data import tfds_image_dataset
-from tfmem.data.tfrecords import write_image_tfrecords
-
-__all__ += [
-    "auto_shard_policy", "image_dataset", "inspect_tfrecords", "DEMO_CLASS_NAMES", "demo_examples",
-    "make_demo_dataset", "Manifest", "Shard", "read_manifest", "Schema", "detect_schema",
-    "write_image_tfrecords", "tfds_image_dataset",
-]
+# -- data: streaming TFRecord pipeline (TensorFlow), imported on first use --
+_TENSORFLOW_NAMES = {
+    "auto_shard_policy": "tfmem.data.reader",
+    "image_dataset": "tfmem.data.reader",
+    "inspect_tfrecords": "tfmem.data.reader",
+    "DEMO_CLASS_NAMES": ("tfmem.data.demo", "CLASS_NAMES"),
+    "demo_examples": "tfmem.data.demo",
+    "make_demo_dataset": "tfmem.data.demo",
+    "Manifest": "tfmem.data.manifest",
+    "Shard": "tfmem.data.manifest",
+    "read_manifest": "tfmem.data.manifest",
+    "Schema": "tfmem.data.schema",
+    "detect_schema": "tfmem.data.schema",
+    "write_image_tfrecords": "tfmem.data.tfrecords",
+    "tfds_image_dataset": "tfmem.data.tfds_data",
+    "count_records": "tfmem.data.reader",
+    "ReaderOptions": "tfmem.data.options",
+    "SkippedRecords": "tfmem.data.integrity",
+}
+if importlib.util.find_spec("tensorflow") is not None:
+    # `from tfmem import *` takes what works here: the pipeline only where TensorFlow is.
+    __all__ += list(_TENSORFLOW_NAMES)
+if TYPE_CHECKING:  # the same names for type checkers and the API reference, never executed
+    from tfmem.data.demo import CLASS_NAMES as DEMO_CLASS_NAMES
+    from tfmem.data.demo import demo_examples, make_demo_dataset
+    from tfmem.data.integrity import SkippedRecords
+    from tfmem.data.manifest import Manifest, Shard, read_manifest
+    from tfmem.data.options import ReaderOptions
+    from tfmem.data.reader import (auto_shard_policy, count_records, image_dataset,
+                                   inspect_tfrecords)
+    from tfmem.data.schema import Schema, detect_schema
+    from tfmem.data.tfds_data import tfds_image_dataset
+    from tfmem.data.tfrecords import write_image_tfrecords
 
 # -- accumulation: AccumModel --
 from tfmem.training.accumulation import AccumModel
@@ -37,9 +65,10 @@ from tfmem.runtime.report import describe
 __all__ += ["Runtime", "detect", "describe", "policy_for", "set_policy"]
 
 # -- resume: training that survives a killed process --
+from tfmem.training.progress import RunProgress
 from tfmem.training.resume import fit_resumable
 
-__all__ += ["fit_resumable"]
+__all__ += ["fit_resumable", "RunProgress"]
 
 # -- planner / probe: memory plan and guard --
 from tfmem.memory.planner import MemoryPlan, MemoryPlanError, plan
@@ -52,3 +81,19 @@ from tfmem import models
 from tfmem.metrics.image import MAE, MSE, PSNR, SSIM, mae, mse, psnr, ssim
 
 __all__ += ["models", "MAE", "MSE", "PSNR", "SSIM", "mae", "mse", "psnr", "ssim"]
+
+
+def __getattr__(name: str):
+    """Imports a TFRecord-pipeline name on first use (`tfmem._tf` names the extra if missing)."""
+    if name not in _TENSORFLOW_NAMES:
+        raise AttributeError(f"module 'tfmem' has no attribute {name!r}")
+    module, attribute = _TENSORFLOW_NAMES[name], name
+    if isinstance(module, tuple):
+        module, attribute = module
+    value = getattr(importlib.import_module(module), attribute)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_TENSORFLOW_NAMES))

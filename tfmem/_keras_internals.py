@@ -10,9 +10,12 @@ back silently.
 
 from __future__ import annotations
 
+import importlib
+
 import keras
 
-# The versions the test suite passes on; `setup.cfg`'s `install_requires` states the same.
+# The Keras versions the test suite passes on (with TensorFlow 2.21 and JAX); `setup.cfg`
+# states the same lowest version.
 TESTED_KERAS = ">=3.15"
 
 
@@ -29,6 +32,36 @@ def _attribute(owner, name: str, purpose: str):
             f"{keras.__version__} does not have. Install a Keras version tfmem is tested on "
             f"(keras{TESTED_KERAS}), or report this Keras version to tfmem."
         ) from None
+
+
+def _module_attribute(module: str, name: str, purpose: str):
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        raise KerasInternalsError(
+            f"tfmem needs `{module}.{name}` ({purpose}), which Keras {keras.__version__} does "
+            f"not have. Install a Keras version tfmem is tested on (keras{TESTED_KERAS}), or "
+            "report this Keras version to tfmem."
+        ) from None
+
+
+def functional_class() -> type:
+    """Keras's `Functional`: the class of a model built from `inputs` and `outputs`."""
+    return _module_attribute("keras.src.models.functional", "Functional",
+                             "the class of functional models")
+
+
+def functional_init_arguments(args: tuple, kwargs: dict) -> bool:
+    """Whether `keras.Model(*args, **kwargs)` builds a functional model (inputs and outputs)."""
+    return bool(_module_attribute("keras.src.models.model", "functional_init_arguments",
+                                  "how keras.Model tells a functional construction")(args, kwargs))
+
+
+def symbolic_build(model: keras.Model, data_batch) -> None:
+    """Creates the weights of `model` (and of its optimizer, loss and metrics) from a batch's
+    shapes, without running the model on it: what Keras does before `fit` under a strategy."""
+    _attribute(model, "_symbolic_build", "building a model from a batch's shapes")(
+        data_batch=data_batch)
 
 
 def functional_structs(model: keras.Model) -> tuple:
@@ -125,6 +158,25 @@ def first_batch(epoch_iterator):
     raise ValueError("The data has no batches: the first epoch is empty.")
 
 
+# `keras.models.clone_model` copies a functional model by replaying its graph through this
+# method with cloned layers, then builds `type(model)(inputs, outputs, name=model.name)` from the
+# replay's outputs; AccumModel's functional form overrides it to hand its `accumulation_steps` on.
+GRAPH_REPLAY_HOOK = "_run_through_graph"
+
 # The TensorFlow trainer builds a model from the first batch in this method; AccumModel
 # overrides it (see `tfmem.training.accumulation_tf`), so its name is checked like the rest.
 SYMBOLIC_BUILD_HOOK = "_maybe_symbolic_build"
+
+
+def jax_train_function(model: keras.Model, step):
+    """JAX trainer: Keras's `(state, iterator)` train function around a `(state, data)` step.
+
+    It runs `step` `steps_per_execution` times per call, as Keras's own jitted step is run.
+    """
+    return _attribute(model, "_make_function", "the JAX trainer's loop over steps")(step)
+
+
+def jax_state_shardings(model: keras.Model) -> tuple:
+    """JAX trainer: the shardings of `(trainable, non_trainable, optimizer, metrics)` state."""
+    return _attribute(model, "_get_state_sharding_spec",
+                      "the JAX trainer's state shardings")()

@@ -1,13 +1,21 @@
-"""Imports TensorFlow once, with an error that says which extra installs it."""
+"""TensorFlow for the modules that need it, or an ImportError naming the extra that installs it.
+
+Keras's TensorFlow backend and tfmem's TFRecord pipeline (`tfmem.data`) need TensorFlow; with
+`KERAS_BACKEND=jax` the rest of tfmem runs without it. Modules that need it import `tf` from here.
+"""
 
 try:
-    import tensorflow as tf  # noqa: F401
+    import tensorflow as tf
 except ImportError as error:  # pragma: no cover - exercised in a subprocess test
     raise ImportError(
-        "tfmem needs TensorFlow, and none is installed in this environment "
-        f"({error}). tfmem does not install TensorFlow by itself, so that it never "
-        "adds a second TensorFlow flavour to a machine that has one. Install one "
-        "with an extra: `pip install 'tfmem[cpu]'` (tensorflow-cpu: laptops, CI, "
-        "TPU VMs with the JAX backend) or `pip install 'tfmem[tensorflow]'` "
-        "(tensorflow with GPU support)."
+        f"TensorFlow is not installed in this environment ({error}). tfmem needs it for "
+        "Keras's TensorFlow backend and for its TFRecord pipeline (tfmem.image_dataset, "
+        "tfmem.write_image_tfrecords and the rest of tfmem.data); with KERAS_BACKEND=jax "
+        "everything else runs without it. tfmem does not install TensorFlow by itself, so "
+        "that it never adds a second TensorFlow flavour to a machine that has one. Install "
+        "one with an extra: `pip install 'tfmem[cpu]'` (tensorflow-cpu: laptops, CI, TPU VMs "
+        "with the JAX backend) or `pip install 'tfmem[tensorflow]'` (tensorflow with GPU "
+        "support)."
     ) from error
+
+__all__ = ["tf"]

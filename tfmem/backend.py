@@ -5,7 +5,14 @@ Like Keras, which picks its trainer class when `keras.models` is imported, tfmem
 the matching runtime detection; nothing else in tfmem asks which backend is running.
 """
 
-import keras
+try:
+    import keras
+except ImportError:
+    # Keras's TensorFlow backend imports TensorFlow: if that is what is missing, say which
+    # extra installs it; any other import error surfaces as it is.
+    from tfmem import _tf  # noqa: F401
+
+    raise
 
 NAME = keras.backend.backend()
 

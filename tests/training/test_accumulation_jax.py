@@ -94,6 +94,17 @@ def test_micro_batches_equal_one_big_batch(accumulation, case):
     assert result["accum_iterations"] == result["plain_iterations"] == 3
 
 
+def test_host_loop_and_in_graph_loop_give_the_same_step(accumulation):
+    # conv + BatchNorm + Dropout, Adam, 2 global batches of 32 as 4 micro-batches of 8.
+    result = accumulation["placement"]
+    assert result["host_loop_steps"] == 2  # on a CPU, `fit` runs the loop from the host
+    assert result["graph_loop_host_steps"] == 0
+    assert result["weights"] <= 1e-5
+    assert result["non_trainable"] <= 1e-5  # moving statistics and dropout seeds
+    assert result["host_loss"] == pytest.approx(result["graph_loss"], rel=1e-5)
+    assert result["iterations"] == [2, 2]
+
+
 def test_lr_schedule_counts_real_updates(accumulation):
     # PiecewiseConstantDecay([2], [0.1, 0.0]): iterations 0, 1, 2 at lr 0.1, then lr 0.
     result = accumulation["lr_schedule"]

@@ -1,7 +1,9 @@
 """fit_resumable: a run killed with SIGKILL mid-epoch resumes and ends with the same weights."""
 
+import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,6 +15,7 @@ import pytest
 import tensorflow as tf
 
 import tfmem
+from tfmem.training import run_directory
 
 # A deterministic little training program, run as a real child process so it can be killed
 # with SIGKILL (what a notebook disconnect or a preempted VM does).
@@ -66,41 +69,122 @@ def _run(tmp_path, name, kill_at):
     return result
 
 
-def test_run_killed_mid_epoch_resumes_to_the_uninterrupted_weights(tmp_path):
-    straight = _run(tmp_path, "straight", kill_at=0)
-    assert straight.returncode == 0, straight.stderr[-2000:]
+def _points(directory):
+    """`{generation: record}` of the resume points in a backup directory."""
+    return {int(name.split("-")[1].split(".")[0]): json.loads((directory / name).read_text())
+            for name in os.listdir(directory) if name.endswith(".json") and
+            name.startswith("backup-")}
 
-    # Killed at update 18 of 36: epoch 2, step 6; the last backup is epoch 2, step 5.
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The weights and summary of the program run without a kill."""
+    directory = tmp_path_factory.mktemp("straight")
+    result = _run(directory, "straight", kill_at=0)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return np.load(directory / "straight.npz"), json.loads(
+        (directory / "straight.npz.json").read_text())
+
+
+def _assert_same_run(tmp_path, name, straight):
+    expected, expected_summary = straight
+    actual = np.load(tmp_path / f"{name}.npz")
+    for key in expected.files:
+        np.testing.assert_array_equal(actual[key], expected[key])
+    summary = json.loads((tmp_path / f"{name}.npz.json").read_text())
+    # 3 epochs × 12 updates, counted once each although the run was cut in two.
+    assert summary["iterations"] == expected_summary["iterations"] == 36
+    # One loss per epoch; the resumed epoch's is the mean over its updates after the restart.
+    assert len(summary["history"]["loss"]) == 3
+    assert summary["history"]["loss"][-1] == expected_summary["history"]["loss"][-1]
+
+
+def test_run_killed_mid_epoch_resumes_to_the_uninterrupted_weights(tmp_path, straight):
+    # Killed at update 18 of 36: epoch 2, step 6; the last resume point is epoch 2, step 5.
     killed = _run(tmp_path, "resumed", kill_at=18)
     assert killed.returncode == -signal.SIGKILL
-    state = json.loads((tmp_path / "resumed" / "state.json").read_text())
-    assert (state["epoch"], state["step"]) == (1, 5)
+    points = _points(tmp_path / "resumed")
+    newest = points[max(points)]
+    assert (newest["epoch"], newest["step"]) == (1, 5)
     assert not (tmp_path / "resumed.npz").exists()
 
     resumed = _run(tmp_path, "resumed", kill_at=0)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    expected = np.load(tmp_path / "straight.npz")
-    actual = np.load(tmp_path / "resumed.npz")
-    for key in expected.files:
-        np.testing.assert_array_equal(actual[key], expected[key])
-    summary = json.loads((tmp_path / "resumed.npz.json").read_text())
-    # 3 epochs × 12 updates, counted once each although the run was cut in two.
-    assert summary["iterations"] == 36
-    assert len(summary["history"]["loss"]) == 3
-    # Only the latest weights file is kept beside state.json. Saves: epoch 1 at steps 5, 10
-    # and its end (generations 0-2), epoch 2 at step 5 (3), killed; resumed: epoch 2 at step
-    # 10 and its end (4, 5), epoch 3 at steps 5, 10 and its end (6-8).
-    assert sorted(os.listdir(tmp_path / "resumed")) == ["backup-8.weights.h5", "state.json"]
+    assert "tfmem: warning" not in resumed.stderr
+    _assert_same_run(tmp_path, "resumed", straight)
+    # The newest point and the one before it are kept. Saves: epoch 1 at steps 5, 10 and its
+    # end (generations 0-2), epoch 2 at step 5 (3), killed; resumed: epoch 2 at step 10 and
+    # its end (4, 5), epoch 3 at steps 5, 10 and its end (6-8).
+    assert sorted(os.listdir(tmp_path / "resumed")) == [
+        ".lock", "backup-7.json", "backup-7.weights.h5", "backup-8.json",
+        "backup-8.weights.h5"]
+
+
+@pytest.mark.parametrize("damage", ["truncated weights", "empty record"])
+def test_a_damaged_newest_point_falls_back_to_the_one_before(tmp_path, straight, damage):
+    killed = _run(tmp_path, "resumed", kill_at=30)  # epoch 3, step 6: points 6 (step 5), 5
+    assert killed.returncode == -signal.SIGKILL
+    directory = tmp_path / "resumed"
+    assert sorted(_points(directory)) == [5, 6]
+    if damage == "truncated weights":
+        weights = directory / "backup-6.weights.h5"
+        weights.write_bytes(weights.read_bytes()[:-100])
+        reason = "backup-6.weights.h5 has"
+    else:
+        (directory / "backup-6.json").write_text("")
+        reason = "backup-6.json is damaged (JSONDecodeError"
+    resumed = _run(tmp_path, "resumed", kill_at=0)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    warning = [line for line in resumed.stderr.splitlines() if "tfmem: warning" in line]
+    assert len(warning) == 1 and reason in warning[0], resumed.stderr[-2000:]
+    assert warning[0].endswith("resuming from the one before it (epoch 3, step 0)")
+    _assert_same_run(tmp_path, "resumed", straight)
+
+
+def _small_model():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    return model
+
+
+def _data(epoch):
+    x = np.arange(16, dtype="float32").reshape(8, 2)
+    return tf.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(4)
+
+
+def test_no_usable_point_is_one_line_naming_the_damage(tmp_path):
+    model = _small_model()
+    tfmem.fit_resumable(model, _data, epochs=2, steps_per_epoch=2, backup_dir=tmp_path,
+                        verbose=0)
+    (tmp_path / "backup-1.json").write_text("{")
+    (tmp_path / "backup-0.weights.h5").write_bytes(b"")
+    with pytest.raises(ValueError) as error:
+        tfmem.fit_resumable(_small_model(), _data, epochs=2, steps_per_epoch=2,
+                            backup_dir=tmp_path, verbose=0)
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith(f"no usable resume point in {tmp_path}: backup-1.json is "
+                              "damaged (JSONDecodeError")
+    assert "backup-0.weights.h5 has 0 bytes, backup-0.json says" in message
+    assert message.endswith(f"delete {tmp_path} to start the run again from its beginning")
+
+
+def test_a_point_of_another_model_is_refused_not_loaded(tmp_path):
+    tfmem.fit_resumable(_small_model(), _data, epochs=1, steps_per_epoch=2, backup_dir=tmp_path,
+                        verbose=0)
+    other = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+    other.compile("sgd", "mse")
+    with pytest.raises(ValueError, match=r"the resume point .*backup-0.weights.h5 does not fit "
+                                         r"this model .*it belongs to another run"):
+        tfmem.fit_resumable(other, _data, epochs=1, steps_per_epoch=2, backup_dir=tmp_path,
+                            verbose=0)
 
 
 def test_finished_run_started_again_trains_nothing(tmp_path):
-    x = np.arange(16, dtype="float32").reshape(8, 2)
-    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-    model.compile(keras.optimizers.SGD(0.01), "mse")
-    make = lambda epoch: tf.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(4)
-    tfmem.fit_resumable(model, make, epochs=2, steps_per_epoch=2, backup_dir=tmp_path, verbose=0)
+    model = _small_model()
+    tfmem.fit_resumable(model, _data, epochs=2, steps_per_epoch=2, backup_dir=tmp_path, verbose=0)
     weights = [w.copy() for w in model.get_weights()]
-    history = tfmem.fit_resumable(model, make, epochs=2, steps_per_epoch=2,
+    history = tfmem.fit_resumable(model, _data, epochs=2, steps_per_epoch=2,
                                   backup_dir=tmp_path, verbose=0)
     assert int(model.optimizer.iterations) == 4
     assert len(history["loss"]) == 2
@@ -116,3 +200,127 @@ def test_bad_counts_are_rejected(tmp_path, name, value):
     kwargs = {"epochs": 1, "steps_per_epoch": 1, "save_every_steps": 1, name: value}
     with pytest.raises(ValueError, match=f"`{name}` must be a positive int, got {value!r}"):
         tfmem.fit_resumable(model, lambda e: None, backup_dir=tmp_path, **kwargs)
+
+
+@pytest.fixture()
+def tiny_disk(tmp_path):
+    """A 192 KiB tmpfs: a real file system that fills up (needs root to mount)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=192k", "tmpfs", str(mount)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({result.stderr.strip()}); needs root")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_full_disk_is_a_clear_error_that_keeps_the_last_point(tiny_disk):
+    backup = tiny_disk / "backup"
+    model = _small_model()
+    tfmem.fit_resumable(model, _data, epochs=1, steps_per_epoch=2, backup_dir=backup, verbose=0)
+    kept = {name: (backup / name).read_bytes() for name in os.listdir(backup)}
+    weights = [w.copy() for w in model.get_weights()]
+    # Someone else fills the disk: the next point does not fit.
+    free = os.statvfs(tiny_disk).f_bavail * os.statvfs(tiny_disk).f_frsize
+    (tiny_disk / "filler").write_bytes(b"\0" * (free - 4096))
+    with pytest.raises(OSError) as error:
+        tfmem.fit_resumable(model, _data, epochs=2, steps_per_epoch=2, backup_dir=backup,
+                            verbose=0)
+    assert error.value.errno == errno.ENOSPC
+    assert re.fullmatch(rf"no space to save a resume point in {backup} \([\d.]+ MB free, a "
+                        r"resume point needs about [\d.]+ MB\); the resume point of epoch 2, "
+                        r"step 0 is intact; free some space and start again",
+                        error.value.strerror), error.value.strerror
+    assert {name: (backup / name).read_bytes() for name in os.listdir(backup)} == kept
+    # Space freed: the run resumes from the point it kept and finishes.
+    (tiny_disk / "filler").unlink()
+    resumed = _small_model()
+    tfmem.fit_resumable(resumed, _data, epochs=1, steps_per_epoch=2, backup_dir=backup,
+                        verbose=0)
+    for before, after in zip(weights, resumed.get_weights()):
+        np.testing.assert_array_equal(before, after)
+
+
+def test_a_write_that_fails_for_space_leaves_no_partial_file(tiny_disk):
+    # 40 small layers: 972 bytes of variables, but a 120 KB weights file (HDF5 metadata), so
+    # the first point's estimate passes and HDF5's own write fails on the full disk. The
+    # error is the same one line, and neither a temporary nor a half-written file is left.
+    backup = tiny_disk / "backup"
+    backup.mkdir()
+    free = os.statvfs(tiny_disk).f_bavail * os.statvfs(tiny_disk).f_frsize
+    (tiny_disk / "filler").write_bytes(b"\0" * (free - 80 * 1024))
+    model = keras.Sequential([keras.Input((2,))] + [keras.layers.Dense(2) for _ in range(40)])
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    x = np.ones((8, 2), "float32")
+    data = lambda epoch: tf.data.Dataset.from_tensor_slices((x, x)).batch(4)
+    with pytest.raises(OSError) as error:
+        tfmem.fit_resumable(model, data, epochs=1, steps_per_epoch=2, backup_dir=backup,
+                            verbose=0)
+    assert error.value.errno == errno.ENOSPC, error.value
+    # HDF5's own failure (errno 28 inside its message), not the estimate's.
+    assert error.value.strerror.startswith(f"no space to save a resume point in {backup} (No "
+                                           "space left on device); ")
+    assert error.value.strerror.endswith("no resume point was written yet; free some space and "
+                                         "start again")
+    assert os.listdir(backup) == [".lock"]
+
+
+def test_one_process_at_a_time_and_a_killed_one_leaves_no_lock(tmp_path):
+    # A real second process holds the directory: this one refuses, naming its pid.
+    holder = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import importlib.util, sys, time
+            spec = importlib.util.spec_from_file_location(
+                "run_directory", {run_directory.__file__!r})
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            with module.lock({str(tmp_path)!r}):
+                print("locked", flush=True)
+                time.sleep(600)
+            """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(run_directory.RunDirectoryBusyError,
+                           match=rf"another process \(pid {holder.pid}\) is running in "
+                                 rf"{tmp_path}; wait for it to end, or use another backup_dir"):
+            tfmem.fit_resumable(_small_model(), _data, epochs=1, steps_per_epoch=2,
+                                backup_dir=tmp_path, verbose=0)
+    finally:
+        holder.kill()  # SIGKILL: the holder gets no chance to unlock
+        holder.wait()
+    history = tfmem.fit_resumable(_small_model(), _data, epochs=1, steps_per_epoch=2,
+                                  backup_dir=tmp_path, verbose=0)
+    assert len(history["loss"]) == 1
+
+
+def test_learning_rate_data_and_settings_are_checked(tmp_path):
+    for rate in (float("nan"), -1.0, float("inf")):
+        model = _small_model()
+        model.optimizer.learning_rate = rate
+        with pytest.raises(ValueError, match=rf"the optimizer's learning rate is {rate}; pass a "
+                                             r"finite learning rate >= 0"):
+            tfmem.fit_resumable(model, _data, epochs=1, steps_per_epoch=2,
+                                backup_dir=tmp_path / "lr", verbose=0)
+    # 8 examples in batches of 4 give 2 updates, not 3.
+    with pytest.raises(ValueError, match=r"the data of epoch 1 ran out after 2 of 3 updates: "
+                                         r"steps_per_epoch .* is more than the data gives"):
+        tfmem.fit_resumable(_small_model(), _data, epochs=1, steps_per_epoch=3,
+                            backup_dir=tmp_path / "short", verbose=0)
+    config = {"learning_rate": 0.01, "global_batch_size": 4, "optimizer": "sgd"}
+    tfmem.fit_resumable(_small_model(), _data, epochs=1, steps_per_epoch=2,
+                        backup_dir=tmp_path / "run", verbose=0, run_config=config)
+    with pytest.raises(ValueError, match=r"holds a run with other settings \(learning_rate 0.01 "
+                                         r"→ 0.1, optimizer 'sgd' → 'adam'\); use another "
+                                         r"backup_dir, or delete .*run to start this run"):
+        tfmem.fit_resumable(_small_model(), _data, epochs=2, steps_per_epoch=2,
+                            backup_dir=tmp_path / "run", verbose=0,
+                            run_config=config | {"learning_rate": 0.1, "optimizer": "adam"})
+    # A record without anything of its run (a first start that stopped before its first
+    # resume point) is replaced, not compared: there is nothing to mix.
+    fresh = tmp_path / "fresh"
+    run_directory.check_config(fresh, {"seed": 1}, holds_run=False, how_to_fix="-")
+    assert run_directory.check_config(fresh, {"seed": 2}, holds_run=False,
+                                      how_to_fix="-")["config"] == {"seed": 2}
+    with pytest.raises(run_directory.RunConfigError, match=r"other settings \(seed 2 → 3\); -"):
+        run_directory.check_config(fresh, {"seed": 3}, holds_run=True, how_to_fix="-")

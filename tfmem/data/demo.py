@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterator
 
 import numpy as np
-import tensorflow as tf
+from tfmem._tf import tf
 
 from tfmem.data import manifest as manifest_lib
 from tfmem.data import tfrecords

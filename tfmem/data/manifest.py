@@ -9,10 +9,11 @@ its final name, so a directory with a manifest holds a complete dataset.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 
-import tensorflow as tf
+from tfmem._tf import tf
 
 from tfmem._version import __version__
 from tfmem.data.schema import Schema
@@ -81,6 +82,12 @@ class Manifest:
     def num_bytes(self) -> int:
         """Total size of the shards in bytes."""
         return sum(shard.num_bytes for shard in self.shards)
+
+    @property
+    def fingerprint(self) -> str:
+        """A short hash of the manifest's content: the identity of the set, wherever it lies
+        (a rewrite of the set, even of the same images, gets a new one)."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
 
     def to_json(self) -> str:
         """The manifest as the JSON text stored in `manifest.json`."""
@@ -169,14 +176,25 @@ def read_manifest(dir_or_pattern: str | os.PathLike) -> Manifest:
             f"{path!r} is not a tfmem manifest (expected \"format\": {_FORMAT!r}); "
             "write the set again with `tfmem.write_image_tfrecords`."
         )
-    return Manifest(
-        directory=os.path.dirname(path) or ".",
-        num_examples=int(data["num_examples"]),
-        class_names=tuple(data["class_names"]),
-        shards=tuple(Shard(**shard) for shard in data["shards"]),
-        schema=Schema.from_dict(data["schema"]),
-        image_formats=tuple(data["image_formats"]),
-        pixel_range=tuple(data["pixel_range"]),
-        skipped=tuple(data["skipped"]),
-        tfmem_version=data["tfmem_version"],
-    )
+    try:
+        shards = tuple(Shard(**shard) for shard in data["shards"])
+        manifest = Manifest(
+            directory=os.path.dirname(path) or ".",
+            num_examples=int(data["num_examples"]),
+            class_names=tuple(data["class_names"]),
+            shards=shards,
+            schema=Schema.from_dict(data["schema"]),
+            image_formats=tuple(data["image_formats"]),
+            pixel_range=tuple(data["pixel_range"]),
+            skipped=tuple(data["skipped"]),
+            tfmem_version=data["tfmem_version"],
+        )
+    except (KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"{path!r} is damaged ({type(error).__name__}: {error}); write the "
+                         "set again.") from None
+    listed = sum(shard.num_examples for shard in shards)
+    if listed != manifest.num_examples:
+        raise ValueError(
+            f"{path!r} is damaged: it says {manifest.num_examples} examples, but its shards "
+            f"add up to {listed}; write the set again.")
+    return manifest

@@ -2,32 +2,30 @@
 
 Nothing here holds the dataset in memory: files are listed, read in parallel by an
 `interleave`, and each record is parsed, decoded and resized on the fly. Memory is bounded by
-three arguments, whatever the size of the set: `prefetch_batches` (decoded batches waiting,
+three options, whatever the size of the set: `prefetch_batches` (decoded batches waiting,
 plus the one being built), `shuffle_buffer_size` (*encoded* records) and `num_parallel_reads`
 (open shards, each holding a few dozen encoded records).
 
-Each shard is checked while it streams: the bytes of the records read must add up to the
-file's size, so a truncated or corrupted shard (bad CRC) is caught and named instead of
-silently ending an epoch early.
+The data is checked, not trusted (see `integrity`): shards against their manifest before the
+first batch, each shard's bytes and record count as it streams, each record's image and label
+as it is decoded; whatever fails is named by shard and record.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
-from collections.abc import Sequence
 
-import tensorflow as tf
+from tfmem._tf import tf
 
+from tfmem.data import integrity
 from tfmem.data import manifest as manifest_lib
+from tfmem.data import pipeline
 from tfmem.data import schema as schema_lib
 from tfmem.data import tfrecords
-from tfmem.runtime.cluster import workers_in_tf_config
-
-DATA_RANGES = ((0, 255), (0, 1))
-_RECORD_FRAMING_BYTES = 16  # uint64 length + CRC of the length + CRC of the data
-_UNKNOWN = -1  # expected record count of a foreign shard (no manifest)
-_CHECK_BLOCK = 32  # records counted per step of the shard check
+from tfmem.data.options import ReaderOptions, with_reader_options
+from tfmem.data.pipeline import auto_shard_policy, num_workers_from_environment  # noqa: F401
 
 
 def _glob(path_or_pattern: str) -> list[str]:
@@ -49,10 +47,43 @@ def _glob(path_or_pattern: str) -> list[str]:
     return files
 
 
-class _Source:
-    """Files to read, with their sizes and (when a manifest says) record counts, and schema."""
+def _manifest_files(path_or_pattern: str, manifest: manifest_lib.Manifest) -> list[str]:
+    """The manifest's shards, or those a glob picks among them."""
+    if tf.io.gfile.isdir(path_or_pattern):
+        return manifest.files
+    listed = {os.path.basename(f): f for f in manifest.files}
+    matched = _glob(path_or_pattern)
+    unlisted = [f for f in matched if os.path.basename(f) not in listed]
+    if unlisted:  # e.g. the old shards of a replacement that was killed before its cleanup
+        print(f"tfmem: reading the {len(matched) - len(unlisted)} shard(s) of "
+              f"{path_or_pattern!r} that its {manifest_lib.MANIFEST_NAME} lists; ignoring "
+              f"{len(unlisted)} other file(s) such as {os.path.basename(unlisted[0])!r}",
+              file=sys.stderr)
+    files = [f for f in matched if os.path.basename(f) in listed]
+    if not files:
+        raise ValueError(f"none of the files matching {path_or_pattern!r} is a shard its "
+                         f"{manifest_lib.MANIFEST_NAME} lists; pass the set's directory instead")
+    return files
 
-    def __init__(self, path_or_pattern: str, schema: schema_lib.Schema | None):
+
+def _first_features(files: list[str], skip_corrupt: bool) -> tuple[str, dict]:
+    """The first record's features: of the first file, or with `skip_corrupt` the first
+    readable one."""
+    candidates = files if skip_corrupt else files[:1]
+    for path in candidates[:-1]:
+        try:
+            return path, schema_lib.read_first_record(path)
+        except ValueError:
+            continue
+    return candidates[-1], schema_lib.read_first_record(candidates[-1])
+
+
+class _Source:
+    """Files to read, with their sizes, record counts (when a manifest says) and schema."""
+
+    def __init__(self, path_or_pattern: str, schema: schema_lib.Schema | None,
+                 num_classes: int | None, skip_corrupt: bool,
+                 log: integrity.SkippedRecords | None):
         self.manifest = None
         if tf.io.gfile.exists(os.path.join(path_or_pattern, "dataset_info.json")):
             raise ValueError(
@@ -61,20 +92,20 @@ class _Source:
             )
         if manifest_lib.has_manifest(path_or_pattern):
             self.manifest = manifest_lib.read_manifest(path_or_pattern)
-        if self.manifest is not None and tf.io.gfile.isdir(path_or_pattern):
-            self.files = self.manifest.files
+            self.files = integrity.check_shards(
+                self.manifest, _manifest_files(path_or_pattern, self.manifest), skip_corrupt, log)
         else:
             self.files = _glob(path_or_pattern)
         counts = {}
         if self.manifest is not None:
             counts = {s.name: s.num_examples for s in self.manifest.shards}
-        self.counts = [counts.get(os.path.basename(f), _UNKNOWN) for f in self.files]
+        self.counts = [counts.get(os.path.basename(f), integrity.UNKNOWN) for f in self.files]
         self.sizes = [tf.io.gfile.stat(f).length for f in self.files]
-        features = schema_lib.read_first_record(self.files[0])
+        first, features = _first_features(self.files, skip_corrupt)
         if schema is None and self.manifest is not None:
             schema = self.manifest.schema
         if schema is None:
-            schema = schema_lib.detect_schema(self.files[0], features)
+            schema = schema_lib.detect_schema(first, features)
             if tuple(features) == tfrecords.FEATURE_KEYS:
                 raise ValueError(
                     f"{path_or_pattern!r} holds tfmem shards but no {manifest_lib.MANIFEST_NAME}: "
@@ -83,47 +114,38 @@ class _Source:
                     "label_key='label', id_key='id')` to read these shards anyway."
                 )
         self.schema = schema
-        self.spec = schema.feature_spec(features, self.files[0])
+        self.spec = schema.feature_spec(features, first)
         class_names = schema.class_names or (self.manifest and self.manifest.class_names)
-        self.num_classes = len(class_names) if class_names else None
+        known = len(class_names) if class_names else None
+        if num_classes is not None:
+            if isinstance(num_classes, bool) or not isinstance(num_classes, int) or (
+                    num_classes < 1):
+                raise ValueError(f"`num_classes` must be a positive int, got {num_classes!r}.")
+            if known is not None and known != num_classes:
+                raise ValueError(
+                    f"num_classes={num_classes}, but {path_or_pattern!r} has {known} classes "
+                    f"({', '.join(class_names[:5])}{', ...' if known > 5 else ''}); pass "
+                    f"num_classes={known} (`--num-classes {known}`) or leave it out")
+        self.num_classes = num_classes if num_classes is not None else known
 
 
-def _checked_records(filename, size, expected, skip_corrupt: bool) -> tf.data.Dataset:
-    """The records of one shard, then a check that they covered the whole file."""
-    # Counted in blocks of records: one scan step per block instead of per record cut the
-    # check's cost from ~170 to ~20-40 µs a record (2 loaded cores), far below decoding
-    # (~1 ms an image). Blocks stay small: each shard reader holds one.
-    blocks = tf.data.TFRecordDataset(filename).ignore_errors().batch(_CHECK_BLOCK)
-    # An end marker after the last block lets a `scan` compare bytes read with the file size:
-    # a reader that stopped early (bad CRC, truncated record) read fewer bytes than the file.
-    marked = blocks.map(lambda b: (b, False)).concatenate(
-        tf.data.Dataset.from_tensors((tf.constant([], tf.string), True)))
+def count_records(path_or_pattern: str | os.PathLike) -> int | None:
+    """Complete records in TFRecord files (a directory, a file or a glob), from their framing.
 
-    def step(state, element):
-        num_bytes, num_records = state
-        block, is_end = element
-        num_bytes += tf.reduce_sum(tf.cast(tf.strings.length(block), tf.int64)
-                                   + _RECORD_FRAMING_BYTES)
-        num_records += tf.size(block, out_type=tf.int64)
-        if is_end:  # autograph: a tf.cond, evaluated once per block
-            damaged = num_bytes != size
-            lost = tf.where(expected >= 0, tf.strings.as_string(expected - num_records),
-                            "an unknown number of")
-            message = tf.strings.join([
-                "tfmem: shard ", filename, " is truncated or corrupted: its records stop at "
-                "byte ", tf.strings.as_string(num_bytes), " of ", tf.strings.as_string(size),
-                "; read ", tf.strings.as_string(num_records), " records, skipped ", lost,
-                " record(s)."])
-            if damaged and skip_corrupt:
-                tf.print(message, output_stream=sys.stderr)
-            elif damaged:
-                tf.debugging.Assert(False, [message, "Write the shard again, or pass "
-                                            "skip_corrupt=True to skip what cannot be read."])
-        return (num_bytes, num_records), (block, is_end)
+    Reads 8 bytes per record and skips the payloads, so it is quick on a local disk. Returns
+    None for remote files (gs://...), where a seek per record is slow; a tfmem set's manifest
+    gives the count without reading at all. A record cut by the end of its file is not
+    counted (`image_dataset` names it when it reads there).
 
-    initial = (tf.constant(0, tf.int64), tf.constant(0, tf.int64))
-    return marked.scan(initial, step).filter(lambda b, is_end: not is_end).map(
-        lambda b, is_end: b).unbatch()
+    Raises:
+        ValueError: no files there.
+
+    Example:
+        >>> tfmem.count_records("/kaggle/input/flowers/train/*.tfrec")  # doctest: +SKIP
+        12753
+    """
+    counts = [integrity.count_records(path) for path in _glob(os.fspath(path_or_pattern))]
+    return None if None in counts else sum(counts)
 
 
 def inspect_tfrecords(path_or_pattern: str | os.PathLike) -> str:
@@ -160,97 +182,51 @@ def inspect_tfrecords(path_or_pattern: str | os.PathLike) -> str:
     return "\n".join(lines)
 
 
-def num_workers_from_environment() -> int:
-    """Workers of a multi-worker cluster described by TF_CONFIG; 1 when there is none."""
-    return workers_in_tf_config(os.environ.get("TF_CONFIG"))
-
-
-def auto_shard_policy(num_files: int, num_workers: int) -> tf.data.experimental.AutoShardPolicy:
-    """FILE when every worker gets at least one file, else DATA (each reads all, keeps 1/n).
-
-    Example:
-        >>> tfmem.auto_shard_policy(num_files=16, num_workers=4)
-        <AutoShardPolicy.FILE: 1>
-    """
-    policy = tf.data.experimental.AutoShardPolicy
-    return policy.FILE if num_files >= num_workers else policy.DATA
-
-
+@with_reader_options
 def image_dataset(
     path_or_pattern: str | os.PathLike,
     *,
-    image_size: Sequence[int],
-    batch_size: int,
-    training: bool,
-    data_range: tuple[float, float] = (0, 255),
     schema: schema_lib.Schema | None = None,
-    channels: int = 3,
-    shuffle_buffer_size: int = 1024,
-    augment: bool = False,
-    cache: bool = False,
+    num_classes: int | None = None,
     skip_corrupt: bool = False,
-    drop_remainder: bool | None = None,
-    num_parallel_reads: int = 4,
-    prefetch_batches: int = 2,
-    seed: int | None = None,
-    num_workers: int | None = None,
-    input_context: tf.distribute.InputContext | None = None,
+    skipped: integrity.SkippedRecords | None = None,
+    **options,
 ) -> tf.data.Dataset:
     """A streaming `tf.data.Dataset` of `(images, labels)` batches from TFRecord shards.
 
     The pipeline: shard files (shuffled when training) → parallel `interleave` of
-    `TFRecordDataset`s → shuffle buffer of encoded records (training) → parse, decode, resize
-    (parallel) → optional flip → batch → prefetch. Order is deterministic for evaluation and
-    not when training (faster: whichever file is ready first is read). Memory does not grow
-    with the set: it is set by `prefetch_batches`, `shuffle_buffer_size` and
-    `num_parallel_reads` (see each).
+    `TFRecordDataset`s, each shard checked → shuffle buffer of encoded records (training) →
+    parse, decode, resize, label check (parallel) → optional flip → batch → prefetch. Order is
+    deterministic for evaluation and not when training (faster: whichever file is ready first
+    is read). Memory does not grow with the set: it is set by `prefetch_batches`,
+    `shuffle_buffer_size` and `num_parallel_reads`.
 
     Args:
         path_or_pattern: a directory written by `write_image_tfrecords` (its manifest gives
             the shards and schema), a directory of foreign TFRecords, or a glob of shards.
-        image_size: `(height, width)` every image is resized to (bilinear).
-        batch_size: examples per batch; with `input_context`, the *global* batch, divided
-            among the replicas.
-        training: shuffle, augment if asked, drop the last partial batch, non-deterministic.
-        data_range: pixel range of the float32 images returned: `(0, 255)` or `(0, 1)`.
         schema: feature keys of foreign records; default: from the manifest, else detected
             from the first record (see `tfmem.detect_schema`).
-        channels: channels of the decoded images (3 = RGB, 1 = grey).
-        shuffle_buffer_size: encoded records in the shuffle buffer (memory ≈ this × the
-            mean record size, e.g. 1024 × 110 KB for ImageNet JPEGs).
-        augment: random left-right flips when training.
-        cache: keep decoded, resized images in memory after the first epoch. Only for sets
-            that fit in RAM (examples × height × width × channels × 4 bytes); it ends
-            streaming, so it is off unless asked.
-        skip_corrupt: on a truncated or corrupted shard, print what was skipped to stderr and
-            go on, instead of raising an error that names the shard.
-        drop_remainder: drop the last partial batch; default: `training` (static shapes, as
-            TPUs need, and every step sees a full batch).
-        num_parallel_reads: shards read at the same time. tf.data opens two more shards per
-            read ahead of time, and each open shard holds ~35 encoded records and a 256 KB
-            read buffer (≈ 1.7 MB with 42 KB JPEGs): ≈ 3 × this × 1.7 MB in all. 4 kept two
-            cores decoding at full speed from a local disk; raise it for remote storage
-            (GCS), where each read waits on the network.
-        prefetch_batches: decoded batches prepared while the model trains on the current one
-            (memory: this × batch × height × width × channels × 4 bytes, plus the batch being
-            built). A fixed number bounds memory; `tf.data.AUTOTUNE` lets tf.data grow the
-            buffer, which it does every time a full buffer drains (e.g. after each
-            validation run) and never undoes.
-        seed: seed of the shuffles (the file order always has one, so that all workers of
-            a cluster shard the same file list).
-        num_workers: workers of a multi-worker cluster, for the auto-shard policy (FILE when
-            there are at least as many files as workers, else DATA); default: from TF_CONFIG.
-        input_context: from `strategy.distribute_datasets_from_function`; the dataset then
-            reads only its pipeline's part of the data and batches `batch_size / replicas`.
+        num_classes: labels must lie in `[0, num_classes)`; default: the manifest's or the
+            schema's class count (then giving another one is an error).
+        skip_corrupt: skip what cannot be read (a truncated or corrupted shard's rest, a
+            missing shard, a record that cannot be decoded) instead of raising an error that
+            names it; each skip is printed on stderr, naming the shard and record.
+        skipped: with `skip_corrupt`, a `tfmem.SkippedRecords` that also collects the skips,
+            per shard (e.g. to print `skipped.summary()` after training).
+        **options: the `tfmem.ReaderOptions` fields: `image_size`, `batch_size` and
+            `training` (required), `data_range`, `channels`, `shuffle_buffer_size`,
+            `augment`, `cache`, `drop_remainder`, `num_parallel_reads`, `prefetch_batches`,
+            `seed`, `num_workers`, `input_context`.
 
     Returns:
         `(images, labels)`: float32 `(batch, height, width, channels)` in `data_range` and
         int32 `(batch,)`. Unlabelled sets give `(images, ids)`, or images alone without ids.
 
     Raises:
-        ValueError: no files, unknown keys, bad `data_range`, `num_parallel_reads` or
-            `prefetch_batches`; reading a damaged shard raises
-            `tf.errors.InvalidArgumentError` naming it (unless `skip_corrupt`).
+        ValueError: no files, unknown keys, an option out of range, a manifest set whose
+            shards are missing or of another size. While reading,
+            `tf.errors.InvalidArgumentError` names the shard (and record) of damaged data or
+            of a label outside the classes (unless `skip_corrupt`, for damage).
 
     Example:
         >>> train = tfmem.image_dataset("/data/flowers/train", image_size=(224, 224),
@@ -258,157 +234,65 @@ def image_dataset(
         ...                                                             # doctest: +SKIP
         >>> model.fit(train, epochs=3)                                  # doctest: +SKIP
     """
-    if tuple(data_range) not in DATA_RANGES:
-        raise ValueError(f"`data_range` must be one of {DATA_RANGES}, got {data_range!r}.")
-    if len(image_size) != 2:
-        raise ValueError(f"`image_size` must be (height, width), got {image_size!r}.")
-    check_reader_arguments(num_parallel_reads, prefetch_batches)
-    source = _Source(os.fspath(path_or_pattern), schema)
+    options = ReaderOptions.from_arguments("image_dataset", options)
+    if skipped is not None and not skip_corrupt:
+        raise ValueError("`skipped` collects what skip_corrupt=True skips; pass "
+                         "skip_corrupt=True with it, or leave it out.")
+    source = _Source(os.fspath(path_or_pattern), schema, num_classes, bool(skip_corrupt),
+                     skipped)
     schema = source.schema
-    if training and not schema.labelled:
+    if options.training and not schema.labelled:
         raise ValueError(
             f"{path_or_pattern!r} has no labels ({schema}); it can be read for prediction "
             "(training=False), not for training."
         )
-    drop_remainder = training if drop_remainder is None else drop_remainder
+    num_files = len(source.files)
     files = tf.data.Dataset.from_tensor_slices(
-        (source.files, tf.constant(source.sizes, tf.int64), tf.constant(source.counts, tf.int64)))
-    shard_records, counts = False, source.counts
-    workers = num_workers if num_workers is not None else num_workers_from_environment()
-    if input_context is not None:
+        (source.files, tf.constant(source.sizes, tf.int64), tf.constant(source.counts, tf.int64),
+         tf.range(num_files, dtype=tf.int32)))
+    shard_records, counts, batch_size = False, source.counts, options.batch_size
+    context = options.input_context
+    if context is not None:
         # Each replica gets its share of the global batch (raises if it does not divide).
-        batch_size = input_context.get_per_replica_batch_size(batch_size)
-        pipelines, index = input_context.num_input_pipelines, input_context.input_pipeline_id
+        batch_size = context.get_per_replica_batch_size(batch_size)
+        pipelines, index = context.num_input_pipelines, context.input_pipeline_id
         if pipelines == 1:
             pass  # one pipeline (one worker) feeds all its replicas: nothing to split
-        elif len(source.files) >= pipelines:
+        elif num_files >= pipelines:
             files = files.shard(pipelines, index)
             counts = counts[index::pipelines]
         else:
             shard_records = True
-    if training:
+    if options.training:
         # Seeded even when `seed` is None: every worker must see the same file order for FILE
         # sharding to split it; the per-epoch reshuffle still changes it every epoch.
-        files = files.shuffle(len(source.files), seed=0 if seed is None else seed)
+        files = files.shuffle(num_files, seed=0 if options.seed is None else options.seed)
     # tf.data opens 2 × cycle_length more shards ahead of the cycle (the parallel interleave's
-    # default `prefetch_input_elements`), each holding its block of _CHECK_BLOCK records: a set
-    # with fewer shards than 3 × num_parallel_reads never fills that window (less memory), a
-    # bigger one does, and no set goes beyond it.
+    # default `prefetch_input_elements`), each holding its block of records: a set with fewer
+    # shards than 3 × num_parallel_reads never fills that window (less memory), a bigger one
+    # does, and no set goes beyond it.
     records = files.interleave(
-        lambda f, size, count: _checked_records(f, size, count, skip_corrupt),
-        cycle_length=min(num_parallel_reads, len(source.files)),
+        lambda f, size, count, shard: integrity.checked_records(
+            f, shard, size, count, bool(skip_corrupt), skipped),
+        cycle_length=min(options.num_parallel_reads, num_files),
         num_parallel_calls=tf.data.AUTOTUNE,
-        deterministic=not training,
+        deterministic=not options.training,
     )
-    if _UNKNOWN not in counts and not skip_corrupt and (input_context or workers == 1):
+    workers = options.num_workers or num_workers_from_environment()
+    if integrity.UNKNOWN not in counts and not skip_corrupt and (context or workers == 1):
         # A known length lets Keras show steps per epoch and, under MirroredStrategy, end the
         # epoch without the extra empty step it may run on a dataset of unknown length.
         # (Not under multi-worker auto-sharding: that splits the files after this point.)
         records = records.apply(tf.data.experimental.assert_cardinality(sum(counts)))
     if shard_records:
         records = records.shard(pipelines, index)
-    spec = source.spec
-    to_example = example_fn(
-        schema, label_is_string=schema.labelled and spec[schema.label_key].dtype == tf.string,
-        num_classes=source.num_classes, image_size=tuple(image_size), channels=channels,
-        data_range=tuple(data_range))
-    dataset = batched(
-        records, lambda record: to_example(tf.io.parse_single_example(record, spec)),
-        training=training, batch_size=batch_size, drop_remainder=drop_remainder, cache=cache,
-        shuffle_buffer_size=shuffle_buffer_size, seed=seed, augment=augment,
-        prefetch_batches=prefetch_batches)
-    return dataset.with_options(
-        dataset_options(training, input_context, len(source.files), workers))
-
-
-def check_reader_arguments(num_parallel_reads: int, prefetch_batches: int) -> None:
-    """Raises ValueError for arguments that would leave memory unbounded or the reader idle."""
-    if not isinstance(num_parallel_reads, int) or num_parallel_reads < 1:
-        raise ValueError(f"`num_parallel_reads` must be a positive int (shards read at the "
-                         f"same time, e.g. 4), got {num_parallel_reads!r}.")
-    if (not isinstance(prefetch_batches, int)
-            or (prefetch_batches < 1 and prefetch_batches != tf.data.AUTOTUNE)):
-        raise ValueError(
-            f"`prefetch_batches` must be a positive int (e.g. 2) or tf.data.AUTOTUNE, got "
-            f"{prefetch_batches!r}.")
-
-
-def batched(elements: tf.data.Dataset, to_example, *, training: bool, batch_size: int,
-            drop_remainder: bool, cache: bool, shuffle_buffer_size: int, seed: int | None,
-            augment: bool, prefetch_batches: int) -> tf.data.Dataset:
-    """Shuffle (training) → decode (`to_example`) → augment → batch → prefetch.
-
-    Shared by `image_dataset` and `tfds_image_dataset`; `elements` are still encoded.
-    """
-    if cache:
-        dataset = elements.map(to_example, num_parallel_calls=tf.data.AUTOTUNE).cache()
-        if training:  # shuffle after the cache, so that each epoch has a new order
-            dataset = dataset.shuffle(shuffle_buffer_size, seed=seed)
-    else:
-        if training:  # shuffle encoded records: ~10x smaller than decoded images
-            elements = elements.shuffle(shuffle_buffer_size, seed=seed)
-        dataset = elements.map(to_example, num_parallel_calls=tf.data.AUTOTUNE,
-                               deterministic=not training)
-    if training and augment:
-        dataset = dataset.map(lambda image, *rest: (tf.image.random_flip_left_right(image, seed),
-                                                    *rest), num_parallel_calls=tf.data.AUTOTUNE)
-    # drop_remainder=True keeps the batch dimension static (TPUs need it) and every step full.
-    dataset = dataset.batch(batch_size, drop_remainder=drop_remainder)
-    # Decode the next batches while this one trains. A fixed depth, not AUTOTUNE: tf.data's
-    # prefetch autotuner doubles its buffer each time a full buffer drains to empty and never
-    # shrinks it, so a run with pauses (validation, checkpoints) keeps growing: one epoch of
-    # 0.5 GB with a 2 s pause every 20 batches peaked at 2.1 GB, vs 1.0 GB with a depth of 2
-    # (benchmarks/data_pipeline.py, 2026-11-21).
-    return dataset.prefetch(prefetch_batches)
-
-
-def dataset_options(training: bool, input_context, num_files: int,
-                    workers: int) -> tf.data.Options:
-    """Determinism and auto-shard policy, shared by `image_dataset` and `tfds_image_dataset`."""
-    result = tf.data.Options()
-    # Evaluation keeps the order (ids line up with predictions); training takes whichever
-    # element is ready first, which is faster.
-    result.deterministic = not training
-    distribute = result.experimental_distribute
-    if input_context is not None:  # already split by the input pipeline
-        distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-    else:
-        distribute.auto_shard_policy = auto_shard_policy(num_files, workers)
-    return result
-
-
-def example_fn(schema: schema_lib.Schema, *, label_is_string: bool, num_classes: int | None,
-               image_size: tuple[int, int], channels: int, data_range):
-    """Maps a dict of parsed features to `(image, label)`, `(image, id)` or `image`."""
-    table = None
-    if label_is_string:
-        table = tf.lookup.StaticHashTable(
-            tf.lookup.KeyValueTensorInitializer(
-                list(schema.class_names), tf.range(len(schema.class_names), dtype=tf.int64)),
-            default_value=-1)
-
-    def to_example(features):
-        image = tf.io.decode_image(features[schema.image_key], channels=channels,
-                                   expand_animations=False)
-        image = tf.image.resize(image, image_size)  # float32, values still in 0..255
-        if data_range == (0, 1):
-            image = image / 255.0
-        if not schema.labelled:
-            return (image, features[schema.id_key]) if schema.id_key else image
-        label = tf.cast(features[schema.label_key], tf.int64) if table is None else (
-            table.lookup(features[schema.label_key]))
-        if table is not None:
-            tf.debugging.assert_non_negative(
-                label, message=f"a label in {schema.label_key!r} is not one of the class_names")
-        else:
-            label = label - schema.label_offset
-        if num_classes is not None:
-            tf.debugging.assert_less(
-                label, tf.constant(num_classes, tf.int64),
-                message=f"a label is >= the number of classes ({num_classes})")
-        tf.debugging.assert_non_negative(
-            label, message=f"a label in {schema.label_key!r} is negative after subtracting "
-                           f"label_offset={schema.label_offset}")
-        return image, tf.cast(label, tf.int32)
-
-    return to_example
+    spec, names = source.spec, tf.constant(source.files)
+    decode_block = pipeline.decode_fn(
+        schema, parse=lambda record: tf.io.parse_single_example(record, spec),
+        label_is_string=schema.labelled and spec[schema.label_key].dtype == tf.string,
+        num_classes=source.num_classes, options=options,
+        describe=lambda shards, indices: (tf.gather(names, shards), indices),
+        skip_corrupt=bool(skip_corrupt), log=skipped)
+    dataset = pipeline.batched(records, decode_block,
+                               dataclasses.replace(options, batch_size=batch_size))
+    return dataset.with_options(pipeline.dataset_options(options, num_files))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-import tensorflow as tf
+from tfmem._tf import tf
 
 # Leading bytes of the encodings `tf.io.decode_image` reads.
 _IMAGE_SIGNATURES = {

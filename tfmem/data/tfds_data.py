@@ -8,12 +8,13 @@ shuffle → batch tail, with the same options as `image_dataset`. Nothing is dow
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Sequence
 
-import tensorflow as tf
+from tfmem._tf import tf
 
-from tfmem.data import reader as data
+from tfmem.data import pipeline
+from tfmem.data.options import ReaderOptions, with_reader_options
 from tfmem.data.schema import Schema
 
 
@@ -34,52 +35,41 @@ def tfds_builder(name_or_dir: str, data_dir: str | None = None):
     return builder
 
 
+@with_reader_options
 def tfds_image_dataset(
     name_or_dir: str,
     *,
     split: str,
-    image_size: Sequence[int],
-    batch_size: int,
-    training: bool,
     data_dir: str | None = None,
-    data_range: tuple[float, float] = (0, 255),
     image_key: str = "image",
     label_key: str = "label",
-    channels: int = 3,
-    shuffle_buffer_size: int = 1024,
-    augment: bool = False,
-    cache: bool = False,
-    drop_remainder: bool | None = None,
-    num_parallel_reads: int = 4,
-    prefetch_batches: int = 2,
-    seed: int | None = None,
-    num_workers: int | None = None,
-    input_context: tf.distribute.InputContext | None = None,
+    **options,
 ) -> tf.data.Dataset:
     """Streams a tfds-prepared image-classification split as `(images, labels)` batches.
 
-    Same batching, `data_range`, shuffling and distribution options as `tfmem.image_dataset`.
-    Images are read still encoded (`tfds.decode.SkipDecoding`) and decoded in tfmem's
-    parallel map, after the shuffle buffer, so the buffer holds small encoded images.
+    Same batching, `data_range`, shuffling and distribution options as `tfmem.image_dataset`
+    (the `tfmem.ReaderOptions` fields). Images are read still encoded
+    (`tfds.decode.SkipDecoding`) and decoded in tfmem's parallel map, after the shuffle
+    buffer, so the buffer holds small encoded images. A record that cannot be decoded, or
+    whose label is outside the dataset's classes, raises an error naming its tfds file and
+    index.
 
     Args:
         name_or_dir: a tfds name (e.g. `"tf_flowers"`) prepared in `data_dir`, or the
             prepared version directory (holding `dataset_info.json`).
         split: a tfds split, e.g. `"train"`, `"train[:90%]"`.
-        image_size: as in `tfmem.image_dataset`, and so are `batch_size`, `training`,
-            `data_range`, `channels`, `shuffle_buffer_size`, `augment`, `cache`,
-            `drop_remainder`, `num_parallel_reads` (tfds's `interleave_cycle_length`),
-            `prefetch_batches`, `seed`, `num_workers` and `input_context`.
         data_dir: where tfds prepared the dataset (default: tfds's own, ~/tensorflow_datasets).
         image_key: the `tfds.features.Image` feature.
         label_key: the `tfds.features.ClassLabel` feature.
+        **options: the `tfmem.ReaderOptions` fields, as in `tfmem.image_dataset`
+            (`num_parallel_reads` is tfds's `interleave_cycle_length`).
 
     Returns:
         `(images float32 in data_range, labels int32)` batches.
 
     Raises:
         ValueError: the dataset is not prepared there, lacks the image/label features, or
-            `num_parallel_reads` / `prefetch_batches` is out of range.
+            an option is out of range.
 
     Example:
         >>> train = tfmem.tfds_image_dataset("tf_flowers", split="train[:90%]",
@@ -88,9 +78,7 @@ def tfds_image_dataset(
     """
     import tensorflow_datasets as tfds
 
-    if tuple(data_range) not in data.DATA_RANGES:
-        raise ValueError(f"`data_range` must be one of {data.DATA_RANGES}, got {data_range!r}.")
-    data.check_reader_arguments(num_parallel_reads, prefetch_batches)
+    options = ReaderOptions.from_arguments("tfds_image_dataset", options)
     builder = tfds_builder(name_or_dir, data_dir)
     features = builder.info.features
     for role, key in (("image_key", image_key), ("label_key", label_key)):
@@ -102,22 +90,28 @@ def tfds_image_dataset(
     if split not in builder.info.splits:
         raise ValueError(f"tfds dataset {builder.name!r} has no split {split!r}; it has "
                          f"{list(builder.info.splits)}.")
-    drop_remainder = training if drop_remainder is None else drop_remainder
-    if input_context is not None:
-        batch_size = input_context.get_per_replica_batch_size(batch_size)
+    batch_size = options.batch_size
+    if options.input_context is not None:
+        batch_size = options.input_context.get_per_replica_batch_size(batch_size)
     read_config = tfds.ReadConfig(
-        input_context=input_context,  # tfds splits files (or records) per input pipeline
-        shuffle_seed=seed, interleave_cycle_length=num_parallel_reads, try_autocache=False)
-    elements = builder.as_dataset(split=split, shuffle_files=training, read_config=read_config,
+        input_context=options.input_context,  # tfds splits files (or records) per pipeline
+        shuffle_seed=options.seed, interleave_cycle_length=options.num_parallel_reads,
+        try_autocache=False, add_tfds_id=True)  # the id names a record that fails
+    elements = builder.as_dataset(split=split, shuffle_files=options.training,
+                                  read_config=read_config,
                                   decoders={image_key: tfds.decode.SkipDecoding()})
-    to_example = data.example_fn(
-        Schema(image_key=image_key, label_key=label_key), label_is_string=False,
-        num_classes=getattr(features[label_key], "num_classes", None),
-        image_size=tuple(image_size), channels=channels, data_range=tuple(data_range))
-    dataset = data.batched(
-        elements, to_example, training=training, batch_size=batch_size,
-        drop_remainder=drop_remainder, cache=cache, shuffle_buffer_size=shuffle_buffer_size,
-        seed=seed, augment=augment, prefetch_batches=prefetch_batches)
-    workers = num_workers if num_workers is not None else data.num_workers_from_environment()
-    return dataset.with_options(data.dataset_options(
-        training, input_context, builder.info.splits[split].num_shards, workers))
+    elements = elements.map(lambda example: (
+        {image_key: example[image_key], label_key: example[label_key]}, example["tfds_id"]))
+
+    def describe(tfds_ids):  # "mnist-train.tfrecord-00000-of-00001__17" → (file, 17)
+        return (tf.strings.regex_replace(tfds_ids, "__[0-9]+$", ""),
+                tf.strings.to_number(tf.strings.regex_replace(tfds_ids, "^.*__", ""), tf.int64))
+
+    decode_block = pipeline.decode_fn(
+        Schema(image_key=image_key, label_key=label_key), parse=None, label_is_string=False,
+        num_classes=getattr(features[label_key], "num_classes", None), options=options,
+        describe=describe, skip_corrupt=False, log=None)
+    dataset = pipeline.batched(elements, decode_block,
+                               dataclasses.replace(options, batch_size=batch_size))
+    return dataset.with_options(
+        pipeline.dataset_options(options, builder.info.splits[split].num_shards))

@@ -3,20 +3,25 @@
 Each record is a `tf.train.Example` with the encoded image (`image`: JPEG/PNG bytes), its
 `label`, `height`, `width`, `channels` and an `id`. Shards are written streaming, one example
 at a time, each under a temporary hidden name that is renamed when the shard is complete; the
-`manifest.json` is written last. So a directory with a manifest is a complete set, and an
-interrupted run never leaves a half-written file under a shard's name.
+`manifest.json` is written last, in one rename, and it alone says which shards form the set.
+So a directory with a manifest is a complete set, and an interrupted run never leaves a
+half-written file under a shard's name. Replacing a set (`overwrite=True`) writes the new
+shards beside the old ones, under names of their own, and the new manifest's rename is the
+switch: a kill at any moment leaves the old set or the new one, complete; the files of the
+other are removed by the next write into the directory.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import secrets
 import struct
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
-import tensorflow as tf
+from tfmem._tf import tf
 
 from tfmem.data import manifest as manifest_lib
 from tfmem.data.schema import Schema, image_format
@@ -215,15 +220,23 @@ def _dataset_source(dataset: tf.data.Dataset, class_names, encoding):
 
 
 class _ShardWriter:
-    """Writes records into shards of about `max_bytes`, each renamed into place when full."""
+    """Writes records into shards of about `max_bytes`, each renamed into place when full.
+
+    Shard names carry a write id (`shard-<id>-00000.tfrecord`), so that a new set never
+    takes the name of a shard of the set it replaces.
+    """
 
     def __init__(self, directory: str, max_bytes: int):
         self.directory, self.max_bytes = directory, max_bytes
+        taken = set(tf.io.gfile.listdir(directory))
+        self.write_id = secrets.token_hex(3)
+        while any(name.startswith(f"shard-{self.write_id}-") for name in taken):
+            self.write_id = secrets.token_hex(3)
         self.shards: list[manifest_lib.Shard] = []
         self._writer, self._count, self._bytes = None, 0, 0
 
     def _names(self) -> tuple[str, str]:
-        name = f"shard-{len(self.shards):05d}.tfrecord"
+        name = f"shard-{self.write_id}-{len(self.shards):05d}.tfrecord"
         temporary = f".{name}.tmp-{os.getpid()}"  # hidden, and no shard pattern matches it
         return os.path.join(self.directory, name), os.path.join(self.directory, temporary)
 
@@ -246,14 +259,16 @@ class _ShardWriter:
         self._writer, self._count, self._bytes = None, 0, 0
 
     def abort(self) -> None:
-        """Drops the shard being written, so that no partial file remains."""
+        """Removes what this write made (its open shard and its finished ones)."""
         if self._writer is not None:
             self._writer.close()
             tf.io.gfile.remove(self._names()[1])
             self._writer = None
+        for shard in self.shards:
+            tf.io.gfile.remove(os.path.join(self.directory, shard.name))
 
 
-def _prepare_directory(output_dir: str, overwrite: bool) -> None:
+def _check_directory(output_dir: str, overwrite: bool) -> None:
     tf.io.gfile.makedirs(output_dir)
     existing = tf.io.gfile.glob(os.path.join(output_dir, SHARD_PATTERN))
     if tf.io.gfile.exists(os.path.join(output_dir, manifest_lib.MANIFEST_NAME)):
@@ -264,10 +279,17 @@ def _prepare_directory(output_dir: str, overwrite: bool) -> None:
             f"{os.path.basename(existing[0])!r}). Write into an empty directory, or pass "
             "overwrite=True (`--overwrite`) to replace it."
         )
-    # Hidden leftovers of a run that was killed mid-shard (nothing else could remove them).
-    existing += tf.io.gfile.glob(os.path.join(output_dir, ".shard-*.tfrecord.tmp-*"))
-    for path in existing:
-        tf.io.gfile.remove(path)
+
+
+def _remove_unlisted(output_dir: str, manifest: manifest_lib.Manifest) -> None:
+    """Removes the shards `manifest` does not list: the replaced set's, and the leftovers of
+    writes that were killed (hidden temporary shards, shards without a manifest)."""
+    listed = {shard.name for shard in manifest.shards}
+    leftovers = tf.io.gfile.glob(os.path.join(output_dir, SHARD_PATTERN))
+    leftovers += tf.io.gfile.glob(os.path.join(output_dir, ".shard-*.tfrecord.tmp-*"))
+    for path in leftovers:
+        if os.path.basename(path) not in listed:
+            tf.io.gfile.remove(path)
 
 
 def write_image_tfrecords(
@@ -292,7 +314,7 @@ def write_image_tfrecords(
             - a pair `(images, labels)` of numpy arrays: uint8 `(N, H, W[, C])` and int `(N,)`;
             - a `tf.data.Dataset` (e.g. a tfds split with `as_supervised=True`) of
               `(image, label)` or `{"image", "label"}`: uint8 images, or encoded bytes.
-        output_dir: directory for the shards (`shard-00000.tfrecord`, ...) and manifest.
+        output_dir: directory for the shards (`shard-<id>-00000.tfrecord`, ...) and manifest.
         shard_size_mb: a shard is closed once it holds this many megabytes (10**6 bytes);
             100-200 MB shards read efficiently from disk and cloud storage.
         class_names: class names for numpy/dataset sources (labels index them). Default:
@@ -303,7 +325,8 @@ def write_image_tfrecords(
         seed: seed of that order.
         skip_unreadable: skip (and list in `manifest.skipped`) folder files that are not
             readable JPEG/PNG images instead of raising.
-        overwrite: replace a set already in `output_dir` instead of raising.
+        overwrite: replace a set already in `output_dir` instead of raising; the old set
+            stays readable until the new one is complete.
         progress: called after each example with `(examples_written, bytes_written, total)`;
             `total` is None when the source's size is unknown.
 
@@ -338,7 +361,7 @@ def write_image_tfrecords(
             "`source` must be an image folder path, a pair (images, labels) of numpy arrays "
             f"or a tf.data.Dataset of (image, label); got {type(source).__name__}."
         )
-    _prepare_directory(output_dir, overwrite)
+    _check_directory(output_dir, overwrite)
     writer = _ShardWriter(output_dir, int(shard_size_mb * 10**6))
     num_examples, num_bytes, max_label, encodings = 0, 0, -1, set()
     try:
@@ -351,7 +374,7 @@ def write_image_tfrecords(
             if progress is not None:
                 progress(num_examples, num_bytes, total)
         writer.finish_shard()
-    except BaseException:  # includes KeyboardInterrupt: never leave a partial shard behind
+    except BaseException:  # includes KeyboardInterrupt: leave the directory as it was
         writer.abort()
         raise
     if names is None:  # a dataset source without class names: as many as the labels need
@@ -365,5 +388,6 @@ def write_image_tfrecords(
         image_formats=tuple(sorted(encodings)),
         skipped=tuple(skipped),
     )
-    manifest_lib.write_manifest(result)
+    manifest_lib.write_manifest(result)  # the switch from the old set (if any) to this one
+    _remove_unlisted(output_dir, result)
     return result

@@ -125,3 +125,69 @@ def _abstract_batch(value):
     mesh = distribution.device_mesh.backend_mesh
     spec = jax.sharding.PartitionSpec(distribution.batch_dim_name)
     return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
+
+
+def saved_residuals(layer: keras.layers.Layer, inputs: list) -> tuple:
+    """Which tensors JAX's backward of `layer(*inputs)` keeps, read from `jax.vjp`'s residuals.
+
+    The JAX counterpart of `tfmem.memory.saved_tensors.traced_saved_tensors`, with the same
+    result: the residuals of `jax.vjp` over the layer's stateless call (weights and inputs),
+    traced abstractly with a symbolic batch dimension, so nothing runs. A residual with the
+    batch dimension and the shape and dtype of an input (or an output) is counted as that
+    tensor; the others are the layer's own.
+
+    Args:
+        layer: a built Keras layer.
+        inputs: its symbolic input tensors (`keras.KerasTensor`s with a batch dimension).
+
+    Returns:
+        (indices of inputs kept, indices of outputs kept, bytes per sample of each other
+        kept tensor, bytes per sample of the largest output).
+
+    Example:
+        >>> saved_residuals(keras.layers.Dense(4, activation="relu"), [keras.Input((8,))])
+        ([0], [], [4, 16], 16)  # doctest: +SKIP
+    """
+    from tfmem import _keras_internals as internals
+
+    (batch,) = jax.export.symbolic_shape("batch")
+    specs = [jax.ShapeDtypeStruct((batch,) + tuple(t.shape[1:]), t.dtype) for t in inputs]
+    non_trainable = [v.value for v in layer.non_trainable_variables]
+    kwargs = {"training": True} if internals.call_has_training_arg(layer) else {}
+
+    def forward(trainable, *xs):
+        return layer.stateless_call(trainable, non_trainable, *xs, **kwargs)[0]
+
+    trainable = [v.value for v in layer.trainable_variables]
+    residuals = jax.eval_shape(lambda *args: jax.vjp(forward, *args)[1], trainable, *specs)
+    outputs = tree.flatten(jax.eval_shape(forward, trainable, *specs))
+
+    def per_sample(leaf) -> int | None:
+        shape = tuple(leaf.shape)
+        if not shape or isinstance(shape[0], int) or not all(isinstance(d, int) for d in shape[1:]):
+            return None  # a weight or a constant: no batch dimension
+        return int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+
+    def signature(leaf):
+        return tuple(leaf.shape[1:]), np.dtype(leaf.dtype)
+
+    unmatched_inputs = {i: signature(s) for i, s in enumerate(specs)}
+    unmatched_outputs = {i: signature(o) for i, o in enumerate(outputs)}
+    kept_inputs, kept_outputs, internal = [], [], []
+    for leaf in jax.tree_util.tree_leaves(residuals):
+        size = per_sample(leaf)
+        if size is None:
+            continue
+        found = [i for i, s in unmatched_inputs.items() if s == signature(leaf)]
+        if found:
+            kept_inputs.append(found[0])
+            del unmatched_inputs[found[0]]
+            continue
+        found = [i for i, s in unmatched_outputs.items() if s == signature(leaf)]
+        if found:
+            kept_outputs.append(found[0])
+            del unmatched_outputs[found[0]]
+            continue
+        internal.append(size)
+    largest = max((per_sample(o) or 0 for o in outputs), default=0)
+    return sorted(kept_inputs), sorted(kept_outputs), internal, largest

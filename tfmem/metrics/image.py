@@ -45,6 +45,8 @@ import keras
 import numpy as np
 from keras import ops
 
+from tfmem import backend
+
 __all__ = ["mae", "mse", "psnr", "ssim", "MAE", "MSE", "PSNR", "SSIM"]
 
 DataRange = Union[float, Sequence[float]]
@@ -72,11 +74,10 @@ def _resolve_range(data_range: DataRange) -> tuple[float, float]:
 
 def _is_traced(x) -> bool:
     """True inside a compiled function, where values are unknown until run time."""
-    backend = keras.backend.backend()
-    if backend == "tensorflow":
+    if backend.NAME == "tensorflow":
         import tensorflow as tf
         return not tf.executing_eagerly()
-    if backend == "jax":
+    if backend.NAME == "jax":
         import jax
         return isinstance(x, jax.core.Tracer)
     return False
@@ -128,7 +129,7 @@ def _check_range(y_true, y_pred, low, high, metric):
                 f"which inflates SSIM to ~1 and PSNR by {20 * math.log10(span):.0f} dB; "
                 "pass data_range=1.0.")
         return None
-    if keras.backend.backend() == "tensorflow":
+    if backend.NAME == "tensorflow":
         import tensorflow as tf
         message = f"{metric}: values outside the declared data_range ({low:g}, {high:g}); {fix}."
         for x in (y_true, y_pred):

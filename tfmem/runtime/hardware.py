@@ -12,8 +12,6 @@ import shutil
 import subprocess
 from collections.abc import Mapping
 
-import tensorflow as tf
-
 from tfmem.runtime import devices
 from tfmem.runtime import tpu
 from tfmem.runtime.cluster import workers_in_tf_config
@@ -67,6 +65,8 @@ def inspect_hardware(environ: Mapping[str, str] | None = None) -> Hardware:
 def _visible_gpus() -> tuple[GPU, ...]:
     # get_visible_devices / get_device_details do not initialise the runtime, so this stays
     # safe before MultiWorkerMirroredStrategy must be created.
+    from tfmem._tf import tf
+
     visible = tf.config.get_visible_devices("GPU")
     if not visible:
         return ()

@@ -10,6 +10,7 @@ import argparse
 import os
 import platform
 import sys
+import traceback
 from importlib import metadata
 
 from tfmem.runtime import devices
@@ -17,7 +18,7 @@ from tfmem.runtime import precision
 from tfmem._version import __version__
 from tfmem import backend
 from tfmem.backend import detect
-from tfmem.runtime.hardware import inspect_hardware
+from tfmem.runtime import tpu
 from tfmem.runtime.runtime import Runtime, UnavailableDeviceError
 
 _GIB = 1024**3
@@ -57,7 +58,7 @@ def describe(runtime: Runtime | None = None) -> str:
         ("strategy", f"{strategy.__module__}.{strategy.__qualname__}"),
         ("precision policy", f"{precision.policy_for(runtime)} (recommended); "
          f"{keras.mixed_precision.global_policy().name} (set now)"),
-        ("TPU signals", "; ".join(inspect_hardware().tpu_signals) or "none"),
+        ("TPU signals", "; ".join(tpu.signals()) or "none"),
         ("host RAM available", f"{devices.host_available_memory() / _GIB:.1f} GiB"),
         ("CPU cores", str(os.cpu_count())),
         ("tfmem", __version__),
@@ -85,20 +86,34 @@ def _versions(*distributions: str) -> str:
     return ", ".join(found) or "not installed"
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of argparse's usage block
+        print(f"error: {message}; see tfmem-env --help", file=sys.stderr)
+        sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `tfmem-env`: prints `describe(detect(prefer))`."""
-    parser = argparse.ArgumentParser(
-        prog="tfmem-env", description="Print the device, replicas, memory and versions."
-    )
+    """Entry point of `tfmem-env`: prints `describe(detect(prefer))`.
+
+    Errors are one line on stderr, `error: <what>; <how to fix>`: exit status 2 for a wrong
+    option, 1 when the device cannot be used; `--debug` prints the traceback too.
+    """
+    parser = _Parser(prog="tfmem-env", description="Print the device, replicas, memory and "
+                     "versions.")
     parser.add_argument("--prefer", choices=["tpu", "gpu", "cpu"], default=None,
                         help="force a device kind, as tfmem.detect(prefer=...)")
+    parser.add_argument("--debug", action="store_true", help="on an error, print its traceback")
     args = parser.parse_args(argv)
     try:
-        runtime = detect(prefer=args.prefer)
-    except UnavailableDeviceError as error:
-        print(f"tfmem-env: {error}", file=sys.stderr)
+        print(describe(detect(prefer=args.prefer)))
+    except Exception as error:  # every failure ends as one line (and its traceback)
+        if args.debug:
+            traceback.print_exc()
+        text = " ".join(str(error).split()) or type(error).__name__
+        if not isinstance(error, UnavailableDeviceError):
+            text = f"{type(error).__name__}: {text}"
+        print(f"error: {text}", file=sys.stderr)
         return 1
-    print(describe(runtime))
     return 0
 
 

@@ -11,16 +11,22 @@ import glob
 import os
 from collections.abc import Callable, Iterable, Mapping
 from importlib import metadata
-
-import tensorflow as tf
+from typing import TYPE_CHECKING
 
 from tfmem.runtime import devices
 
+if TYPE_CHECKING:  # TensorFlow is imported only to connect: signals and messages need none
+    import tensorflow as tf
+
 _SIGNAL_VARIABLES = ("TPU_ACCELERATOR_TYPE", "TPU_NAME", "COLAB_TPU_ADDR")
 
-# What TensorFlow raises while connecting to / initialising a TPU; anything else is a bug
-# that should surface as-is.
-CONNECT_ERRORS = (tf.errors.OpError, ValueError, RuntimeError, ImportError)
+
+def _connect_errors() -> tuple[type[Exception], ...]:
+    """What TensorFlow raises while connecting to / initialising a TPU; anything else is a bug
+    that should surface as-is."""
+    from tfmem._tf import tf
+
+    return (tf.errors.OpError, ValueError, RuntimeError, ImportError)
 
 _INSTALL_TENSORFLOW_TPU = (
     "pip uninstall -y tensorflow tensorflow-cpu && pip install 'tensorflow-tpu==2.20.*' "
@@ -100,6 +106,8 @@ def connect(name: str) -> tf.distribute.Strategy:
     Initialising a TPU twice discards the variables on it, so a second call returns the
     strategy of the first.
     """
+    from tfmem._tf import tf
+
     if name not in _connected:
         resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=name)
         tf.config.experimental_connect_to_cluster(resolver)
@@ -113,10 +121,11 @@ def connect_first(
 ) -> tuple[tf.distribute.Strategy | None, list[tuple[str, Exception]]]:
     """Tries each name in turn; returns the first strategy (or None) and the errors on the way."""
     failures: list[tuple[str, Exception]] = []
+    errors = _connect_errors()
     for name in names:
         try:
             return connect_fn(name), failures
-        except CONNECT_ERRORS as error:
+        except errors as error:
             failures.append((name, error))
     return None, failures
 
@@ -196,6 +205,8 @@ def _installed_tensorflow() -> str:
             return f"{distribution} {metadata.version(distribution)}"
         except metadata.PackageNotFoundError:
             continue
+    from tfmem._tf import tf
+
     return f"tensorflow {tf.__version__}"
 
 

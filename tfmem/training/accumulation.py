@@ -1,65 +1,15 @@
-"""Gradient accumulation inside one train step: `AccumModel`.
+"""`AccumModel`: a `keras.Model` that runs each global batch as micro-batches in one train step.
 
-`AccumModel` is a `keras.Model` whose `train_step` receives the **global** batch
-(per replica), runs it as `k = accumulation_steps` micro-batches and applies
-**one** optimizer update. Only the activations of one micro-batch are alive at
-a time, so activation memory scales with the micro-batch, not the global batch.
-
-Semantics (the single reference; `tfmem/training/accumulation_jax.py` mirrors it):
-
-* **Split.** A global batch of `B` rows (per replica) is reshaped to
-  `[k, B // k, ...]`; micro-batch `i` is the contiguous rows
-  `[i * B/k, (i + 1) * B/k)` of `x`, `y` and `sample_weight` alike. `B` must be
-  divisible by `k`: a static `B` that is not raises `ValueError` when the step
-  is traced; a dynamic one (a partial last batch) fails the step with an
-  `InvalidArgumentError` carrying the same advice (batch with
-  `drop_remainder=True`).
-* **Loss normalisation.** Keras reduces a compiled loss with
-  `"sum_over_batch_size"`: `L = sum_j(w_j * l_j) / N`, where `N` counts the
-  loss *elements* (rows × any trailing dims), **not** the sum of sample
-  weights. A micro-batch loss is therefore `L_i = sum_{j in i}(w_j l_j) / (N/k)`
-  and the window loss `(1/k) * sum_i L_i` equals the big-batch loss exactly,
-  with or without sample weights (zero weights included). Regularisation
-  losses, added once to every `L_i`, also average to themselves. Reductions
-  that normalise per call by something else (`"sum"`,
-  `"mean_with_sample_weight"`, `"none"`) cannot be recombined by a mean and are
-  rejected with a `ValueError` when the step is traced.
-* **Gradients.** `g = (1/k) * sum_i grad(scale * L_i)`, accumulated in
-  float32 in `tf.while_loop` carried tensors (one extra float32 copy of the
-  trainable weights), then one `optimizer.apply_gradients(g)`: one gradient
-  all-reduce per update under `tf.distribute`, one `optimizer.iterations`
-  increment, one learning-rate schedule step. Weights that get no gradient
-  stay `None`, as in a plain step.
-* **Mixed precision.** `scale` is the `LossScaleOptimizer`'s current scale
-  (1 otherwise). The sum of scaled micro-batch gradients is unscaled once by
-  the optimizer; a non-finite gradient in any micro-batch makes the sum
-  non-finite, so the whole update is skipped and the scale lowered. A window
-  is never applied partially.
-* **BatchNormalization.** Each micro-batch is normalised with its own
-  statistics (as in any accumulation). The moving statistics `s` (moving
-  mean, moving variance, and the renorm statistics) of every
-  `BatchNormalization` layer take one momentum step per window with the
-  micro-batch statistics averaged:
-  `s <- momentum * s + (1 - momentum) * (1/k) * sum_i stat_i`, where `stat_i`
-  is micro-batch `i`'s batch mean (or biased variance). Other stateful layers
-  (dropout seeds, custom state) update once per micro-batch, as they would in
-  `k` forward passes.
-* **Metrics and the logged loss** are accumulated over the `k` micro-batches
-  (each metric sees every row once) and reported once per global batch, so
-  callbacks and the progress bar count real updates.
-* **Memory.** `fit` plans the run before the first step (`tfmem.memory.planner.guard`):
-  a global batch whose micro-batch does not fit the replica's memory raises
-  `tfmem.MemoryPlanError` naming the setting that would fit (`check_memory=False`
-  runs anyway); `accumulation_steps="auto"` takes `k` from that plan.
-* **Not exact:** losses that use Keras masks (normalised by the valid entries
-  of each micro-batch); `BatchNormalization(synchronized=True)` under a
-  strategy is untested.
+What a step computes (split, loss normalisation, gradients, mixed precision, BatchNorm, metrics,
+memory) and what is exact is stated once, in docs/accumulation.md. The step itself is the
+backend's (`accumulation_tf`, `accumulation_jax`), chosen once in `tfmem.backend`.
 """
 
 from __future__ import annotations
 
 import numbers
 import warnings
+import weakref
 
 import keras
 
@@ -90,22 +40,35 @@ def _validate_accumulation_steps(value) -> int | str:
     return int(value)
 
 
-@keras.saving.register_keras_serializable(package="tfmem")
 class AccumModel(backend.AccumTrainer, keras.Model):
     """A `keras.Model` that accumulates gradients over micro-batches in one step.
 
-    Build it like a functional model, or wrap an existing one with
-    `AccumModel.wrap`. `compile`, `fit`, `evaluate` and `predict` are the
-    plain Keras ones; only `train_step` differs (see the module docstring for
-    the exact split, normalisation, mixed-precision and BatchNorm semantics).
-    Batch the data by the *global* batch size: each step splits it into
-    `accumulation_steps` micro-batches.
+    Make one as you would make a `keras.Model`, in one of three ways:
+
+    * **Functional:** `AccumModel(inputs, outputs, accumulation_steps=k)`.
+    * **Wrapping** a functional or `Sequential` model, sharing its layers:
+      `AccumModel.wrap(model, accumulation_steps=k)`.
+    * **Subclassing:** `class Net(AccumModel)` with your own `__init__` (which
+      forwards `**kwargs`, or passes `accumulation_steps`, to `super().__init__`)
+      and `call`.
+
+    `compile`, `fit`, `evaluate` and `predict` are the plain Keras ones; only
+    `train_step` differs (its exact semantics: docs/accumulation.md). Batch the
+    data by the *global* batch size: each step splits it by rows into
+    `accumulation_steps` micro-batches and applies one optimizer update.
+
+    Like `keras.Model(inputs, outputs)`, which returns an instance of Keras's
+    `Functional`, `AccumModel(inputs, outputs)` returns an instance of
+    `AccumModel`'s functional form (a subclass of both); test for it with
+    `isinstance(model, AccumModel)`.
 
     Args:
         *args: Forwarded to `keras.Model` (`inputs`, `outputs`).
         accumulation_steps: Number of micro-batches `k` per global batch, or
             "auto": `fit` picks the smallest `k` whose micro-batch fits the
-            replica's memory (`tfmem.plan`).
+            replica's memory (`tfmem.plan`). None (the default) means 1, except
+            for the copy `keras.models.clone_model` makes of an `AccumModel`,
+            which keeps the original's.
         **kwargs: Forwarded to `keras.Model` (`name`, ...).
 
     Raises:
@@ -120,10 +83,30 @@ class AccumModel(backend.AccumTrainer, keras.Model):
     model = tfmem.AccumModel(inputs, outputs, accumulation_steps=4)
     model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     model.fit(images, labels, batch_size=256)  # 4 micro-batches of 64, 1 update
+
+    class Net(tfmem.AccumModel):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.hidden = keras.layers.Dense(64, activation="relu")
+            self.head = keras.layers.Dense(10)
+
+        def call(self, x):
+            return self.head(self.hidden(x))
+
+    net = Net(accumulation_steps=4)
     ```
     """
 
-    def __init__(self, *args, accumulation_steps: int | str = 1, **kwargs):
+    def __new__(cls, *args, **kwargs):
+        # `AccumModel(inputs, outputs)` makes the functional form, as `keras.Model(inputs,
+        # outputs)` makes a `Functional`; AccumModel itself stays a subclassable Model.
+        if internals.functional_init_arguments(args, kwargs):
+            cls = _functional_form(cls)
+        return super().__new__(cls, *args, **kwargs)
+
+    def __init__(self, *args, accumulation_steps: int | str | None = None, **kwargs):
+        if accumulation_steps is None:
+            accumulation_steps = _replayed_accumulation_steps(args, kwargs)
         super().__init__(*args, **kwargs)
         self.accumulation_steps = accumulation_steps
         self._auto_accumulation = accumulation_steps == "auto"
@@ -258,9 +241,11 @@ class AccumModel(backend.AccumTrainer, keras.Model):
 
     def get_config(self) -> dict:
         config = super().get_config()
-        config["accumulation_steps"] = (
-            "auto" if self._auto_accumulation else self.accumulation_steps)
+        config["accumulation_steps"] = self._configured_steps()
         return config
+
+    def _configured_steps(self) -> int | str:
+        return "auto" if self._auto_accumulation else self.accumulation_steps
 
     # `Model.from_config` revives functional configs through `cls(inputs=...,
     # outputs=..., **config)`, which passes `accumulation_steps` back to __init__.
@@ -295,6 +280,62 @@ class AccumModel(backend.AccumTrainer, keras.Model):
                     "micro-batch losses reduced that way does not give the big-batch "
                     "loss. Use the loss's default reduction."
                 )
+
+
+class Functional(AccumModel, internals.functional_class()):
+    """The functional form of `AccumModel`: what `AccumModel(inputs, outputs)` returns.
+
+    It is to `AccumModel` what Keras's `Functional` is to `keras.Model`, and is named like it
+    because Keras tells functional models by that class name (TensorBoard writes their graph).
+    """
+
+    def _run_through_graph(self, *args, **kwargs):  # internals.GRAPH_REPLAY_HOOK
+        outputs = super()._run_through_graph(*args, **kwargs)
+        if not hasattr(self, "_auto_accumulation"):  # Keras's own checks while constructing
+            return outputs
+        # `keras.models.clone_model` builds its copy from these outputs, named like this model.
+        for tensor in keras.tree.flatten(outputs):
+            if isinstance(tensor, keras.KerasTensor):
+                _REPLAYED_FROM[tensor] = (self.name, self._configured_steps())
+        return outputs
+
+
+# Symbolic outputs of a functional AccumModel's graph → (that model's name, its steps).
+_REPLAYED_FROM = weakref.WeakKeyDictionary()
+
+
+def _functional_form(cls: type) -> type:
+    """The class `cls(inputs, outputs)` instantiates."""
+    if issubclass(cls, internals.functional_class()):
+        return cls
+    if cls is AccumModel:
+        return Functional
+    # A subclass built from inputs and outputs becomes functional for good, as Keras makes a
+    # `keras.Model` subclass so used; AccumModel itself is never changed, so subclassing it and
+    # building it functionally work in any order.
+    cls.__bases__ = tuple(
+        _functional_form(base) if issubclass(base, AccumModel) else base for base in cls.__bases__
+    )
+    return cls
+
+
+def _replayed_accumulation_steps(args: tuple, kwargs: dict) -> int | str:
+    """The steps of the model whose clone these constructor arguments build; otherwise 1."""
+    outputs = kwargs["outputs"] if "outputs" in kwargs else args[1] if len(args) > 1 else None
+    sources = {_REPLAYED_FROM.get(tensor) for tensor in keras.tree.flatten(outputs)
+               if isinstance(tensor, keras.KerasTensor)}
+    if len(sources) == 1:
+        (source,) = sources
+        if source is not None and source[0] == kwargs.get("name"):
+            return source[1]
+    return 1
+
+
+# Saved AccumModels revive through `AccumModel.from_config` (registered last under the name),
+# which builds the functional form again from a functional config.
+for _cls in (Functional, AccumModel):
+    keras.saving.register_keras_serializable(package="tfmem", name="AccumModel")(_cls)
+del _cls
 
 
 def _global_batch_size(x, batch_size) -> int | None:

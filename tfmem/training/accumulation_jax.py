@@ -11,11 +11,12 @@ Inside one step the global batch is split into `k = model.accumulation_steps` mi
 and a `jax.lax.scan` runs forward + backward on each (the compiled program does not grow
 with `k`, and only one micro-batch of activations is alive at a time):
 
-- **Gradients** are summed in float32 and the optimizer sees their mean once: one
-  `optimizer.stateless_apply`, so `optimizer.iterations`, LR schedules and callbacks count
-  real updates. With Keras's default loss reduction (`"sum_over_batch_size"`: the weighted sum
-  divided by the number of samples) the mean of k equal micro-batch losses *is* the loss of the
-  whole batch, sample weights included, so the update equals one plain step on the global batch.
+- **Gradients** are summed in float32 (float64 for float64 weights) and the optimizer sees
+  their mean once: one `optimizer.stateless_apply`, so `optimizer.iterations`, LR schedules
+  and callbacks count real updates. With Keras's default loss reduction
+  (`"sum_over_batch_size"`: the weighted sum divided by the number of samples) the mean of k
+  equal micro-batch losses *is* the loss of the whole batch, sample weights included, so the
+  update equals one plain step on the global batch.
 - **Loss scaling** (`mixed_float16`, Keras wraps the optimizer in a `LossScaleOptimizer`):
   each micro-batch loss is multiplied by the current scale; the scaled sum is unscaled once by
   `LossScaleOptimizer.stateless_apply`. A non-finite value in any micro-batch makes the sum
@@ -45,10 +46,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import keras
+from jax.experimental import sparse as jax_sparse
 from keras import tree
 
 from tfmem import _keras_internals as internals
 from tfmem.runtime.cluster import nearest_multiples
+from tfmem.training import micro_batches, placement
 
 
 class AccumTrainer:
@@ -57,11 +60,22 @@ class AccumTrainer:
     def train_step(self, state, data):
         return train_step(self, state, data)
 
+    def make_train_function(self, force=False):
+        """Keras's jitted step, or on a host-loop platform the loop over jitted micro-steps."""
+        if self.train_function is not None and not force:
+            return
+        if (self.run_eagerly or not self.jit_compile or self.accumulation_steps in (1, "auto")
+                or not placement.loop_on_host(_platform())):
+            super().make_train_function(force)
+            return
+        self.train_function = internals.jax_train_function(self, HostLoopStep(self))
+
 
 def train_step(model: keras.Model, state: tuple, data) -> tuple[dict, tuple]:
     """One optimizer update from `model.accumulation_steps` micro-batches of `data`.
 
-    A drop-in for `keras.src.backend.jax.trainer.JAXTrainer.train_step`.
+    A drop-in for `keras.src.backend.jax.trainer.JAXTrainer.train_step`: a pure function
+    that `fit` compiles whole, with the micro-batch loop inside (`jax.lax.scan`).
 
     Args:
         model: a compiled `tfmem.AccumModel` (its `accumulation_steps` and checks are used).
@@ -83,99 +97,210 @@ def train_step(model: keras.Model, state: tuple, data) -> tuple[dict, tuple]:
         >>> model.compile("sgd", "sparse_categorical_crossentropy")  # doctest: +SKIP
         >>> model.fit(images, labels, batch_size=256)  # 4 micro-batches of 64, 1 update
     """
-    trainable, non_trainable, optimizer_variables, metrics_variables = state
-    model._check_optimizer()
+    _check_steps(model)
     num_steps = model.accumulation_steps
     if num_steps == 1:
-        # A window of one micro-batch is Keras's plain step; skip the loop, whose body XLA:CPU
-        # runs ~15× slower for convolutions (see the module docstring).
+        # A window of one micro-batch is Keras's plain step: no loop, no float32 sums.
         return keras.Model.train_step(model, state, data)
-    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    micro_batches = _split((x, y, sample_weight), num_steps, _num_batch_shards())
+    trainable, non_trainable, optimizer_variables, metrics_variables = state
+    is_averaged = _averaged_flags(model)
+    statistics = _select(non_trainable, is_averaged, True)
+    micro_batches = _split(_unpack(data), num_steps, _num_batch_shards())
 
-    # BatchNorm statistics restart from the step's value in every micro-batch and their changes
-    # are averaged; all other state (seed generators, custom state) is carried from one
-    # micro-batch to the next.
-    statistics = {id(v) for v in model._batch_norm_statistics()}
-    is_averaged = [id(v) in statistics for v in model.non_trainable_variables]
-    grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
-
-    def micro_step(carry, micro_batch):
-        grad_sum, delta_sum, carried, metrics_variables = carry
-        micro_x, micro_y, micro_weight = micro_batch
-        carried_values = iter(carried)
-        non_trainable_in = [
-            old if averaged else next(carried_values)
-            for old, averaged in zip(non_trainable, is_averaged)
-        ]
-        (_, aux), grads = grad_fn(
-            trainable,
-            non_trainable_in,
-            metrics_variables,
-            micro_x,
-            micro_y,
-            micro_weight,
-            training=True,
-            optimizer_variables=optimizer_variables,
-        )
-        unscaled_loss, y_pred, non_trainable_out, metrics_variables = aux
-        grad_sum = [total + g.astype(jnp.float32) for total, g in zip(grad_sum, grads)]
-        delta_sum = [
-            total + (new - old).astype(jnp.float32)
-            for total, new, old in zip(
-                delta_sum, _select(non_trainable_out, is_averaged, True),
-                _select(non_trainable, is_averaged, True),
-            )
-        ]
-        carried = _select(non_trainable_out, is_averaged, False)
-        # Keras metrics accumulate totals and counts, so k updates with the k micro-batches
-        # leave them where one update with the global batch would.
-        _, metrics_variables = internals.update_metrics_variables(
-            model,
-            metrics_variables, unscaled_loss, micro_x, micro_y, y_pred, micro_weight
-        )
-        return (grad_sum, delta_sum, carried, metrics_variables), None
+    def body(carry, micro_batch):
+        carry = _micro_step(
+            model, is_averaged, trainable, statistics, optimizer_variables, carry, micro_batch)
+        return carry, None
 
     carry = (
-        [jnp.zeros(v.shape, jnp.float32) for v in trainable],
-        [jnp.zeros(v.shape, jnp.float32) for v in _select(non_trainable, is_averaged, True)],
+        [jnp.zeros(v.shape, _accumulator_dtype(v)) for v in trainable],
+        [jnp.zeros(v.shape, _accumulator_dtype(v)) for v in statistics],
         _select(non_trainable, is_averaged, False),
         list(metrics_variables),
     )
     # A rolled loop (an XLA while loop) is what keeps one micro-batch of activations alive:
     # unrolled, XLA schedules the k micro-batches like one big batch (4 convolutions at 96×96,
     # 8 micro-batches of 8: 620 MB of temporaries unrolled, 76 MB rolled, even with an
-    # optimization barrier between them). On XLA:CPU the loop body's convolutions run about
-    # 15× slower than outside a loop (README, section "jax"): CPU is for tests here.
-    (grad_sum, delta_sum, carried, metrics_variables), _ = jax.lax.scan(
-        micro_step, carry, micro_batches
-    )
-
+    # optimization barrier between them).
+    carry, _ = jax.lax.scan(body, carry, micro_batches)
     # The compiled loss is built while the micro-step traces, so its reduction is checked here.
     model._check_loss_reductions()
+    return _update(model, is_averaged, trainable, statistics, optimizer_variables, carry)
 
+
+class HostLoopStep:
+    """`(state, data) -> (logs, state)`: the k micro-steps of `train_step` run from the host.
+
+    The same arithmetic as `train_step`, as three compiled programs instead of one: the float32
+    zeros of the sums, a micro-step (forward + backward of micro-batch `j`, added into the
+    sums, which are donated so XLA updates them in place), and the optimizer update. Between
+    calls only the state, the batch and the sums are alive, so memory is what the in-graph loop
+    holds; each call is a loop-free program that XLA compiles at full speed.
+
+    Example:
+        >>> # What `fit` runs on a CPU (`tfmem.training.placement`); any platform by hand:
+        >>> logs, state = HostLoopStep(model)(state, (x, y))  # doctest: +SKIP
+    """
+
+    def __init__(self, model: keras.Model):
+        self.model = model
+        self.micro_step = jax.jit(self._micro_step, donate_argnums=0)
+        out_shardings = None
+        if keras.distribution.distribution() is not None:
+            out_shardings = (None, internals.jax_state_shardings(model))
+        # The new state takes the buffers of the old (the sums have no output to go into).
+        self.update = jax.jit(self._update, donate_argnums=(1, 2), out_shardings=out_shardings)
+
+    def __call__(self, state, data):
+        model = self.model
+        _check_steps(model)
+        trainable, non_trainable, optimizer_variables, metrics_variables = state
+        is_averaged = _averaged_flags(model)
+        statistics = _select(non_trainable, is_averaged, True)
+        # Every argument committed to its device, as the micro-step's outputs are: JAX compiles
+        # a function again for arguments that differ only in being committed.
+        carry = _committed((
+            _zeros_like(trainable),
+            _zeros_like(statistics),
+            _select(non_trainable, is_averaged, False),
+            list(metrics_variables),
+        ))
+        fixed = _committed((trainable, statistics, optimizer_variables))
+        for index in range(model.accumulation_steps):
+            carry = self.micro_step(carry, fixed, data, index)
+        model._check_loss_reductions()
+        sums, state = carry[:2], carry[2:]
+        return self.update(sums, state, fixed)
+
+    def _micro_step(self, carry, fixed, data, index):
+        model = self.model
+        num_steps = model.accumulation_steps
+        micro_batches = _split(_unpack(data), num_steps, _num_batch_shards())
+        # JAX's tree functions know the sparse micro-batches (`_SparseRows`) as nodes.
+        micro_batch = jax.tree_util.tree_map(lambda leaf: leaf[index], micro_batches)
+        trainable, statistics, optimizer_variables = fixed
+        return _micro_step(model, _averaged_flags(model), trainable, statistics,
+                           optimizer_variables, carry, micro_batch)
+
+    def _update(self, sums, state, fixed):
+        trainable, statistics, optimizer_variables = fixed
+        return _update(self.model, _averaged_flags(self.model), trainable, statistics,
+                       optimizer_variables, (*sums, *state))
+
+
+def _micro_step(model, is_averaged, trainable, statistics, optimizer_variables, carry,
+                micro_batch):
+    """Forward + backward of one micro-batch, added into `carry`; returns the new carry.
+
+    `carry = (grad_sum, delta_sum, carried, metrics_variables)`: float32 gradient sums, float32
+    sums of the BatchNorm statistics' changes, the other non-trainable values (threaded from
+    one micro-batch to the next) and the metric variables.
+    """
+    grad_sum, delta_sum, carried, metrics_variables = carry
+    micro_x, micro_y, micro_weight = _assemble(micro_batch)
+    # BatchNorm statistics restart from the step's value in every micro-batch and their changes
+    # are averaged; all other state (seed generators, custom state) is carried from one
+    # micro-batch to the next.
+    non_trainable_in = _merge(is_averaged, statistics, carried)
+    grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
+    (_, aux), grads = grad_fn(
+        trainable,
+        non_trainable_in,
+        metrics_variables,
+        micro_x,
+        micro_y,
+        micro_weight,
+        training=True,
+        optimizer_variables=optimizer_variables,
+    )
+    unscaled_loss, y_pred, non_trainable_out, metrics_variables = aux
+    grad_sum = [total + g.astype(total.dtype) for total, g in zip(grad_sum, grads)]
+    delta_sum = [
+        total + (new - old).astype(total.dtype)
+        for total, new, old in zip(
+            delta_sum, _select(non_trainable_out, is_averaged, True), statistics
+        )
+    ]
+    carried = _select(non_trainable_out, is_averaged, False)
+    # Keras metrics accumulate totals and counts, so k updates with the k micro-batches
+    # leave them where one update with the global batch would.
+    _, metrics_variables = internals.update_metrics_variables(
+        model, metrics_variables, unscaled_loss, micro_x, micro_y, y_pred, micro_weight
+    )
+    return grad_sum, delta_sum, carried, metrics_variables
+
+
+def _update(model, is_averaged, trainable, statistics, optimizer_variables, carry):
+    """The optimizer update with the mean gradient, and the averaged statistics: `(logs, state)`."""
+    grad_sum, delta_sum, carried, metrics_variables = carry
+    num_steps = model.accumulation_steps
     # The mean of the k (possibly loss-scaled) micro-batch gradients; a LossScaleOptimizer
     # unscales it and skips the update if any micro-batch produced an inf or a NaN.
     grads = [(total / num_steps).astype(v.dtype) for total, v in zip(grad_sum, trainable)]
     trainable, optimizer_variables = model.optimizer.stateless_apply(
         optimizer_variables, grads, trainable
     )
-
-    averaged_values = iter(
-        (old + delta / num_steps).astype(old.dtype)
-        for old, delta in zip(_select(non_trainable, is_averaged, True), delta_sum)
-    )
-    carried_values = iter(carried)
-    non_trainable = [
-        next(averaged_values) if averaged else next(carried_values) for averaged in is_averaged
+    averaged = [
+        # A statistic no micro-batch moved (a frozen layer's) keeps its exact bits.
+        jnp.where(delta == 0, old, (old + delta / num_steps).astype(old.dtype))
+        for old, delta in zip(statistics, delta_sum)
     ]
-
+    non_trainable = _merge(is_averaged, averaged, carried)
     logs = _metrics_result(model, metrics_variables)
     return logs, (trainable, non_trainable, optimizer_variables, metrics_variables)
 
 
+def _accumulator_dtype(value):
+    """Sums of `value`: float32, or its own dtype where that is wider (float64)."""
+    return jnp.promote_types(jnp.result_type(value), jnp.float32)
+
+
+def _check_steps(model: keras.Model) -> None:
+    if model.accumulation_steps == "auto":
+        raise ValueError(
+            'accumulation_steps="auto" is chosen when `fit` starts; call `fit`, or set '
+            "`model.accumulation_steps = k` before `train_on_batch`."
+        )
+    model._check_optimizer()
+
+
+def _platform() -> str:
+    """The platform the step runs on: the installed distribution's devices, else JAX's default."""
+    distribution = keras.distribution.distribution()
+    if distribution is not None:
+        return distribution.device_mesh.backend_mesh.devices.flat[0].platform
+    return jax.devices()[0].platform
+
+
+def _unpack(data):
+    return keras.utils.unpack_x_y_sample_weight(data)
+
+
+def _averaged_flags(model: keras.Model) -> list[bool]:
+    """For each non-trainable variable: whether it is a BatchNorm statistic (averaged)."""
+    statistics = {id(v) for v in model._batch_norm_statistics()}
+    return [id(v) in statistics for v in model.non_trainable_variables]
+
+
+def _zeros_like(values: list) -> list:
+    """Accumulator zeros shaped and placed like `values` (replicated where they are)."""
+    return [jnp.zeros(v.shape, _accumulator_dtype(v), device=v.sharding) for v in values]
+
+
+def _committed(values):
+    """`values` with each array committed to the device(s) it is on (a no-op for most)."""
+    return tree.map_structure(
+        lambda v: v if getattr(v, "committed", True) else jax.device_put(v, v.sharding), values)
+
+
 def _select(values: list, flags: list[bool], wanted: bool) -> list:
     return [value for value, flag in zip(values, flags) if flag == wanted]
+
+
+def _merge(flags: list[bool], when_true: list, when_false: list) -> list:
+    """The inverse of `_select`: interleaves the two lists back in `flags` order."""
+    true_values, false_values = iter(when_true), iter(when_false)
+    return [next(true_values) if flag else next(false_values) for flag in flags]
 
 
 def _num_batch_shards() -> int:
@@ -192,7 +317,16 @@ def _split(batch, num_steps: int, num_shards: int):
 
     Micro-batch `j` is the `j`-th contiguous block of each of the `num_shards` replica blocks.
     """
-    sizes = {leaf.shape[0] for leaf in tree.flatten(batch) if leaf is not None}
+    rows = {}
+    for name, leaf in micro_batches.named_tensors(batch):
+        if not leaf.shape:
+            raise micro_batches.scalar_error(name, num_steps)
+        rows[name] = leaf.shape[0]
+    if len(set(rows.values())) > 1:
+        name = min(rows, key=rows.get)
+        raise ValueError(micro_batches.rows_mismatch_message(
+            f"their rows are {rows}", name, num_steps))
+    sizes = set(rows.values())
     for size in sizes:
         if size % (num_shards * num_steps):
             rows = size // num_shards if size % num_shards == 0 else size / num_shards
@@ -208,6 +342,8 @@ def _split(batch, num_steps: int, num_shards: int):
     def split(leaf):
         if leaf is None:
             return None
+        if isinstance(leaf, jax_sparse.BCOO):
+            return _SparseRows.split(leaf, num_steps, num_shards)
         leaf = jnp.asarray(leaf)
         rows = leaf.shape[0] // (num_shards * num_steps)
         # (B, ...) -> (replicas, k, rows, ...) -> (k, replicas, rows, ...) -> (k, B/k, ...):
@@ -216,6 +352,58 @@ def _split(batch, num_steps: int, num_shards: int):
         return jnp.swapaxes(blocks, 0, 1).reshape((num_steps, num_shards * rows) + leaf.shape[1:])
 
     return tree.map_structure(split, batch, none_is_leaf=True)
+
+
+@jax.tree_util.register_pytree_node_class
+class _SparseRows:
+    """A sparse (BCOO) leaf cut into k micro-batches by rows, stacked on a leading axis.
+
+    Every micro-batch keeps all `nse` stored entries (a scanned value needs one shape); those of
+    other micro-batches' rows become padding: value 0 at an out-of-range index, which JAX's
+    sparse operations skip.
+    """
+
+    def __init__(self, data, indices, shape):
+        self.data, self.indices, self.shape = data, indices, shape
+
+    def tree_flatten(self):
+        return (self.data, self.indices), self.shape
+
+    @classmethod
+    def tree_unflatten(cls, shape, children):
+        return cls(*children, shape)
+
+    @classmethod
+    def split(cls, leaf: jax_sparse.BCOO, num_steps: int, num_shards: int) -> "_SparseRows":
+        rows = leaf.shape[0] // (num_shards * num_steps)  # per replica and micro-batch
+        shape = (num_shards * rows,) + leaf.shape[1:]
+        if leaf.n_batch:  # rows are a batch axis of the layout: split it like a dense axis
+            parts = [
+                jnp.swapaxes(a.reshape((num_shards, num_steps, rows) + a.shape[1:]), 0, 1)
+                .reshape((num_steps, num_shards * rows) + a.shape[1:])
+                for a in (leaf.data, leaf.indices)
+            ]
+            return cls(*parts, shape)
+        row = leaf.indices[:, 0]
+        replica, within = row // (num_steps * rows), row % (num_steps * rows)
+        step = within // rows
+        indices = leaf.indices.at[:, 0].set(replica * rows + within % rows)
+        keep = step[None, :] == jnp.arange(num_steps)[:, None]  # (k, nse)
+        padding = jnp.array(shape[: indices.shape[1]], indices.dtype)
+        data = jnp.where(keep.reshape(keep.shape + (1,) * (leaf.data.ndim - 1)), leaf.data, 0)
+        return cls(data, jnp.where(keep[..., None], indices, padding), shape)
+
+    def to_bcoo(self) -> jax_sparse.BCOO:
+        return jax_sparse.BCOO((self.data, self.indices), shape=self.shape)
+
+
+def _assemble(micro_batch):
+    """One micro-batch as the model takes it: sparse leaves become BCOO again."""
+    return jax.tree_util.tree_map(
+        lambda leaf: leaf.to_bcoo() if isinstance(leaf, _SparseRows) else leaf,
+        micro_batch,
+        is_leaf=lambda leaf: isinstance(leaf, _SparseRows),
+    )
 
 
 def _metrics_result(model: keras.Model, metrics_variables: list) -> dict:

@@ -4,39 +4,76 @@ Notebooks get disconnected and preemptible VMs get killed (`kill -9`, no warning
 `BackupAndRestore` restores the weights after such a kill, but it starts the interrupted epoch
 again from its first batch, so the batches already trained on are trained on twice and the run
 no longer matches an uninterrupted one. `fit_resumable` keeps, every `save_every_steps` updates,
+a resume point: the model's weights *and* the optimizer's state (`model.save_weights` includes
+both in Keras 3), and the position (epoch, step inside the epoch). On restart it loads both and
+**skips the batches that were already consumed**, so with a deterministic pipeline a resumed
+run ends with exactly the weights of an uninterrupted one.
 
-- the model's weights *and* the optimizer's state (`model.save_weights` includes both in
-  Keras 3: slots, `iterations`, the loss scale), and
-- the position: epoch and step inside the epoch,
-
-and on restart it loads both and **skips the batches that were already consumed**. Each epoch's
-data comes from `make_dataset(epoch)`, so the order of an epoch does not depend on how many
-epochs ran earlier in the same process: with a deterministic pipeline (a seed per epoch and
-`tf.config.experimental.enable_op_determinism()`), a resumed run ends with exactly the weights of
-an uninterrupted one.
-
-A checkpoint is never half-written: the weights go to a new file, then `state.json` is replaced
-atomically (`os.replace`) to point at it, then the previous weights file is removed. A kill at
-any moment leaves a `state.json` whose weights file is complete.
+A resume point is never trusted blindly: its weights are written under a temporary name,
+flushed to disk, read back for their size and SHA-256, renamed, and only then is its
+`backup-<n>.json` written (temporary name, fsync, rename). The previous point stays until the
+new one is complete. On restart the newest point whose record and weights check out is used; a
+damaged newest one falls back to the previous one with a warning.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
+import math
 import os
-from collections.abc import Callable, Sequence
-from typing import Any
+import re
+import shutil
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import keras
-import tensorflow as tf
+import numpy as np
 
-STATE_FILE = "state.json"
+if TYPE_CHECKING:  # only in annotations: resuming needs no TensorFlow of its own
+    import tensorflow as tf
+
+from tfmem.training import run_directory
+
+_POINT = re.compile(r"^backup-(\d+)\.json$")
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def _digest(path: str) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 22), b""):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+def _fsync_directory(directory: str) -> None:
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _itemsize(dtype) -> int:
+    name = keras.backend.standardize_dtype(dtype)
+    return 2 if name == "bfloat16" else np.dtype(name).itemsize
+
+
+def _state_bytes(model: keras.Model) -> int:
+    """Bytes of the weights and optimizer variables: about the size of a weights file."""
+    variables = list(model.weights)
+    if model.optimizer is not None:
+        variables += list(model.optimizer.variables)
+    return sum(math.prod(v.shape) * _itemsize(v.dtype) for v in variables)
 
 
 class _Saver(keras.callbacks.Callback):
-    """Saves weights + position every `save_every_steps` updates of one epoch."""
+    """Saves a resume point every `save_every_steps` updates of one epoch; counts updates."""
 
-    def __init__(self, backup: "_Backup", epoch: int, first_step: int, save_every_steps: int,
+    def __init__(self, backup: _Backup, epoch: int, first_step: int, save_every_steps: int,
                  steps_per_epoch: int):
         super().__init__()
         self._backup = backup
@@ -44,8 +81,10 @@ class _Saver(keras.callbacks.Callback):
         self._first_step = first_step
         self._save_every_steps = save_every_steps
         self._steps_per_epoch = steps_per_epoch
+        self.updates = 0
 
     def on_train_batch_end(self, batch, logs=None):
+        self.updates = batch + 1
         step = self._first_step + batch + 1
         # The epoch's last step is saved after `fit` returns, with the epoch's history.
         if step % self._save_every_steps == 0 and step < self._steps_per_epoch:
@@ -53,51 +92,143 @@ class _Saver(keras.callbacks.Callback):
 
 
 class _Backup:
-    """The backup directory: a `state.json` pointing at one complete weights file."""
+    """The backup directory: `backup-<n>.weights.h5` + `backup-<n>.json`, the newest two."""
 
     def __init__(self, directory: str):
         self.directory = directory
-        self.state_path = os.path.join(directory, STATE_FILE)
+        self.latest: dict[str, Any] | None = None
 
-    def load_state(self) -> dict[str, Any] | None:
-        if not os.path.exists(self.state_path):
-            return None
-        with open(self.state_path) as file:
-            return json.load(file)
+    def generations(self) -> list[int]:
+        if not os.path.isdir(self.directory):
+            return []
+        found = (_POINT.match(name) for name in os.listdir(self.directory))
+        return sorted((int(match.group(1)) for match in found if match), reverse=True)
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.directory, name)
+
+    def _check(self, generation: int) -> dict[str, Any]:
+        """The record of one point, or ValueError saying what is damaged."""
+        name = f"backup-{generation}.json"
+        try:
+            with open(self._path(name)) as file:
+                state = json.load(file)
+            weights, size, digest = state["weights"], state["weights_bytes"], state["sha256"]
+            missing = [key for key in ("generation", "epoch", "step", "history")
+                       if key not in state]
+            if missing:
+                raise KeyError(", ".join(missing))
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise ValueError(f"{name} is damaged ({type(error).__name__}: {error})") from None
+        path = self._path(weights)
+        if not os.path.exists(path):
+            raise ValueError(f"{weights} is missing")
+        if os.path.getsize(path) != size:
+            raise ValueError(f"{weights} has {os.path.getsize(path)} bytes, {name} says {size}")
+        if _digest(path) != digest:
+            raise ValueError(f"{weights} does not match the SHA-256 recorded in {name}")
+        return state
 
     def restore(self, model: keras.Model) -> dict[str, Any] | None:
-        state = self.load_state()
-        if state is None:
-            return None
-        # The optimizer's slots must exist before `load_weights` can fill them.
-        if model.optimizer is not None and not model.optimizer.built:
-            model.optimizer.build(model.trainable_variables)
-        model.load_weights(os.path.join(self.directory, state["weights"]))
-        return state
+        damaged = []
+        for generation in self.generations():
+            try:
+                state = self._check(generation)
+            except ValueError as error:
+                damaged.append(str(error))
+                continue
+            # The optimizer's slots must exist before `load_weights` can fill them.
+            if model.optimizer is not None and not model.optimizer.built:
+                model.optimizer.build(model.trainable_variables)
+            try:
+                model.load_weights(self._path(state["weights"]))
+            except Exception as error:  # an intact file that does not fit: another model
+                raise ValueError(
+                    f"the resume point {self._path(state['weights'])} does not fit this model "
+                    f"({type(error).__name__}: {str(error).splitlines()[0]}); it belongs to "
+                    f"another run: use another backup directory, or delete {self.directory} "
+                    "to start this run from the beginning") from None
+            if damaged:
+                print(f"tfmem: warning: the newest resume point in {self.directory} is "
+                      f"damaged ({'; '.join(damaged)}); resuming from the one before it "
+                      f"(epoch {state['epoch'] + 1}, step {state['step']})", file=sys.stderr)
+            self.latest = state
+            return state
+        if damaged:
+            raise ValueError(
+                f"no usable resume point in {self.directory}: {'; '.join(damaged)}; delete "
+                f"{self.directory} to start the run again from its beginning")
+        return None
 
     def save(self, model: keras.Model, *, epoch: int, step: int, history=None) -> None:
         os.makedirs(self.directory, exist_ok=True)
-        previous = self.load_state()
-        generation = 0 if previous is None else previous["generation"] + 1
+        for name in os.listdir(self.directory):  # leftovers of a save that was killed
+            if name.startswith(".tmp-"):
+                os.remove(self._path(name))
+        generations = self.generations()
+        generation = generations[0] + 1 if generations else 0
         weights = f"backup-{generation}.weights.h5"
-        model.save_weights(os.path.join(self.directory, weights), overwrite=True)
+        temporary = self._path(f".tmp-{weights}")
+        needed = max(_state_bytes(model), os.path.getsize(self._path(self.latest["weights"]))
+                     if self.latest else 0)
+        free = shutil.disk_usage(self.directory).free
+        if free < needed * 1.1 + (1 << 16):  # a margin for the file's own structure
+            raise self._no_space(f"{free / 1e6:.1f} MB free, a resume point needs about "
+                                 f"{needed / 1e6:.1f} MB")
         state = {
-            "generation": generation,
-            "weights": weights,
-            "epoch": epoch,
-            "step": step,
-            "history": history if history is not None else (previous or {}).get("history", {}),
+            "generation": generation, "weights": weights, "epoch": epoch, "step": step,
+            "history": history if history is not None else (self.latest or {}).get(
+                "history", {}),
         }
-        temporary = self.state_path + ".tmp"
-        with open(temporary, "w") as file:
-            json.dump(state, file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, self.state_path)
-        if previous is not None and previous["weights"] != weights:
-            stale = os.path.join(self.directory, previous["weights"])
-            if os.path.exists(stale):
-                os.remove(stale)
+        try:
+            model.save_weights(temporary)
+            with open(temporary, "rb+") as file:
+                os.fsync(file.fileno())
+            state["weights_bytes"], state["sha256"] = os.path.getsize(temporary), _digest(
+                temporary)
+            os.replace(temporary, self._path(weights))
+            record = self._path(f".tmp-backup-{generation}.json")
+            with open(record, "w") as file:
+                json.dump(state, file)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(record, self._path(f"backup-{generation}.json"))
+            _fsync_directory(self.directory)
+        except Exception as error:
+            for path in (temporary, self._path(weights),
+                         self._path(f".tmp-backup-{generation}.json")):
+                if os.path.exists(path):
+                    os.remove(path)
+            cause = getattr(error, "errno", None)
+            if cause in _NO_SPACE or os.strerror(errno.ENOSPC) in str(error):
+                raise self._no_space(os.strerror(cause if cause in _NO_SPACE
+                                                 else errno.ENOSPC)) from None
+            raise
+        # Kept: this point and the last good one before it; gone: older and damaged ones.
+        keep = {generation} | ({self.latest["generation"]} if self.latest else set())
+        self.latest = state
+        for old in set(generations) - keep:
+            for name in (f"backup-{old}.json", f"backup-{old}.weights.h5"):
+                if os.path.exists(self._path(name)):
+                    os.remove(self._path(name))
+
+    def _no_space(self, detail: str) -> OSError:
+        kept = (f"the resume point of epoch {self.latest['epoch'] + 1}, step "
+                f"{self.latest['step']} is intact" if self.latest else
+                "no resume point was written yet")
+        return OSError(errno.ENOSPC, f"no space to save a resume point in {self.directory} "
+                                     f"({detail}); {kept}; free some space and start again")
+
+
+def _check_learning_rate(model: keras.Model) -> None:
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None:
+        return
+    rate = optimizer.learning_rate  # a variable, or a schedule's value now
+    value = float(np.asarray(getattr(rate, "value", rate)))
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"the optimizer's learning rate is {value}; pass a finite learning "
+                         "rate >= 0 (e.g. 1e-3)")
 
 
 def fit_resumable(
@@ -111,6 +242,7 @@ def fit_resumable(
     validation_data: tf.data.Dataset | None = None,
     callbacks: Sequence[keras.callbacks.Callback] = (),
     verbose: Any = "auto",
+    run_config: Mapping[str, Any] | None = None,
     **fit_kwargs: Any,
 ) -> dict[str, list[float]]:
     """Trains a compiled model for `epochs`, resuming from `backup_dir` if a run was killed.
@@ -122,12 +254,15 @@ def fit_resumable(
             Called once per epoch; the batches a killed run already trained on are skipped.
         epochs: total number of epochs of the run (not the number still to do).
         steps_per_epoch: optimizer updates per epoch (`num_examples // global_batch_size`).
-        backup_dir: where the backup lives. Use the same directory to resume.
+        backup_dir: where the resume points live. Use the same directory to resume; one
+            process at a time (a second one raises `RunDirectoryBusyError`).
         save_every_steps: save every this many updates; default `steps_per_epoch` (the end of
             each epoch). Smaller loses less work to a kill but writes more often.
         validation_data: evaluated at the end of each epoch, as in `fit`.
         callbacks: further Keras callbacks, passed to each epoch's `fit`.
         verbose: as in `fit`.
+        run_config: the settings that define the run (JSON values, e.g. the learning rate
+            and batch size); recorded in `backup_dir` and compared on every restart.
         **fit_kwargs: further arguments of the model's `fit` (e.g. `AccumModel.fit`'s
             `check_memory=False` when the plan was already checked).
 
@@ -135,7 +270,12 @@ def fit_resumable(
         The history over all epochs of the run, resumed ones included: `{"loss": [...], ...}`.
 
     Raises:
-        ValueError: `epochs`, `steps_per_epoch` or `save_every_steps` is not a positive int.
+        ValueError: a count is not a positive int; the learning rate is not finite or is
+            negative; `run_config` differs from the recorded one (naming each difference);
+            no resume point in `backup_dir` is usable (naming the damage); `make_dataset`
+            gave fewer than `steps_per_epoch` batches.
+        OSError: no space left to save a resume point (`errno.ENOSPC`); the previous resume
+            point is left intact.
 
     Example:
         >>> history = tfmem.fit_resumable(
@@ -147,11 +287,24 @@ def fit_resumable(
                         ("save_every_steps", save_every_steps)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
+    _check_learning_rate(model)
     backup = _Backup(os.fspath(backup_dir))
+    with run_directory.lock(backup.directory, "backup_dir"):
+        if run_config is not None:
+            run_directory.check_config(
+                backup.directory, run_config, holds_run=bool(backup.generations()),
+                how_to_fix=f"use another backup_dir, or delete {backup.directory} to start "
+                "this run from the beginning")
+        return _train(model, make_dataset, backup, epochs, steps_per_epoch, save_every_steps,
+                      validation_data, callbacks, verbose, fit_kwargs)
+
+
+def _train(model, make_dataset, backup, epochs, steps_per_epoch, save_every_steps,
+           validation_data, callbacks, verbose, fit_kwargs) -> dict[str, list[float]]:
     state = backup.restore(model)
     epoch, step = (0, 0) if state is None else (state["epoch"], state["step"])
     history: dict[str, list[float]] = {} if state is None else state["history"]
-    if state is not None and verbose:
+    if state is not None:  # said whatever `verbose` is: a resumed run is never silent
         print(f"Resuming from {backup.directory}: epoch {epoch + 1}, step {step} "
               f"of {steps_per_epoch}.")
     while epoch < epochs:
@@ -171,6 +324,14 @@ def fit_resumable(
             verbose=verbose,
             **fit_kwargs,
         )
+        if model.stop_training:  # a callback stopped the run (e.g. TerminateOnNaN)
+            return history
+        if saver.updates < steps_per_epoch - step:
+            raise ValueError(
+                f"the data of epoch {epoch + 1} ran out after {step + saver.updates} of "
+                f"{steps_per_epoch} updates: steps_per_epoch (`num_examples // "
+                "global_batch_size`) is more than the data gives; pass the real number of "
+                "examples (`--num-examples`)")
         for key, values in result.history.items():
             history.setdefault(key, []).extend(float(value) for value in values)
         epoch, step = epoch + 1, 0

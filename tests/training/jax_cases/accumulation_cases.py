@@ -171,8 +171,50 @@ def error(num_samples, optimizer, loss=None):
     return [None, ""]
 
 
+def placement_cases():
+    """CPU's host loop and the in-graph loop: the same update, statistics and dropout seeds."""
+    from tfmem.training import accumulation_jax, placement
+
+    host_calls = []
+    call = accumulation_jax.HostLoopStep.__call__
+
+    def counted(self, state, batch):
+        host_calls.append(self.model.name)
+        return call(self, state, batch)
+
+    accumulation_jax.HostLoopStep.__call__ = counted
+    x, y, sample_weight = data((8, 8, 3), num_samples=64)
+    runs, calls = {}, {}
+    try:
+        for name, platforms in (("host", ("cpu",)), ("graph", ())):
+            placement.HOST_LOOP_PLATFORMS = platforms
+            model = conv_model(K, batch_norm=True, dropout=0.3)
+            compile_model(model, keras.optimizers.Adam(0.01))
+            history = model.fit(x, y, sample_weight=sample_weight, batch_size=32, epochs=1,
+                                shuffle=False, verbose=0).history
+            runs[name] = (model, history)
+            calls[name] = host_calls.count(model.name)
+    finally:
+        accumulation_jax.HostLoopStep.__call__ = call
+        placement.HOST_LOOP_PLATFORMS = ("cpu",)
+    (host, host_history), (graph, graph_history) = runs["host"], runs["graph"]
+    return {
+        "host_loop_steps": calls["host"],
+        "graph_loop_host_steps": calls["graph"],
+        "weights": relative_difference(graph.get_weights(), host.get_weights()),
+        "non_trainable": relative_difference(
+            [v.value for v in graph.non_trainable_variables],
+            [v.value for v in host.non_trainable_variables],
+        ),
+        "host_loss": host_history["loss"][0],
+        "graph_loss": graph_history["loss"][0],
+        "iterations": [int(host.optimizer.iterations), int(graph.optimizer.iterations)],
+    }
+
+
 emit(
     {
+        "placement": placement_cases(),
         "dense_sgd_weighted": equivalence(dense_model, (6,), "sgd", weighted=True),
         "dense_adam_weighted": equivalence(dense_model, (6,), "adam", weighted=True),
         "conv_sgd_weighted": equivalence(conv_model, (8, 8, 3), "sgd", weighted=True),

@@ -1,0 +1,102 @@
+"""tfmem on the JAX backend in an environment without TensorFlow: prints the numbers to assert.
+
+Run by tests/test_without_tensorflow.py with the Python of a virtual environment that has JAX and
+Keras but no TensorFlow. `plan_model()` is shared with the test, which plans the same model on
+the TensorFlow backend as the reference.
+"""
+
+import os
+import sys
+
+import numpy as np
+
+
+def plan_model():
+    """A small conv net of the layers the planner knows, plus one it must trace."""
+    import keras
+
+    class GatedDense(keras.layers.Layer):
+        def build(self, shape):
+            self.gate = self.add_weight(shape=(shape[-1], 8))
+
+        def call(self, x):
+            h = keras.ops.matmul(x, self.gate)
+            return keras.ops.tanh(h) * keras.ops.sigmoid(h)
+
+    inputs = keras.Input((16, 16, 3))
+    x = keras.layers.Conv2D(8, 3, activation="relu")(inputs)
+    x = keras.layers.BatchNormalization()(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    x = GatedDense()(x)
+    return keras.Model(inputs, keras.layers.Dense(3)(x))
+
+
+PLAN_ARGUMENTS = dict(global_batch_size=64, optimizer="adam", memory_budget=2**30)
+
+
+def main():
+    os.environ["KERAS_BACKEND"] = "jax"
+    import importlib.util
+    import json
+    import re
+
+    results = {"tensorflow_installed": importlib.util.find_spec("tensorflow") is not None}
+    import keras
+
+    import tfmem
+
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(64, 8, 8, 3)).astype("float32")
+    y = rng.integers(0, 3, 64)
+
+    def model(accumulation_steps):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8, 8, 3))
+        hidden = keras.layers.Conv2D(4, 3, activation="relu")(inputs)
+        outputs = keras.layers.Dense(3)(keras.layers.GlobalAveragePooling2D()(hidden))
+        if accumulation_steps is None:
+            return keras.Model(inputs, outputs)
+        return tfmem.AccumModel(inputs, outputs, accumulation_steps=accumulation_steps)
+
+    trained = []
+    for accumulation_steps in (None, 4):
+        net = model(accumulation_steps)
+        net.compile(keras.optimizers.SGD(0.1),
+                    keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        net.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+        trained.append(np.concatenate([np.ravel(w) for w in net.get_weights()]))
+    results["accumulation_difference"] = float(
+        np.max(np.abs(trained[0] - trained[1])) / np.max(np.abs(trained[0])))
+
+    runtime = tfmem.detect()
+    results["runtime"] = [runtime.kind, runtime.num_replicas]
+    # describe()'s rows are "  name<padding>  value".
+    rows = dict(re.split(r"\s{2,}", line.strip(), maxsplit=1)
+                for line in tfmem.describe(runtime).splitlines()[1:])
+    results["describe_tensorflow"] = rows["tensorflow"]
+
+    clean = np.full((16, 16, 3), 100.0, "float32")
+    results["psnr"] = float(tfmem.psnr(clean, clean + 10.0, data_range=255))
+    results["ssim_identical"] = float(tfmem.ssim(clean, clean, data_range=255))
+
+    import dataclasses
+
+    memory_plan = tfmem.plan(plan_model(), **PLAN_ARGUMENTS)
+    results["plan"] = {key: value for key, value in dataclasses.asdict(memory_plan).items()
+                       if isinstance(value, int)}
+    results["plan_notes"] = list(memory_plan.notes)
+
+    errors = {}
+    for name in ("image_dataset", "write_image_tfrecords"):
+        try:
+            getattr(tfmem, name)
+        except ImportError as error:
+            errors[name] = str(error)
+    results["errors"] = errors
+    results["tensorflow_imported"] = "tensorflow" in sys.modules
+    print("RESULTS " + json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""The tail both readers share: decode records (naming the ones that fail), check labels,
+then shuffle → batch → prefetch, and the tf.data options for distribution.
+
+Records are decoded in blocks of `BLOCK`: each block becomes a small dataset whose decode map
+has `ignore_errors`, so a record that is not an Example or holds a broken image comes out
+missing instead of stopping the pipeline with TensorFlow's bare decoder message, and the
+caller's `describe(locator)` names it (shard and index for TFRecords, the tfds file and index
+for tfds) in an error, or, with `skip_corrupt`, in a skip. One such dataset per record would
+cost about a fifth of the decoding of a 42 KB JPEG; per block of 16 it costs under 1%.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import tensorflow as tf
+
+from tfmem.data import integrity
+from tfmem.data import schema as schema_lib
+from tfmem.data.options import ReaderOptions
+from tfmem.runtime.cluster import workers_in_tf_config
+
+BLOCK = 16  # records decoded per call of the parallel map
+_SKIP_HINT = ("; pass skip_corrupt=True (`--skip-corrupt`) to skip such records, or write the "
+              "set again")
+_UNDECODABLE = ("it cannot be decoded (a damaged or truncated image, or not a "
+                "tf.train.Example)")
+
+
+def decode_fn(schema: schema_lib.Schema, *, parse: Callable | None, label_is_string: bool,
+              num_classes: int | None, options: ReaderOptions,
+              describe: Callable[..., tuple[tf.Tensor, tf.Tensor]], skip_corrupt: bool,
+              log: integrity.SkippedRecords | None):
+    """`(payloads, *locators) -> parts` for a block of records; `parts` is `(images, labels)`,
+    `(images, ids)` or `(images,)` of the records that decoded. A record that does not decode
+    raises an error naming it, or with `skip_corrupt` is reported and left out; a label outside
+    the classes always raises. `describe(*locators)` gives `(shard names, indices)`.
+    """
+    table = None
+    if label_is_string:
+        table = tf.lookup.StaticHashTable(
+            tf.lookup.KeyValueTensorInitializer(
+                list(schema.class_names), tf.range(len(schema.class_names), dtype=tf.int64)),
+            default_value=-1)
+    height, width = options.image_size
+
+    def decode(payload):
+        features = payload if parse is None else parse(payload)
+        image = tf.io.decode_image(features[schema.image_key], channels=options.channels,
+                                   expand_animations=False)
+        image = tf.image.resize(image, (height, width))  # float32, values still in 0..255
+        if options.data_range == (0, 1):
+            image = image / 255.0
+        if schema.labelled:
+            return image, features[schema.label_key]
+        return (image, features[schema.id_key]) if schema.id_key else (image,)
+
+    def name(locators, position):
+        shard, index = describe(*(tf.gather(part, position) for part in locators))
+        return tf.strings.join(["record ", tf.strings.as_string(index), " of ", shard])
+
+    def decode_block(payloads, *locators):
+        size = tf.shape(locators[0])[0]
+        positions = tf.range(size)
+        decoded = tf.data.Dataset.from_tensor_slices((payloads, positions)).map(
+            lambda payload, position: (*decode(payload), position)).ignore_errors().batch(BLOCK)
+        empty = tuple(tf.zeros([0, *spec.shape[1:]], spec.dtype)
+                      for spec in decoded.element_spec)
+        *parts, kept = decoded.concatenate(tf.data.Dataset.from_tensors(empty)).take(
+            1).get_single_element()
+        ok = tf.reduce_any(tf.equal(positions[:, None], kept[None, :]), axis=1)
+        if not tf.reduce_all(ok):  # autograph: a tf.cond, its messages built only on failure
+            failed = tf.boolean_mask(positions, tf.logical_not(ok))
+            if skip_corrupt:
+                shards, indices = describe(*(tf.gather(part, failed) for part in locators))
+                integrity.report_skips(log, shards, indices, tf.ones_like(indices),
+                                       tf.fill(tf.shape(indices), _UNDECODABLE))
+            else:
+                tf.debugging.Assert(False, [tf.strings.join([
+                    "tfmem: ", name(locators, failed[0]), ": ", _UNDECODABLE, _SKIP_HINT])])
+        if not schema.labelled:
+            return tuple(parts)
+        images, stored = parts
+        labels = tf.cast(stored, tf.int64) if table is None else table.lookup(stored)
+        if table is None:
+            labels = labels - schema.label_offset
+        bad = labels < 0
+        if num_classes is not None:
+            bad = tf.logical_or(bad, labels >= num_classes)
+        if tf.reduce_any(bad):
+            first = tf.argmax(tf.cast(bad, tf.int32))
+            value = stored[first] if table is not None else tf.strings.as_string(stored[first])
+            classes = (f"one of the {len(schema.class_names)} class_names" if table is not None
+                       else f"a class index in [0, {num_classes})" if num_classes is not None
+                       else "a class index >= 0")
+            offset = (f" after subtracting label_offset={schema.label_offset}"
+                      if schema.label_offset else "")
+            tf.debugging.Assert(False, [tf.strings.join([
+                "tfmem: ", name(locators, kept[first]), f": its label (`{schema.label_key}`) "
+                "is ", value, f", not {classes}{offset}; check num_classes (`--num-classes`) "
+                "and the Schema (label_key, label_offset)"])])
+        return images, tf.cast(labels, tf.int32)
+
+    return decode_block
+
+
+def batched(elements: tf.data.Dataset, decode_block, options: ReaderOptions) -> tf.data.Dataset:
+    """Shuffle (training) → decode in blocks (`decode_block`) → augment → batch → prefetch.
+
+    `elements` are `(payload, *locator)`, still encoded; `decode_block` is from `decode_fn`.
+    Memory: besides the batches, each block being decoded holds up to `BLOCK` images.
+    """
+    training, seed = options.training, options.seed
+    known = int(elements.cardinality())  # every record decodes or raises (without skips)
+
+    def decode(blocks):
+        examples = blocks.map(decode_block, num_parallel_calls=tf.data.AUTOTUNE,
+                              deterministic=not training).unbatch()
+        if len(examples.element_spec) == 1:  # images alone
+            examples = examples.map(lambda image: image)
+        if known >= 0:  # unbatch forgets the length; Keras shows steps per epoch with it
+            examples = examples.apply(tf.data.experimental.assert_cardinality(known))
+        return examples
+
+    if options.cache:
+        dataset = decode(elements.batch(BLOCK)).cache()
+        if training:  # shuffle after the cache, so that each epoch has a new order
+            dataset = dataset.shuffle(options.shuffle_buffer_size, seed=seed)
+    else:
+        if training:  # shuffle encoded records: ~10x smaller than decoded images
+            elements = elements.shuffle(options.shuffle_buffer_size, seed=seed)
+        dataset = decode(elements.batch(BLOCK))
+    if training and options.augment:
+        dataset = dataset.map(lambda image, *rest: (tf.image.random_flip_left_right(image, seed),
+                                                    *rest), num_parallel_calls=tf.data.AUTOTUNE)
+    # drop_remainder=True keeps the batch dimension static (TPUs need it) and every step full.
+    dataset = dataset.batch(options.batch_size, drop_remainder=options.drop_remainder)
+    # Decode the next batches while this one trains. A fixed depth, not AUTOTUNE: tf.data's
+    # prefetch autotuner doubles its buffer each time a full buffer drains to empty and never
+    # shrinks it, so a run with pauses (validation, checkpoints) keeps growing
+    # (benchmarks/data_pipeline.py measures both).
+    return dataset.prefetch(options.prefetch_batches)
+
+
+def auto_shard_policy(num_files: int, num_workers: int) -> tf.data.experimental.AutoShardPolicy:
+    """FILE when every worker gets at least one file, else DATA (each reads all, keeps 1/n).
+
+    Example:
+        >>> tfmem.auto_shard_policy(num_files=16, num_workers=4)
+        <AutoShardPolicy.FILE: 1>
+    """
+    policy = tf.data.experimental.AutoShardPolicy
+    return policy.FILE if num_files >= num_workers else policy.DATA
+
+
+def num_workers_from_environment() -> int:
+    """Workers of a multi-worker cluster described by TF_CONFIG; 1 when there is none."""
+    return workers_in_tf_config(os.environ.get("TF_CONFIG"))
+
+
+def dataset_options(options: ReaderOptions, num_files: int) -> tf.data.Options:
+    """Determinism and auto-shard policy, shared by `image_dataset` and `tfds_image_dataset`."""
+    result = tf.data.Options()
+    # Evaluation keeps the order (ids line up with predictions); training takes whichever
+    # element is ready first, which is faster.
+    result.deterministic = not options.training
+    distribute = result.experimental_distribute
+    if options.input_context is not None:  # already split by the input pipeline
+        distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    else:
+        workers = options.num_workers or num_workers_from_environment()
+        distribute.auto_shard_policy = auto_shard_policy(num_files, workers)
+    return result

@@ -1,0 +1,155 @@
+"""A run directory knows its run: one process at a time, and the settings it was started with.
+
+`lock(directory)` holds an `fcntl.flock` on `directory/.lock` for as long as a run uses the
+directory; the kernel drops it when the process ends, however it ends, so a killed run leaves
+no stale lock. `check_config` records the run's settings in `run.json` the first time and,
+on every later start, names each setting that differs instead of resuming a different run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+try:
+    import fcntl
+except ImportError:  # not on Windows: runs there are not locked
+    fcntl = None
+
+LOCK_FILE = ".lock"
+CONFIG_FILE = "run.json"
+
+
+class RunDirectoryBusyError(RuntimeError):
+    """Another live process holds the run directory."""
+
+
+class RunConfigError(ValueError):
+    """The run directory holds a run started with other settings.
+
+    Attributes:
+        differences: `{setting: (recorded value, value now)}`.
+    """
+
+    def __init__(self, message: str, differences: dict[str, tuple[Any, Any]]):
+        super().__init__(message)
+        self.differences = differences
+
+
+@contextlib.contextmanager
+def lock(directory: str | os.PathLike, what: str = "directory") -> Iterator[None]:
+    """Holds `directory` for this process; raises `RunDirectoryBusyError` if another has it.
+
+    Args:
+        directory: created if needed.
+        what: how the error names the directory to the user (e.g. "--output").
+    """
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    if fcntl is None:
+        yield
+        return
+    path = os.path.join(directory, LOCK_FILE)
+    with open(path, "a+") as file:
+        try:
+            fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.seek(0)
+            holder = file.read().strip() or "unknown"
+            raise RunDirectoryBusyError(
+                f"another process (pid {holder}) is running in {directory}; wait for it to "
+                f"end, or use another {what}") from None
+        file.seek(0)
+        file.truncate()
+        file.write(str(os.getpid()))
+        file.flush()
+        try:
+            yield
+        finally:
+            file.seek(0)
+            file.truncate()
+            fcntl.flock(file.fileno(), fcntl.LOCK_UN)
+
+
+def _same(recorded: Any, now: Any) -> bool:
+    if isinstance(recorded, float) and isinstance(now, (int, float)):
+        return math.isclose(recorded, now, rel_tol=1e-12, abs_tol=0.0)
+    return recorded == now
+
+
+def _normalised(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The config as JSON gives it back (tuples become lists), so that comparisons hold."""
+    return json.loads(json.dumps(dict(config)))
+
+
+def read_config(directory: str | os.PathLike) -> dict[str, Any] | None:
+    """The recorded `run.json` of `directory`, or None when there is none."""
+    path = os.path.join(os.fspath(directory), CONFIG_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path) as file:
+        try:
+            return json.load(file)
+        except json.JSONDecodeError:
+            raise ValueError(f"{path} is damaged (not valid JSON); delete it, and the run's "
+                             "resume point, to start the run again") from None
+
+
+def write_config(directory: str | os.PathLike, config: Mapping[str, Any]) -> None:
+    """Writes `run.json` atomically (temporary file, fsync, rename)."""
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, CONFIG_FILE)
+    temporary = os.path.join(directory, f".{CONFIG_FILE}.tmp-{os.getpid()}")
+    with open(temporary, "w") as file:
+        json.dump(dict(config), file, indent=1)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+
+
+def check_config(directory: str | os.PathLike, config: Mapping[str, Any], *,
+                 holds_run: bool, settings: Mapping[str, Any] | None = None,
+                 how_to_fix: str) -> dict:
+    """Records `config` in `directory`, or checks it against the one recorded there.
+
+    Args:
+        directory: the run directory.
+        config: the settings that define the run (JSON values); keys recorded but absent
+            here, or present here but not recorded, count as differences too.
+        holds_run: whether the directory holds something of the recorded run (a resume
+            point, results). If not, nothing can be mixed: `config` replaces the record
+            (e.g. after a first attempt that stopped before its first resume point).
+        settings: further entries stored beside `config` but never compared (e.g. the
+            number of epochs, which a later start may raise to train on).
+        how_to_fix: the end of the error, e.g. "use a new --output, or --overwrite".
+
+    Returns:
+        The recorded `run.json` (after this call).
+
+    Raises:
+        RunConfigError: a setting differs; the message names each one, recorded → now.
+    """
+    config = _normalised(config)
+    recorded = read_config(directory) if holds_run else None
+    if recorded is None:
+        record = {"config": config, **_normalised(settings or {})}
+        write_config(directory, record)
+        return record
+    before = recorded.get("config", {})
+    differences = {key: (before.get(key), config.get(key))
+                   for key in sorted(set(before) | set(config))
+                   if not _same(before.get(key), config.get(key))}
+    if differences:
+        listed = ", ".join(f"{key} {old!r} → {new!r}" for key, (old, new) in differences.items())
+        raise RunConfigError(
+            f"{os.fspath(directory)} holds a run with other settings ({listed}); {how_to_fix}",
+            differences)
+    if settings:
+        recorded = {**recorded, **_normalised(settings)}
+        write_config(directory, recorded)
+    return recorded
