@@ -158,7 +158,7 @@ def _estimate(model, *, global_batch_size, optimizer, precision, budget, safety,
         notes.append(f"built in float32, planned {precision}: float32 activations counted "
                      f"as {override}")
     if saved.traced_calls:
-        notes.append("measured by tracing the framework's gradient: "
+        notes.append("measured by tracing their backward pass: "
                      + ", ".join(saved.traced_calls))
     if saved.fallback_calls:
         notes.append("could not be traced, counted as keeping inputs and outputs (an upper "
