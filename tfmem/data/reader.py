@@ -294,5 +294,6 @@ def image_dataset(
         describe=lambda shards, indices: (tf.gather(names, shards), indices),
         skip_corrupt=bool(skip_corrupt), log=skipped)
     dataset = pipeline.batched(records, decode_block,
-                               dataclasses.replace(options, batch_size=batch_size))
+                               dataclasses.replace(options, batch_size=batch_size),
+                               bool(skip_corrupt))
     return dataset.with_options(pipeline.dataset_options(options, num_files))

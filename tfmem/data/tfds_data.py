@@ -112,6 +112,6 @@ def tfds_image_dataset(
         num_classes=getattr(features[label_key], "num_classes", None), options=options,
         describe=describe, skip_corrupt=False, log=None)
     dataset = pipeline.batched(elements, decode_block,
-                               dataclasses.replace(options, batch_size=batch_size))
+                               dataclasses.replace(options, batch_size=batch_size), False)
     return dataset.with_options(
         pipeline.dataset_options(options, builder.info.splits[split].num_shards))
