@@ -152,7 +152,7 @@ def test_reader_decodes_at_most_prefetch_batches_ahead(tmp_path, monkeypatch):
     decode_fn = pipeline.decode_fn
 
     def counting_decode_fn(*args, **kwargs):
-        decode_block = decode_fn(*args, **kwargs)
+        decode_batch = decode_fn(*args, **kwargs)
 
         def counted(payloads, *locators):
             def tick(size):
@@ -162,7 +162,7 @@ def test_reader_decodes_at_most_prefetch_batches_ahead(tmp_path, monkeypatch):
 
             size = tf.shape(payloads)[0]
             with tf.control_dependencies([tf.py_function(tick, [size], tf.int64)]):
-                return decode_block(payloads, *locators)
+                return decode_batch(payloads, *locators)
 
         return counted
 

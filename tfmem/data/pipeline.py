@@ -61,7 +61,7 @@ def decode_fn(schema: schema_lib.Schema, *, parse: Callable | None, label_is_str
         shard, index = describe(*(tf.gather(part, position) for part in locators))
         return tf.strings.join(["record ", tf.strings.as_string(index), " of ", shard])
 
-    def decode_block(payloads, *locators):
+    def decode_batch(payloads, *locators):
         static_size = locators[0].shape[0]  # known when the batch drops its remainder
         size = tf.shape(locators[0])[0]
         positions = tf.range(size)
@@ -108,20 +108,20 @@ def decode_fn(schema: schema_lib.Schema, *, parse: Callable | None, label_is_str
                 "and the Schema (label_key, label_offset)"])])
         return images, tf.cast(labels, tf.int32)
 
-    return decode_block
+    return decode_batch
 
 
-def batched(elements: tf.data.Dataset, decode_block, options: ReaderOptions,
+def batched(elements: tf.data.Dataset, decode_batch, options: ReaderOptions,
             skip_corrupt: bool) -> tf.data.Dataset:
-    """Shuffle (training) → batch → decode (`decode_block`) → augment → prefetch.
+    """Shuffle (training) → batch → decode (`decode_batch`) → augment → prefetch.
 
-    `elements` are `(payload, *locator)`, still encoded; `decode_block` is from `decode_fn`.
+    `elements` are `(payload, *locator)`, still encoded; `decode_batch` is from `decode_fn`.
     Memory: `prefetch_batches` decoded batches, plus `BATCHES_IN_FLIGHT` being decoded.
     """
     training, seed, batch_size = options.training, options.seed, options.batch_size
 
     def decode(batches):
-        return batches.map(decode_block, num_parallel_calls=BATCHES_IN_FLIGHT,
+        return batches.map(decode_batch, num_parallel_calls=BATCHES_IN_FLIGHT,
                            deterministic=not training)
 
     if options.cache:  # examples cached one by one, so that each epoch can reshuffle them
