@@ -141,9 +141,9 @@ def test_reader_memory_is_set_by_its_arguments(written, constant_inputs):
 
 def test_reader_decodes_at_most_prefetch_batches_ahead(tmp_path, monkeypatch):
     """Pauses that let the buffer fill, then bursts that drain it (as validation runs or
-    checkpoints do): the reader never gets more than `prefetch_batches`, the batch being built
-    and the blocks being decoded ahead of the consumer (with tf.data.AUTOTUNE it grows with
-    every drained burst)."""
+    checkpoints do): the reader never gets more than `prefetch_batches` and the batches being
+    decoded ahead of the consumer (with tf.data.AUTOTUNE it grows with every drained
+    burst)."""
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, size=(800, 6, 5, 3), dtype=np.uint8)
     tfmem.write_image_tfrecords((images, rng.integers(0, 3, 800)), str(tmp_path),
@@ -152,7 +152,7 @@ def test_reader_decodes_at_most_prefetch_batches_ahead(tmp_path, monkeypatch):
     decode_fn = pipeline.decode_fn
 
     def counting_decode_fn(*args, **kwargs):
-        decode_block = decode_fn(*args, **kwargs)
+        decode_batch = decode_fn(*args, **kwargs)
 
         def counted(payloads, *locators):
             def tick(size):
@@ -162,7 +162,7 @@ def test_reader_decodes_at_most_prefetch_batches_ahead(tmp_path, monkeypatch):
 
             size = tf.shape(payloads)[0]
             with tf.control_dependencies([tf.py_function(tick, [size], tf.int64)]):
-                return decode_block(payloads, *locators)
+                return decode_batch(payloads, *locators)
 
         return counted
 
@@ -178,10 +178,8 @@ def test_reader_decodes_at_most_prefetch_batches_ahead(tmp_path, monkeypatch):
             next(iterator)
             consumed += 1
     del iterator  # stop the pipeline's py_function threads before the interpreter exits
-    # 2 prefetched batches + the batch being built, and the blocks being decoded: one per
-    # core, plus the one being unbatched.
-    in_flight = (2 + 1) * batch_size + (os.cpu_count() + 1) * pipeline.BLOCK
-    assert max(ahead) <= in_flight, ahead
+    # 2 prefetched batches + those being decoded.
+    assert max(ahead) <= (2 + pipeline.BATCHES_IN_FLIGHT) * batch_size, ahead
 
 
 def test_numpy_input_errors_come_before_any_file(tmp_path):

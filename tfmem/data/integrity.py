@@ -39,7 +39,7 @@ class SkippedRecords:
         ...                                                              # doctest: +SKIP
         >>> model.fit(train); print(skipped.summary())                  # doctest: +SKIP
         skipped 18 record(s) in 1 shard(s):
-          /data/train/shard-00003.tfrecord: records 494-511 (18): the shard ends early ...
+          /data/train/shard-….tfrecord: records 494-511 (18): it holds 494 records, its ...
     """
 
     def __init__(self):
@@ -126,10 +126,9 @@ def check_shards(manifest: manifest_lib.Manifest, files: Sequence[str], skip_cor
             problems.append(f"{path} is missing")
             if skip_corrupt:
                 reason = "the shard is missing"
-                print(f"tfmem: skipped records 0-{shard.num_examples - 1} of {path}: {reason}",
-                      file=sys.stderr)
-                if log is not None:
-                    log.add(path, 0, shard.num_examples, reason)
+                if log is None or log.add(path, 0, shard.num_examples, reason):
+                    print(f"tfmem: skipped records 0-{shard.num_examples - 1} of {path}: "
+                          f"{reason}", file=sys.stderr)
             continue
         present.append(path)
         size = tf.io.gfile.stat(path).length

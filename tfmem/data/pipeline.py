@@ -1,12 +1,13 @@
 """The tail both readers share: decode records (naming the ones that fail), check labels,
 then shuffle → batch → prefetch, and the tf.data options for distribution.
 
-Records are decoded in blocks of `BLOCK`: each block becomes a small dataset whose decode map
-has `ignore_errors`, so a record that is not an Example or holds a broken image comes out
-missing instead of stopping the pipeline with TensorFlow's bare decoder message, and the
-caller's `describe(locator)` names it (shard and index for TFRecords, the tfds file and index
-for tfds) in an error, or, with `skip_corrupt`, in a skip. One such dataset per record would
-cost about a fifth of the decoding of a 42 KB JPEG; per block of 16 it costs under 1%.
+Records are decoded a batch at a time: each batch of encoded records becomes a small dataset
+whose parallel decode map has `ignore_errors`, so a record that is not an Example or holds a
+broken image comes out missing instead of stopping the pipeline with TensorFlow's bare decoder
+message, and the caller's `describe(locator)` names it (shard and index for TFRecords, the
+tfds file and index for tfds) in an error, or, with `skip_corrupt`, in a skip. Per batch, the
+guard costs nothing measurable; per record (one small dataset each), or in blocks that are
+then re-batched (two more copies of every image), it cost 15-20% of decoding 42 KB JPEGs.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from tfmem.data import schema as schema_lib
 from tfmem.data.options import ReaderOptions
 from tfmem.runtime.cluster import workers_in_tf_config
 
-BLOCK = 16  # records decoded per call of the parallel map
+BATCHES_IN_FLIGHT = 2  # batches decoded at the same time, each by all cores
 _SKIP_HINT = ("; pass skip_corrupt=True (`--skip-corrupt`) to skip such records, or write the "
               "set again")
 _UNDECODABLE = ("it cannot be decoded (a damaged or truncated image, or not a "
@@ -32,7 +33,7 @@ def decode_fn(schema: schema_lib.Schema, *, parse: Callable | None, label_is_str
               num_classes: int | None, options: ReaderOptions,
               describe: Callable[..., tuple[tf.Tensor, tf.Tensor]], skip_corrupt: bool,
               log: integrity.SkippedRecords | None):
-    """`(payloads, *locators) -> parts` for a block of records; `parts` is `(images, labels)`,
+    """`(payloads, *locators) -> parts` for a batch of records; `parts` is `(images, labels)`,
     `(images, ids)` or `(images,)` of the records that decoded. A record that does not decode
     raises an error naming it, or with `skip_corrupt` is reported and left out; a label outside
     the classes always raises. `describe(*locators)` gives `(shard names, indices)`.
@@ -60,11 +61,14 @@ def decode_fn(schema: schema_lib.Schema, *, parse: Callable | None, label_is_str
         shard, index = describe(*(tf.gather(part, position) for part in locators))
         return tf.strings.join(["record ", tf.strings.as_string(index), " of ", shard])
 
-    def decode_block(payloads, *locators):
+    def decode_batch(payloads, *locators):
+        static_size = locators[0].shape[0]  # known when the batch drops its remainder
         size = tf.shape(locators[0])[0]
         positions = tf.range(size)
         decoded = tf.data.Dataset.from_tensor_slices((payloads, positions)).map(
-            lambda payload, position: (*decode(payload), position)).ignore_errors().batch(BLOCK)
+            lambda payload, position: (*decode(payload), position),
+            num_parallel_calls=tf.data.AUTOTUNE).ignore_errors().batch(
+                tf.cast(size, tf.int64))
         empty = tuple(tf.zeros([0, *spec.shape[1:]], spec.dtype)
                       for spec in decoded.element_spec)
         *parts, kept = decoded.concatenate(tf.data.Dataset.from_tensors(empty)).take(
@@ -79,6 +83,8 @@ def decode_fn(schema: schema_lib.Schema, *, parse: Callable | None, label_is_str
             else:
                 tf.debugging.Assert(False, [tf.strings.join([
                     "tfmem: ", name(locators, failed[0]), ": ", _UNDECODABLE, _SKIP_HINT])])
+        if not skip_corrupt:  # every record decoded: the batch keeps its static size
+            parts = [tf.ensure_shape(part, [static_size, *part.shape[1:]]) for part in parts]
         if not schema.labelled:
             return tuple(parts)
         images, stored = parts
@@ -102,40 +108,41 @@ def decode_fn(schema: schema_lib.Schema, *, parse: Callable | None, label_is_str
                 "and the Schema (label_key, label_offset)"])])
         return images, tf.cast(labels, tf.int32)
 
-    return decode_block
+    return decode_batch
 
 
-def batched(elements: tf.data.Dataset, decode_block, options: ReaderOptions) -> tf.data.Dataset:
-    """Shuffle (training) → decode in blocks (`decode_block`) → augment → batch → prefetch.
+def batched(elements: tf.data.Dataset, decode_batch, options: ReaderOptions,
+            skip_corrupt: bool) -> tf.data.Dataset:
+    """Shuffle (training) → batch → decode (`decode_batch`) → augment → prefetch.
 
-    `elements` are `(payload, *locator)`, still encoded; `decode_block` is from `decode_fn`.
-    Memory: besides the batches, each block being decoded holds up to `BLOCK` images.
+    `elements` are `(payload, *locator)`, still encoded; `decode_batch` is from `decode_fn`.
+    Memory: `prefetch_batches` decoded batches, plus `BATCHES_IN_FLIGHT` being decoded.
     """
-    training, seed = options.training, options.seed
-    known = int(elements.cardinality())  # every record decodes or raises (without skips)
+    training, seed, batch_size = options.training, options.seed, options.batch_size
 
-    def decode(blocks):
-        examples = blocks.map(decode_block, num_parallel_calls=tf.data.AUTOTUNE,
-                              deterministic=not training).unbatch()
-        if len(examples.element_spec) == 1:  # images alone
-            examples = examples.map(lambda image: image)
-        if known >= 0:  # unbatch forgets the length; Keras shows steps per epoch with it
-            examples = examples.apply(tf.data.experimental.assert_cardinality(known))
-        return examples
+    def decode(batches):
+        return batches.map(decode_batch, num_parallel_calls=BATCHES_IN_FLIGHT,
+                           deterministic=not training)
 
-    if options.cache:
-        dataset = decode(elements.batch(BLOCK)).cache()
-        if training:  # shuffle after the cache, so that each epoch has a new order
+    if options.cache:  # examples cached one by one, so that each epoch can reshuffle them
+        dataset = decode(elements.batch(batch_size)).unbatch().cache()
+        if training:
             dataset = dataset.shuffle(options.shuffle_buffer_size, seed=seed)
+        dataset = dataset.batch(batch_size, drop_remainder=options.drop_remainder)
     else:
         if training:  # shuffle encoded records: ~10x smaller than decoded images
             elements = elements.shuffle(options.shuffle_buffer_size, seed=seed)
-        dataset = decode(elements.batch(BLOCK))
-    if training and options.augment:
-        dataset = dataset.map(lambda image, *rest: (tf.image.random_flip_left_right(image, seed),
-                                                    *rest), num_parallel_calls=tf.data.AUTOTUNE)
-    # drop_remainder=True keeps the batch dimension static (TPUs need it) and every step full.
-    dataset = dataset.batch(options.batch_size, drop_remainder=options.drop_remainder)
+        # drop_remainder=True keeps the batch dimension static (TPUs need it) and every step
+        # full; a batch that lost skipped records is topped up from the next one.
+        dataset = decode(elements.batch(
+            batch_size, drop_remainder=options.drop_remainder and not skip_corrupt))
+        if skip_corrupt:
+            dataset = dataset.rebatch(batch_size, drop_remainder=options.drop_remainder)
+    if len(dataset.element_spec) == 1:  # images alone
+        dataset = dataset.map(lambda images: images)
+    if training and options.augment:  # each image of the batch flipped or not
+        dataset = dataset.map(lambda images, *rest: (
+            tf.image.random_flip_left_right(images, seed), *rest))
     # Decode the next batches while this one trains. A fixed depth, not AUTOTUNE: tf.data's
     # prefetch autotuner doubles its buffer each time a full buffer drains to empty and never
     # shrinks it, so a run with pauses (validation, checkpoints) keeps growing

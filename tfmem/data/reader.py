@@ -287,12 +287,13 @@ def image_dataset(
     if shard_records:
         records = records.shard(pipelines, index)
     spec, names = source.spec, tf.constant(source.files)
-    decode_block = pipeline.decode_fn(
+    decode_batch = pipeline.decode_fn(
         schema, parse=lambda record: tf.io.parse_single_example(record, spec),
         label_is_string=schema.labelled and spec[schema.label_key].dtype == tf.string,
         num_classes=source.num_classes, options=options,
         describe=lambda shards, indices: (tf.gather(names, shards), indices),
         skip_corrupt=bool(skip_corrupt), log=skipped)
-    dataset = pipeline.batched(records, decode_block,
-                               dataclasses.replace(options, batch_size=batch_size))
+    dataset = pipeline.batched(records, decode_batch,
+                               dataclasses.replace(options, batch_size=batch_size),
+                               bool(skip_corrupt))
     return dataset.with_options(pipeline.dataset_options(options, num_files))

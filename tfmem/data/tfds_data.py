@@ -107,11 +107,11 @@ def tfds_image_dataset(
         return (tf.strings.regex_replace(tfds_ids, "__[0-9]+$", ""),
                 tf.strings.to_number(tf.strings.regex_replace(tfds_ids, "^.*__", ""), tf.int64))
 
-    decode_block = pipeline.decode_fn(
+    decode_batch = pipeline.decode_fn(
         Schema(image_key=image_key, label_key=label_key), parse=None, label_is_string=False,
         num_classes=getattr(features[label_key], "num_classes", None), options=options,
         describe=describe, skip_corrupt=False, log=None)
-    dataset = pipeline.batched(elements, decode_block,
-                               dataclasses.replace(options, batch_size=batch_size))
+    dataset = pipeline.batched(elements, decode_batch,
+                               dataclasses.replace(options, batch_size=batch_size), False)
     return dataset.with_options(
         pipeline.dataset_options(options, builder.info.splits[split].num_shards))
