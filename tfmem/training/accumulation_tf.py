@@ -104,6 +104,7 @@ class AccumTrainer:
                 lambda t: None if t is None else t[i], split
             )
             return (i + 1, *micro_step(x_i, y_i, w_i, loss_sum, grad_sums, bn_sums))
+
         _, loss_sum, grad_sums, bn_sums = tf.while_loop(
             lambda i, *_: i < k,
             body,
@@ -174,7 +175,7 @@ class AccumTrainer:
 
 
 def _platform(strategy) -> str:
-    """"cpu", "gpu" or "tpu": the kind of device the strategy's replicas run on."""
+    """The kind of device ("cpu", "gpu" or "tpu") the strategy's replicas run on."""
     if isinstance(strategy, tf.distribute.TPUStrategy):
         return "tpu"
     try:
