@@ -93,6 +93,7 @@ class AccumTrainer:
                 lambda t: None if t is None else _micro_batch(t, i, k), split
             )
             return (i + 1, *micro_step(x_i, y_i, w_i, loss_sum, grad_sums, bn_sums))
+
         _, loss_sum, grad_sums, bn_sums = tf.while_loop(
             lambda i, *_: i < k,
             body,
@@ -166,7 +167,7 @@ class AccumTrainer:
 
 
 def _platform(strategy) -> str:
-    """"cpu", "gpu" or "tpu": the kind of device the strategy's replicas run on."""
+    """The kind of device ("cpu", "gpu" or "tpu") the strategy's replicas run on."""
     if isinstance(strategy, tf.distribute.TPUStrategy):
         return "tpu"
     try:
