@@ -26,6 +26,19 @@ import socket  # noqa: E402
 import pytest  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _op_determinism_does_not_leak():
+    """A test that turns on TensorFlow's op determinism (as `finetune.py --deterministic` does
+    in-process) turns it off again: with it on, Keras's `compile` silently drops
+    `jit_compile=True`, which would change what later tests run."""
+    from tensorflow.python.framework import config
+
+    was_on = config.is_op_determinism_enabled()
+    yield
+    if config.is_op_determinism_enabled() and not was_on:
+        config.disable_op_determinism()
+
+
 @pytest.fixture
 def free_ports():
     """`free_ports(n)`: n localhost ports free right now, for multi-worker `TF_CONFIG`s."""

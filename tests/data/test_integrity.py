@@ -180,6 +180,11 @@ def test_a_record_that_cannot_be_decoded_is_named_and_skippable(tmp_path, capfd)
                        match=rf"tfmem: record {index} of {shard}: it cannot be decoded .*"
                              r"skip_corrupt=True"):
         _read(tmp_path)
+    # Full batches of a static size (training's default): the record is named all the same,
+    # not the batch's missing row.
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=rf"tfmem: record {index} of {shard}: it cannot be decoded"):
+        _read(tmp_path, training=True, drop_remainder=True)
     skipped = tfmem.SkippedRecords()
     batches = _read(tmp_path, skip_corrupt=True, skipped=skipped)
     keep = np.arange(NUM_EXAMPLES) != 7

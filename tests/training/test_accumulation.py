@@ -211,7 +211,6 @@ def test_mirrored_strategy_matches_single_device(two_cpu_strategy):
     assert accum.optimizer.iterations.numpy() == 3
 
 
-@pytest.mark.xfail(strict=False, reason="since the XLA host loop and the drop-in step were combined, `_xla_loop_on_host` is False under jit_compile on CPU; being repaired")
 def test_jit_compile_matches_plain_big_batch():
     x, y, _ = _data((8, 8, 2), 32)
     accum, plain = _pair(_conv, 4, optimizer="adam", loss="mse")

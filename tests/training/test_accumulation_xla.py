@@ -54,7 +54,6 @@ def loop(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.xfail(strict=False, reason="since the XLA host loop and the drop-in step were combined, `_xla_loop_on_host` is False under jit_compile on CPU; being repaired")
 def test_micro_batches_under_xla_equal_one_big_batch(loop):
     plain, plain_history = _fit(_model(), jit_compile=True)
     accum, accum_history = _fit(_model(K), jit_compile=True)
@@ -74,7 +73,6 @@ def test_batch_norm_statistics_under_xla_equal_the_step_without_it(loop):
     assert np.abs(np.asarray(layer.moving_mean)).max() > 0  # the statistics did move
 
 
-@pytest.mark.xfail(strict=False, reason="since the XLA host loop and the drop-in step were combined, `_xla_loop_on_host` is False under jit_compile on CPU; being repaired")
 def test_the_loop_runs_on_the_host_only_where_placement_says(monkeypatch):
     model, _ = _fit(_model(K), jit_compile=True, sample_weight=False)
     assert model._xla_loop_on_host()  # CPU

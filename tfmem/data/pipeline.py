@@ -74,17 +74,21 @@ def decode_fn(schema: schema_lib.Schema, *, parse: Callable | None, label_is_str
         *parts, kept = decoded.concatenate(tf.data.Dataset.from_tensors(empty)).take(
             1).get_single_element()
         ok = tf.reduce_any(tf.equal(positions[:, None], kept[None, :]), axis=1)
-        if not tf.reduce_all(ok):  # autograph: a tf.cond, its messages built only on failure
-            failed = tf.boolean_mask(positions, tf.logical_not(ok))
-            if skip_corrupt:
-                shards, indices = describe(*(tf.gather(part, failed) for part in locators))
+        all_ok = tf.reduce_all(ok)
+        failed = lambda: tf.boolean_mask(positions, tf.logical_not(ok))  # noqa: E731
+        if skip_corrupt:
+            if not all_ok:  # autograph: a tf.cond, the report built only when records failed
+                shards, indices = describe(*(tf.gather(part, failed()) for part in locators))
                 integrity.report_skips(log, shards, indices, tf.ones_like(indices),
                                        tf.fill(tf.shape(indices), _UNDECODABLE))
-            else:
-                tf.debugging.Assert(False, [tf.strings.join([
-                    "tfmem: ", name(locators, failed[0]), ": ", _UNDECODABLE, _SKIP_HINT])])
-        if not skip_corrupt:  # every record decoded: the batch keeps its static size
-            parts = [tf.ensure_shape(part, [static_size, *part.shape[1:]]) for part in parts]
+        else:
+            message = tf.cond(all_ok, lambda: tf.constant(""), lambda: tf.strings.join([
+                "tfmem: ", name(locators, failed()[0]), ": ", _UNDECODABLE, _SKIP_HINT]))
+            # The check runs before the shape is asserted: a batch short of a record fails with
+            # the record's name, not with the shape it no longer has.
+            with tf.control_dependencies([tf.debugging.Assert(all_ok, [message])]):
+                parts = [tf.ensure_shape(part, [static_size, *part.shape[1:]])
+                         for part in parts]
         if not schema.labelled:
             return tuple(parts)
         images, stored = parts
