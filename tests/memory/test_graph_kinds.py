@@ -212,6 +212,50 @@ def test_a_model_the_planner_cannot_plan_warns_once_and_trains():
         auto.fit(_dataset(), epochs=1, verbose=0, memory_budget=GIB)
 
 
+class SmallAccumCNN(tfmem.AccumModel):
+    """SmallCNN written as users write a subclassed AccumModel: `fit` is what builds it."""
+
+    def __init__(self, accumulation_steps):
+        super().__init__(accumulation_steps=accumulation_steps)
+        self.conv = keras.layers.Conv2D(8, 3, activation="relu")
+        self.pool = keras.layers.GlobalAveragePooling2D()
+        self.head = keras.layers.Dense(3)
+
+    def call(self, x, training=False):
+        return self.head(self.pool(self.conv(x)))
+
+
+@pytest.mark.parametrize("data", ["arrays", "dataset"])
+def test_an_unbuilt_subclassed_accum_model_is_planned_at_the_data_shapes(data):
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 10, 10, 3)).astype("float32")
+    y = rng.integers(0, 3, 32)
+    fit = (dict(x=x, y=y, batch_size=16) if data == "arrays" else
+           dict(x=tf.data.Dataset.from_tensor_slices((x, y)).batch(16, drop_remainder=True)))
+    reference = SmallCNN()
+    reference.build((None, 10, 10, 3))
+    expected = tfmem.plan(reference, global_batch_size=16, optimizer="sgd", memory_budget=GIB)
+    # A budget that micro-batches of 4 fit and micro-batches of 8 do not: the guard refuses
+    # k=1 ...
+    fits, too_big = expected.peak_bytes(4, 4), expected.peak_bytes(8, 2)
+    assert fits < too_big
+    budget = (fits + too_big) / 2
+    model = SmallAccumCNN(accumulation_steps=1)
+    model.compile(keras.optimizers.SGD(0.01), "sparse_categorical_crossentropy")
+    with pytest.raises(tfmem.MemoryPlanError, match=r"global batch 16"):
+        model.fit(**fit, epochs=1, verbose=0, memory_budget=int(budget / expected.safety))
+    # ... and "auto" picks the k that fits, with no "memory check skipped" warning.
+    auto = SmallAccumCNN(accumulation_steps="auto")
+    auto.compile(keras.optimizers.SGD(0.01), "sparse_categorical_crossentropy")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        auto.fit(**fit, epochs=1, verbose=0, memory_budget=int(budget / expected.safety))
+    assert not [w for w in caught if "memory check skipped" in str(w.message)]
+    assert auto.accumulation_steps == 4 and int(auto.optimizer.iterations) == 2
+
+
 _ON_JAX = r"""
 import json
 import keras

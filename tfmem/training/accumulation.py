@@ -173,7 +173,9 @@ class AccumModel(backend.AccumTrainer, keras.Model):
         try:
             memory_plan = planner.plan(
                 self, global_batch_size=global_batch, optimizer=self.optimizer,
-                precision=precision if precision.startswith("mixed_") else "float32", **budget)
+                precision=precision if precision.startswith("mixed_") else "float32",
+                # A subclassed model Keras has not built yet is planned at the data's shapes.
+                input_shape=None if self.built else _sample_shapes(x), **budget)
         except Exception as error:  # noqa: BLE001 - a model the planner cannot size still trains
             reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             if auto:
@@ -336,6 +338,19 @@ def _replayed_accumulation_steps(args: tuple, kwargs: dict) -> int | str:
 for _cls in (Functional, AccumModel):
     keras.saving.register_keras_serializable(package="tfmem", name="AccumModel")(_cls)
 del _cls
+
+
+def _sample_shapes(x) -> list[tuple] | None:
+    """One sample's shape per model input, from `fit`'s `x`: arrays, or a batched
+    `tf.data.Dataset` of `x` or `(x, y[, sample_weight])`; None for anything else."""
+    element_spec = getattr(x, "element_spec", None)
+    if element_spec is not None:
+        x = element_spec[0] if isinstance(element_spec, tuple) else element_spec
+    parts = keras.tree.flatten(x)
+    shapes = [getattr(part, "shape", None) for part in parts]
+    if not parts or any(shape is None or len(shape) < 1 for shape in shapes):
+        return None
+    return [tuple(shape)[1:] for shape in shapes]
 
 
 def _global_batch_size(x, batch_size) -> int | None:
