@@ -67,6 +67,18 @@ def test_accumulation_buffers_only_when_k_above_one():
     assert p.breakdown(2, 4)[Term.INPUT] == p.breakdown(8, 1)[Term.INPUT] == 8 * 8 * 8 * 3 * 4 * 2
 
 
+def test_accumulation_buffers_of_float64_weights_are_float64():
+    policy = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("float64")  # AccumModel sums float64 gradients in float64
+    try:
+        model = small_model()
+    finally:
+        keras.config.set_dtype_policy(policy)
+    p = tfmem.plan(model, global_batch_size=8, optimizer="sgd", memory_budget=GIB)
+    assert p.gradient_bytes == 8 * TRAINABLE
+    assert p.breakdown(2, 4)[Term.ACCUMULATION] == 8 * TRAINABLE
+
+
 @pytest.mark.parametrize("precision, extra", [
     ("float32", 0),
     # 2-byte compute copies of the conv and dense kernels/biases (not BN's) …

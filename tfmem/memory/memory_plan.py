@@ -20,7 +20,8 @@ class Term(enum.Enum):
     GRADIENTS = ("gradients", "trainable variables, float32 (alive until apply)", False)
     OPTIMIZER_SLOTS = ("optimizer slots", "Keras optimizer build(): slots × trainable bytes",
                        False)
-    ACCUMULATION = ("accumulation buffers", "AccumModel float32 gradient sums, k > 1", False)
+    ACCUMULATION = ("accumulation buffers", "AccumModel gradient sums (≥ float32), k > 1",
+                    False)
     MIXED_PRECISION = ("mixed-precision copies",
                        "compute-dtype kernel casts (+ unscaled grads, fp16)", False)
     RUNTIME = ("framework runtime", "CPU: TF import + traced step per variable (measured)",
@@ -75,7 +76,8 @@ class MemoryPlan:
     """The memory a training run needs per replica, and the micro-batch × k it will use.
 
     Fixed terms (bytes per replica): `parameter_bytes`, `gradient_bytes`, `optimizer_bytes`,
-    `accumulation_bytes` (float32 buffers, only when `accumulation_steps > 1`),
+    `accumulation_bytes` (float32 buffers, float64 for float64 weights, only when
+    `accumulation_steps > 1`),
     `mixed_precision_bytes`, `runtime_bytes`. Per-sample terms: `input_bytes_per_sample`
     (× the global batch per replica × `input_batches_in_flight`: AccumModel receives the whole
     global batch and splits it inside the step), `activation_bytes_per_sample` and

@@ -116,9 +116,12 @@ def _resolve_precision(precision: str, budget: Budget) -> tuple[str, str | None]
                     f"{budget.device} (bf16 on TPU, fp16 on GPUs of compute capability ≥ 7)")
 
 
+def _itemsize(variable) -> int:
+    return np.dtype(keras.backend.standardize_dtype(variable.dtype)).itemsize
+
+
 def _nbytes(variables) -> int:
-    return sum(math.prod(v.shape) * np.dtype(keras.backend.standardize_dtype(v.dtype)).itemsize
-               for v in variables)
+    return sum(math.prod(v.shape) * _itemsize(v) for v in variables)
 
 
 def _estimate(model, *, global_batch_size, optimizer, precision, budget, safety,
@@ -184,8 +187,9 @@ def _estimate(model, *, global_batch_size, optimizer, precision, budget, safety,
         # all alive together until `apply_gradients`.
         gradient_bytes=_nbytes(trainable),
         optimizer_bytes=optimizer_slot_bytes(optimizer, trainable),
-        # AccumModel's float32 running sum of gradients (one per trainable variable).
-        accumulation_bytes=4 * int(num_trainable),
+        # AccumModel's running sum of gradients, one per trainable variable: float32, or the
+        # variable's own dtype where that is wider (float64).
+        accumulation_bytes=sum(math.prod(v.shape) * max(4, _itemsize(v)) for v in trainable),
         mixed_precision_bytes=int(mixed),
         runtime_bytes=(_CPU_IMPORT_BYTES + _CPU_GRAPH_BASE_BYTES
                        + _CPU_BYTES_PER_VARIABLE * len(model.variables)
