@@ -46,6 +46,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import keras
+import numpy as np
 from jax.experimental import sparse as jax_sparse
 from keras import tree
 
@@ -166,6 +167,9 @@ class HostLoopStep:
             list(metrics_variables),
         ))
         fixed = _committed((trainable, statistics, optimizer_variables))
+        # Host arrays (numpy, from Keras's iterator) moved once, not once per micro-step.
+        data = jax.tree_util.tree_map(
+            lambda leaf: jax.device_put(leaf) if isinstance(leaf, np.ndarray) else leaf, data)
         for index in range(model.accumulation_steps):
             carry = self.micro_step(carry, fixed, data, index)
         model._check_loss_reductions()
