@@ -3,25 +3,15 @@
 import json
 import os
 import shutil
-import struct
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tfmem
+from tfrecord_framing import record_lengths
 
 NUM_EXAMPLES = 12
-
-
-def _record_lengths(path):
-    """Lengths of the records of a TFRecord file, read from its framing (not through TF)."""
-    data, offset, lengths = open(path, "rb").read(), 0, []
-    while offset < len(data):
-        (length,) = struct.unpack("<Q", data[offset:offset + 8])
-        lengths.append(length)
-        offset += length + 16
-    return lengths
 
 
 def _images(seed=0, num_examples=NUM_EXAMPLES):
@@ -94,7 +84,7 @@ def test_shards_are_compared_with_the_manifest_before_the_first_batch(written, t
 
 def test_a_short_shard_is_named_with_its_missing_records(written):
     manifest, images, labels = written
-    lengths = _record_lengths(manifest.files[1])
+    lengths = record_lengths(manifest.files[1])
     cut = lengths[0] + 16  # at a record boundary: what is left reads without a CRC error
     with open(manifest.files[1], "r+b") as file:
         file.truncate(cut)
@@ -133,7 +123,7 @@ def test_a_manifest_whose_total_disagrees_with_its_shards_is_refused(written):
 def test_a_corrupted_shard_is_named_or_skipped(written, capfd):
     manifest, images, labels = written
     victim = manifest.files[2]
-    lengths = _record_lengths(victim)
+    lengths = record_lengths(victim)
     data = bytearray(open(victim, "rb").read())
     data[lengths[0] + 16 + 12 + 40] ^= 0xFF  # record 1's payload: its data CRC no longer matches
     open(victim, "wb").write(bytes(data))  # same size: only the stream check can see it
@@ -155,7 +145,7 @@ def test_a_truncated_shard_of_foreign_data_is_named(written, tmp_path):
     manifest, _, _ = written
     data = open(manifest.files[0], "rb").read()
     (tmp_path / "part.tfrecord").write_bytes(data[:-5])  # cut inside the last record
-    last_record_start = len(data) - _record_lengths(manifest.files[0])[-1] - 16
+    last_record_start = len(data) - record_lengths(manifest.files[0])[-1] - 16
     schema = tfmem.Schema(image_key="image", label_key="label", id_key="id")
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match=rf"stop at byte {last_record_start} of {len(data) - 5}; read 2 "
@@ -175,7 +165,7 @@ def test_a_record_that_cannot_be_decoded_is_named_and_skippable(tmp_path, capfd)
         tf.data.Dataset.from_tensor_slices((encoded, labels)), tmp_path, shard_size_mb=0.0008,
         class_names=["a", "b", "c"])
     shard, index = manifest.files[2], 1  # record 7 is the 2nd of the 3rd shard of 3 records
-    assert _record_lengths(shard)[index] < 200
+    assert record_lengths(shard)[index] < 200
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match=rf"tfmem: record {index} of {shard}: it cannot be decoded .*"
                              r"skip_corrupt=True"):

@@ -4,7 +4,6 @@ import dataclasses
 import inspect
 import os
 import re
-import struct
 import time
 
 import keras
@@ -14,6 +13,7 @@ import tensorflow as tf
 
 import tfmem
 from tfmem.data import pipeline
+from tfrecord_framing import record_lengths
 from tensorflow.python.data.experimental.ops.distribute import _AutoShardDataset
 
 NUM_EXAMPLES = 40
@@ -25,16 +25,6 @@ def _source(num_examples=NUM_EXAMPLES, seed=0):
     images = rng.integers(0, 256, size=(num_examples, HEIGHT, WIDTH, 3), dtype=np.uint8)
     labels = rng.integers(0, 3, size=num_examples)
     return images, labels
-
-
-def _record_lengths(path):
-    """Lengths of the records of a TFRecord file, read from its framing (not through TF)."""
-    data, offset, lengths = open(path, "rb").read(), 0, []
-    while offset < len(data):
-        (length,) = struct.unpack("<Q", data[offset:offset + 8])
-        lengths.append(length)
-        offset += length + 16
-    return lengths
 
 
 def _unlabelled(**kwargs):
@@ -76,7 +66,7 @@ def test_manifest_counts_and_shard_sizes(written):
     assert sum(s.num_examples for s in manifest.shards) == NUM_EXAMPLES
     limit = 1000  # shard_size_mb=0.001
     for index, (shard, path) in enumerate(zip(manifest.shards, manifest.files)):
-        lengths = _record_lengths(path)
+        lengths = record_lengths(path)
         assert shard.num_examples == len(lengths)
         assert shard.num_bytes == os.path.getsize(path) == sum(lengths) + 16 * len(lengths)
         if index < len(manifest.shards) - 1:  # closed at the first record that crosses the limit

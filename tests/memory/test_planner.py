@@ -28,6 +28,16 @@ TRAINABLE = 112 + 8 + 725  # 845
 ALL = TRAINABLE + 8  # 853
 
 
+def built_under(policy, build):
+    """`build()` under the global dtype policy `policy`; the previous policy is restored."""
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(policy)
+    try:
+        return build()
+    finally:
+        keras.config.set_dtype_policy(previous)
+
+
 @pytest.mark.parametrize(
     "optimizer, slot_floats",
     [
@@ -68,12 +78,7 @@ def test_accumulation_buffers_only_when_k_above_one():
 
 
 def test_accumulation_buffers_of_float64_weights_are_float64():
-    policy = keras.config.dtype_policy()
-    keras.config.set_dtype_policy("float64")  # AccumModel sums float64 gradients in float64
-    try:
-        model = small_model()
-    finally:
-        keras.config.set_dtype_policy(policy)
+    model = built_under("float64", small_model)  # AccumModel sums float64 gradients in float64
     p = tfmem.plan(model, global_batch_size=8, optimizer="sgd", memory_budget=GIB)
     assert p.gradient_bytes == 8 * TRAINABLE
     assert p.breakdown(2, 4)[Term.ACCUMULATION] == 8 * TRAINABLE
@@ -131,11 +136,7 @@ def test_activation_bytes_equal_hand_count_float32():
 
 
 def test_activation_bytes_mixed_float16_hand_count():
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    try:
-        model = activation_model()
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
+    model = built_under("mixed_float16", activation_model)
     big, small = 16 * 16 * 8 * 2, 8 * 8 * 8 * 2  # float16 maps
     hand = (
         16 * 16 * 3 * 2  # conv keeps a float16 cast of the float32 input
@@ -267,11 +268,7 @@ def test_detected_runtime_plans_on_this_host():
 @pytest.mark.parametrize("precision", ["float32", "mixed_float16"])
 def test_rule_table_equals_tensorflows_own_gradient_graph(precision):
     """Reference: the forward tensors TensorFlow's backward reads, from one whole-model trace."""
-    keras.mixed_precision.set_global_policy(precision)
-    try:
-        model = activation_model()
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
+    model = built_under(precision, activation_model)
     traced = traced_saved_tensors(model)
     p = tfmem.plan(model, global_batch_size=4, precision=precision, memory_budget=GIB)
     assert p.activation_bytes_per_sample == traced.saved_bytes
@@ -280,11 +277,7 @@ def test_rule_table_equals_tensorflows_own_gradient_graph(precision):
 
 def test_float32_model_planned_mixed_counts_two_byte_activations():
     """A model built in float32 and planned under a mixed policy is counted as if built so."""
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    try:
-        built_mixed = activation_model()
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
+    built_mixed = built_under("mixed_float16", activation_model)
     reference = tfmem.plan(built_mixed, global_batch_size=4, precision="mixed_float16",
                            memory_budget=GIB)
     planned = tfmem.plan(activation_model(), global_batch_size=4, precision="mixed_float16",

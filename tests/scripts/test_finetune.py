@@ -17,6 +17,7 @@ import tensorflow as tf
 from absl import flags
 
 import tfmem
+from native_logs import without_native_logs
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "finetune.py"
@@ -169,14 +170,6 @@ def finetune_main(finetune_module):
     return run
 
 
-def _without_native_logs(stderr: str) -> str:
-    """stderr without TensorFlow's C++ log lines ("E0000 ...", absl's preamble). In this process
-    they come from whatever ran before (a tf.data thread of an earlier test can log while this
-    one runs); they are TensorFlow's, not the script's, and the script's own output is checked."""
-    return "".join(line for line in stderr.splitlines(keepends=True) if not re.match(
-        r"WARNING: All log messages before absl|[IWE]\d{4} |To enable the", line))
-
-
 @pytest.fixture()
 def finetune_cli(finetune_module, capfd):
     """The script as its command line runs it (`cli.run`), in this process: returns the exit
@@ -188,7 +181,9 @@ def finetune_cli(finetune_module, capfd):
         with pytest.raises(SystemExit) as exit_:
             tfmem.cli.run(finetune_module.main, ["finetune.py", *args])
         out, err = capfd.readouterr()
-        return exit_.value.code, out, _without_native_logs(err)
+        # In this process TensorFlow's log lines can come from whatever ran before (a tf.data
+        # thread of an earlier test); they are not the script's, whose own lines are checked.
+        return exit_.value.code, out, "".join(without_native_logs(err))
 
     return run
 

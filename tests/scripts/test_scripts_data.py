@@ -11,6 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfmem
+from native_logs import without_native_logs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -81,9 +82,8 @@ def test_every_script_reports_a_bad_command_in_one_line_with_status_2(tmp_path):
     for name, process in running.items():
         _, stderr = process.communicate(timeout=240)
         # TensorFlow's C++ logging at import ("I0000 ...", absl's preamble) is not ours.
-        lines = [line for line in stderr.splitlines() if not re.match(
-            r"<frozen runpy>|WARNING: All log messages before absl|[IWE]\d{4} |To enable the",
-            line)]
+        lines = [line.rstrip("\n")
+                 for line in without_native_logs(stderr, also="<frozen runpy>")]
         assert process.returncode == 2, (name, stderr[-2000:])
         assert len(lines) == 1 and re.fullmatch(commands[name][1], lines[0]), (name, stderr)
     assert not (tmp_path / "out").exists()

@@ -75,7 +75,10 @@ def decode_fn(schema: schema_lib.Schema, *, parse: Callable | None, label_is_str
             1).get_single_element()
         ok = tf.reduce_any(tf.equal(positions[:, None], kept[None, :]), axis=1)
         all_ok = tf.reduce_all(ok)
-        failed = lambda: tf.boolean_mask(positions, tf.logical_not(ok))  # noqa: E731
+
+        def failed():  # built only inside the branches that run when records failed
+            return tf.boolean_mask(positions, tf.logical_not(ok))
+
         if skip_corrupt:
             if not all_ok:  # autograph: a tf.cond, the report built only when records failed
                 shards, indices = describe(*(tf.gather(part, failed()) for part in locators))
