@@ -318,7 +318,7 @@ def _train(spec, runtime, precision, output, image_size, num_classes, num_exampl
     # A dry run reads only shapes: its model's weights are never initialised (no RAM for them).
     deferred = _DRY_RUN.value and not _WEIGHTS.value
     with runtime.scope(), cli.usage_errors():  # e.g. an image size the model cannot take
-        with (keras.StatelessScope(initialize_variables=False) if deferred
+        with (models.shapes_only() if deferred
               else contextlib.nullcontext()):
             model = models.build(spec.name, num_classes=num_classes, image_size=image_size,
                                  weights=_WEIGHTS.value, freeze_backbone=_FREEZE_BACKBONE.value)

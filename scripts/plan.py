@@ -72,10 +72,8 @@ def draw(plan, path: str) -> None:
 
 def main(argv):
     del argv
-    import keras
-
     # Only shapes are read: the weights are never initialised (no RAM for them).
-    with keras.StatelessScope(initialize_variables=False):
+    with models.shapes_only():
         model = models.build(FLAGS.model, num_classes=FLAGS.num_classes,
                              image_size=FLAGS.image_size)
     plan = tfmem.plan(model, global_batch_size=FLAGS.global_batch_size,

@@ -218,3 +218,27 @@ def test_jax_train_function_and_state_shardings():
     # four state parts (trainable, non-trainable, optimizer, metrics); one step per batch of
     # a steps_per_execution window, the state threaded through
     assert result.stdout.split("\n")[-3:-1] == ["4 True", "[1, 2, 3] state"]
+
+
+def _pending():
+    from keras.src.backend.common import global_state
+
+    return global_state.get_global_attribute("uninitialized_variables") or []
+
+
+def test_shapes_only_builds_without_weights_and_leaves_nothing_to_initialise_later():
+    with keras.StatelessScope(initialize_variables=False):  # the user's own deferred layer
+        outer = keras.layers.Dense(3)
+        outer.build((None, 2))
+    with internals.shapes_only():
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(512)])
+    assert [id(v) for v in _pending()] == [id(v) for v in outer.weights]
+    # Any outermost stateless scope initialises what is pending: the user's layer, not the
+    # model built for its shapes.
+    with keras.StatelessScope():
+        pass
+    assert _pending() == []
+    # A variable's stored value: None until it is initialised (reading `.value` before that
+    # computes a fresh one each time).
+    assert outer.kernel._value is not None
+    assert all(weight._value is None for weight in model.weights)

@@ -10,6 +10,7 @@ back silently.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 import keras
@@ -180,3 +181,28 @@ def jax_state_shardings(model: keras.Model) -> tuple:
     """JAX trainer: the shardings of `(trainable, non_trainable, optimizer, metrics)` state."""
     return _attribute(model, "_get_state_sharding_spec",
                       "the JAX trainer's state shardings")()
+
+
+@contextlib.contextmanager
+def shapes_only():
+    """Builds models whose weights are never initialised: only their shapes exist.
+
+    Inside, `keras.StatelessScope(initialize_variables=False)` defers every new variable's
+    initialisation. Keras keeps deferred variables on one global list and initialises the
+    whole list when any later outermost `StatelessScope` exits (a symbolic call of a custom
+    layer opens one), so a planned XL model would otherwise fill memory long after it was
+    planned. On exit, the variables created inside leave that list for good: a model built
+    here can be planned, not trained.
+    """
+    get = _module_attribute("keras.src.backend.common.global_state", "get_global_attribute",
+                            "Keras's global state")
+    put = _module_attribute("keras.src.backend.common.global_state", "set_global_attribute",
+                            "Keras's global state")
+    before = list(get("uninitialized_variables") or [])
+    try:
+        with keras.StatelessScope(initialize_variables=False):
+            yield
+    finally:
+        known = {id(variable) for variable in before}
+        pending = get("uninitialized_variables") or []
+        put("uninitialized_variables", [v for v in pending if id(v) in known])

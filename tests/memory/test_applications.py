@@ -1,6 +1,6 @@
 """The planner sizes every `keras.applications` model (plan only, at a small valid size).
 
-Models are built inside `keras.StatelessScope(initialize_variables=False)`: their weights are
+Models are built inside `tfmem.models.shapes_only()`: their weights are
 never initialised, which the planner does not need (it reads shapes), and which keeps the 40
 builds at about a minute on 2 cores.
 """
@@ -22,7 +22,7 @@ SMALLEST = {"InceptionV3": 75, "InceptionResNetV2": 75, "Xception": 71}
 
 def _build(name):
     size = SMALLEST.get(name, 32)
-    with keras.StatelessScope(initialize_variables=False):
+    with tfmem.models.shapes_only():
         return getattr(keras.applications, name)(weights=None, input_shape=(size, size, 3))
 
 

@@ -56,7 +56,7 @@ def test_auto_precision_of_a_runtime_follows_its_compute_capability():
 @pytest.fixture(scope="module")
 def xl():
     """EfficientNetV2-XL at 384 px, built once without initialising its 209M weights."""
-    with keras.StatelessScope(initialize_variables=False):
+    with tfmem.models.shapes_only():
         return models.build("efficientnetv2-xl", num_classes=1000, image_size=384)
 
 
@@ -237,7 +237,7 @@ def test_every_tfmem_model_plans_through_finetune_dry_run():
 @pytest.mark.parametrize("name", [n for n, s in models.MODELS.items()
                                   if s.task == "segmentation"])
 def test_every_segmentation_model_plans(name):
-    with keras.StatelessScope(initialize_variables=False):
+    with tfmem.models.shapes_only():
         model = models.build(name, num_classes=3, image_size=64)
     p = tfmem.plan(model, global_batch_size=4, device="t4", precision="auto")
     assert p.fits and p.num_parameters == model.count_params()

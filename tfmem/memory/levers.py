@@ -158,6 +158,6 @@ def _deferred(name: str, image_size: int, build_kwargs: dict) -> Callable[[], ke
     def build() -> keras.Model:
         from tfmem import models
 
-        with keras.StatelessScope(initialize_variables=False):
+        with models.shapes_only():
             return models.build(name, image_size=image_size, **build_kwargs)
     return build

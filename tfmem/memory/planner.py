@@ -224,8 +224,7 @@ def plan(
     Args:
         model: a built Keras model: functional, Sequential or subclassed, with concrete
             input shapes. Only shapes are read: a model built inside
-            `keras.StatelessScope(initialize_variables=False)` (no weights in memory) plans
-            the same.
+            `tfmem.models.shapes_only()` (no weights in memory) plans the same.
         global_batch_size: samples per optimizer update, over all replicas.
         optimizer: Keras optimizer instance or name; decides the slot count.
         precision: "float32", "mixed_float16", "mixed_bfloat16", or "auto": the policy

@@ -21,9 +21,10 @@ from typing import Callable
 import keras
 from keras import layers
 
+from tfmem import _keras_internals as internals
 from tfmem.models import applications, efficientnetv2_xl, tiramisu, unet as unet_module
 
-__all__ = ["MODELS", "ModelSpec", "build", "spec", "set_backbone_trainable"]
+__all__ = ["MODELS", "ModelSpec", "build", "spec", "set_backbone_trainable", "shapes_only"]
 
 _RAW_PIXELS = (0.0, 255.0)
 
@@ -97,6 +98,21 @@ def _tiramisu_builder(depth):
 _SPECS, _SEGMENTATION_BUILDERS = _registry()
 MODELS = types.MappingProxyType(_SPECS)
 """Read-only mapping of every model name to its `ModelSpec`."""
+
+
+def shapes_only():
+    """A context in which models are built without their weights, to be planned, not trained.
+
+    Building EfficientNetV2-XL this way takes seconds and no memory for its 209M weights; the
+    planner reads only shapes. The weights stay uninitialised for good (Keras would otherwise
+    initialise them at its next stateless scope), so such a model cannot be trained.
+
+    Example:
+        >>> with tfmem.models.shapes_only():
+        ...     xl = tfmem.models.build("efficientnetv2-xl", num_classes=104, image_size=384)
+        >>> tfmem.plan(xl, global_batch_size=64, device="tpu-v3-8")  # doctest: +SKIP
+    """
+    return internals.shapes_only()
 
 
 def spec(name: str) -> ModelSpec:
