@@ -35,10 +35,9 @@ from absl import flags
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import tfmem  # noqa: E402  (first: it imports TensorFlow without its banner)
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
-
-import tfmem  # noqa: E402
 from tfmem import cli, models  # noqa: E402
 from tfmem.data import manifest as manifest_lib  # noqa: E402
 from tfmem.memory import levers, planner  # noqa: E402
@@ -131,6 +130,13 @@ def _dataset_facts(data: str) -> tuple[int, int, str]:
     The identity goes into the run's settings: the manifest's fingerprint (the set wherever
     it lies), or for foreign records their path and count.
     """
+    if _DRY_RUN.value and _NUM_CLASSES.value and _NUM_EXAMPLES.value and (
+            "://" in data or not manifest_lib.has_manifest(data)):
+        # Planning for another machine: its data may live there (a TPU VM, a bucket), not here.
+        print(f"finetune: data not checked: a dry run plans from --num-classes "
+              f"{_NUM_CLASSES.value} and --num-examples {_NUM_EXAMPLES.value} without reading "
+              f"{data}; training checks it before it starts")
+        return _NUM_CLASSES.value, _NUM_EXAMPLES.value, None
     if manifest_lib.has_manifest(data):
         manifest = tfmem.read_manifest(data)  # a damaged one stops here, naming the damage
         for flag, value in ((_NUM_CLASSES, manifest.num_classes),
@@ -171,11 +177,16 @@ def _check_flags() -> None:
         raise cli.UsageError(f"--device {_DEVICE.value} plans for another machine; it only goes "
                              "with --dry-run (training always runs on the detected runtime)")
     if _DATA.value == "demo":
-        for flag in (_VALIDATION_DATA, _NUM_CLASSES, _NUM_EXAMPLES):
+        # A dry run may name the classes of data it does not have (planning for another machine).
+        for flag in (_VALIDATION_DATA,) if _DRY_RUN.value else (_VALIDATION_DATA, _NUM_CLASSES,
+                                                                 _NUM_EXAMPLES):
             if flag.value is not None:
                 raise cli.UsageError(
                     f"--{flag.name.replace('_', '-')} goes with your own --data; the demo "
                     "brings its own classes, examples and held-out set")
+        if _DRY_RUN.value and _NUM_EXAMPLES.value is not None and _NUM_CLASSES.value is None:
+            raise cli.UsageError("--num-examples without --data plans for data that is "
+                                 "elsewhere; pass its --num-classes too")
 
 
 def _run_settings(spec, image_size, num_classes, precision, data_identity,
@@ -265,12 +276,16 @@ def main(argv):
     precision = (tfmem.policy_for(runtime) if _PRECISION.value == "auto"
                  else _PRECISION.value)
     tfmem.set_policy(policy=precision)
-    print(tfmem.describe(runtime))
 
     # Each model has its own default directory: a demo and an XL run never share one.
     output = _OUTPUT.value or os.path.join("runs", spec.name)
     demo = _DATA.value == "demo"
-    if demo:  # written only when training starts: a dry run needs its size, not its pixels
+    if demo and _NUM_CLASSES.value:  # a dry run for data that is elsewhere (_check_flags)
+        image_size = _IMAGE_SIZE.value or spec.default_image_size
+        num_classes, num_examples = _NUM_CLASSES.value, _NUM_EXAMPLES.value
+        print(f"finetune: no data given: a dry run plans for --num-classes {num_classes}; "
+              "training needs --data")
+    elif demo:  # written only when training starts: a dry run needs its size, not its pixels
         image_size = _IMAGE_SIZE.value or 32
         num_classes, num_examples = len(tfmem.DEMO_CLASS_NAMES), _DEMO_SPLITS[0][1]
         data_identity = validation_identity = "demo"
@@ -278,8 +293,12 @@ def main(argv):
         image_size = _IMAGE_SIZE.value or spec.default_image_size
         train_data, validation_data = _DATA.value, _VALIDATION_DATA.value
         num_classes, num_examples, data_identity = _dataset_facts(train_data)
-        validation_identity = validation_data and _validation_identity(validation_data)
+        # Not read either when the training data was not (a dry run for another machine).
+        validation_identity = (validation_data and data_identity
+                               and _validation_identity(validation_data))
     if _DRY_RUN.value:
+        if not _DEVICE.value:  # the plan is for this machine: say what it is
+            print(tfmem.describe(runtime))
         _train(spec, runtime, precision, output, image_size, num_classes, num_examples)
         return
     with run_directory.lock(output, "--output"):  # one process per run directory
@@ -291,7 +310,7 @@ def main(argv):
         recorded = run_directory.check_config(
             output, _run_settings(spec, image_size, num_classes, precision, data_identity,
                                   validation_identity),
-            holds_run=holds_run, settings={"epochs": _EPOCHS.value}, how_to_fix=(
+            holds_run=holds_run, how_to_fix=(
                 "start it with its own settings to resume it, use a new --output for a new "
                 "run, or pass --overwrite to discard it and start again"))
         finished = recorded.get("complete")
@@ -301,6 +320,10 @@ def main(argv):
                   f"{os.path.join(output, 'model.keras')}. Nothing was changed: use a new "
                   "--output for another run, or more --epochs to train this one further.")
             return
+        if recorded.get("epochs") != _EPOCHS.value:  # a later start may train on further
+            recorded = {**recorded, "epochs": _EPOCHS.value}
+            run_directory.write_config(output, recorded)
+        print(tfmem.describe(runtime))
         if demo:
             train_data, validation_data = _demo_data(output, image_size)
         results = _train(spec, runtime, precision, output, image_size, num_classes,
@@ -324,8 +347,6 @@ def _train(spec, runtime, precision, output, image_size, num_classes, num_exampl
                                  weights=_WEIGHTS.value, freeze_backbone=_FREEZE_BACKBONE.value)
         optimizer = keras.optimizers.get({"class_name": _OPTIMIZER.value,
                                           "config": {"learning_rate": _LEARNING_RATE.value}})
-    print(f"{spec.name}: {model.count_params():,} parameters "
-          f"({sum(math.prod(w.shape) for w in model.trainable_weights):,} trainable)")
     # The split is the planned device's: --device tpu-v3-8 splits over its 8 replicas.
     target = runtime
     if _DEVICE.value and _DEVICE.value.lower() != "cpu":
@@ -334,12 +355,13 @@ def _train(spec, runtime, precision, output, image_size, num_classes, num_exampl
     with cli.usage_errors():  # splits over the replicas? else the nearest sizes
         target.split_global_batch(_GLOBAL_BATCH_SIZE.value)
     memory_plan = _plan(model, optimizer, runtime, precision, image_size, num_classes)
-    if memory_plan is not None:
-        print(memory_plan.table())
     accumulation_steps = _accumulation_steps(memory_plan, target)
     micro_batch = target.split_global_batch(_GLOBAL_BATCH_SIZE.value, accumulation_steps)
-    print(f"global batch {_GLOBAL_BATCH_SIZE.value} = micro-batch {micro_batch} × "
-          f"{accumulation_steps} accumulation step(s) × {target.num_replicas} replica(s)")
+    if memory_plan is not None:  # its first line: parameters and the split
+        print(memory_plan.table(accumulation_steps))
+    else:
+        print(f"{spec.name}: {model.count_params():,} parameters, " + tfmem.describe_split(
+            _GLOBAL_BATCH_SIZE.value, micro_batch, accumulation_steps, target.num_replicas))
     if _DRY_RUN.value:
         return {}
 
@@ -365,10 +387,8 @@ def _train(spec, runtime, precision, output, image_size, num_classes, num_exampl
     validation = (tfmem.image_dataset(validation_data, batch_size=_GLOBAL_BATCH_SIZE.value,
                                       training=False, **options)
                   if validation_data else None)
-    progress = tfmem.RunProgress(
-        epochs=_EPOCHS.value, steps_per_epoch=steps_per_epoch,
-        global_batch_size=_GLOBAL_BATCH_SIZE.value, micro_batch_size=micro_batch,
-        accumulation_steps=accumulation_steps, num_replicas=runtime.num_replicas)
+    progress = tfmem.RunProgress(epochs=_EPOCHS.value, steps_per_epoch=steps_per_epoch,
+                                 global_batch_size=_GLOBAL_BATCH_SIZE.value)
     start = time.perf_counter()
     history = tfmem.fit_resumable(
         accum, make_dataset, epochs=_EPOCHS.value, steps_per_epoch=steps_per_epoch,
@@ -393,9 +413,7 @@ def _train(spec, runtime, precision, output, image_size, num_classes, num_exampl
         loss, accuracy = accum.evaluate(validation, verbose=0)
         results["validation"] = {"loss": loss, "accuracy": accuracy}
         print(f"finetune: validation accuracy {accuracy:.3f} after {_EPOCHS.value} epochs "
-              f"(chance {1 / num_classes:.3f}), {spec.name}, global batch "
-              f"{_GLOBAL_BATCH_SIZE.value} = {micro_batch} × {accumulation_steps} × "
-              f"{target.num_replicas}")
+              f"(chance {1 / num_classes:.3f})")
     if skipped is not None:
         results["skipped"] = skipped.summary()
     _save_results(accum, results, output)

@@ -84,7 +84,7 @@ def main(argv):
                           num_classes=FLAGS.num_classes))
     print(plan.table())
     if plan.fits:
-        print(f"choice: {plan.split()}; the largest single step that fits is "
+        print(f"the largest micro-batch that fits in one step (no accumulation): "
               f"{plan.max_micro_batch}")
     else:
         print(f"nothing fits: {plan_report.format_nothing_fits(plan)}.")

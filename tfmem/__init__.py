@@ -14,8 +14,11 @@ from tfmem._version import __version__
 
 __all__ = ["__version__"]  # each section below adds its names with `__all__ += [...]`
 # Imports Keras, and with it the backend: on the TensorFlow backend without TensorFlow, an
-# ImportError naming the extra to install.
-from tfmem import backend
+# ImportError naming the extra to install. TensorFlow's import banner is set aside.
+from tfmem import _import_banner
+
+with _import_banner.set_aside():
+    from tfmem import backend
 
 # -- data: streaming TFRecord pipeline (TensorFlow), imported on first use --
 _TENSORFLOW_NAMES = {
@@ -61,8 +64,9 @@ from tfmem.backend import detect
 from tfmem.runtime.runtime import Runtime
 from tfmem.runtime.precision import policy_for, set_policy
 from tfmem.runtime.report import describe
+from tfmem.memory.plan_report import describe_split
 
-__all__ += ["Runtime", "detect", "describe", "policy_for", "set_policy"]
+__all__ += ["Runtime", "detect", "describe", "describe_split", "policy_for", "set_policy"]
 
 # -- resume: training that survives a killed process --
 from tfmem.training.progress import RunProgress

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import types
@@ -100,8 +101,10 @@ def test_efficientnetv2_xl_golden_plans(xl, device, precision, split, capsys):
     assert p.num_parameters == 208_896_832 and p.precision == precision
     print(f"{device}: {p.split()}")
     micro, k, replicas = split
+    steps, replicas_word = ("step" if k == 1 else "steps"), ("replica" if replicas == 1
+                                                             else "replicas")
     assert capsys.readouterr().out == (f"{device}: global batch 64 = micro-batch {micro} × {k} "
-                                       f"accumulation step(s) × {replicas} replica(s)\n")
+                                       f"accumulation {steps} × {replicas} {replicas_word}\n")
     assert (p.micro_batch_size, p.accumulation_steps, p.num_replicas) == split
     assert _hand_choice(p, xl, precision) == (micro, k)
     if precision == "float32":
@@ -145,7 +148,7 @@ def test_nothing_fits_names_the_smallest_change_checked_to_fit():
         p.alternative.micro_batch_size, p.alternative.accumulation_steps)
     with pytest.raises(tfmem.MemoryPlanError,
                        match=r"Smallest change checked to fit: optimizer SGD \(momentum 0.9\) "
-                             r"→ micro-batch \d+ × \d+ step"):
+                             r"→ micro-batch \d+ × \d+ accumulation step"):
         planner.check(p)
 
 
@@ -228,10 +231,9 @@ def test_every_tfmem_model_plans_through_finetune_dry_run():
         assert "mixed_bfloat16" in out and "total (peak per replica)" in out, (name, out)
         assert "upper bound" not in out, (name, out)
         # The split is the TPU's: 8 replicas × 8 per replica, whatever this host has.
-        line = next(l for l in out.splitlines() if l.startswith("global batch 64 = "))
-        micro, k = (int(v) for v in line.split("micro-batch ")[1].split(" accumulation")[0]
-                    .split(" × "))
-        assert line.endswith("× 8 replica(s)") and micro * k == 8, (name, line)
+        split = re.search(r"global batch 64 = micro-batch (\d+) × (\d+) accumulation steps? × "
+                          r"8 replicas$", out, flags=re.M)
+        assert split and int(split[1]) * int(split[2]) == 8, (name, out)
 
 
 @pytest.mark.parametrize("name", [n for n, s in models.MODELS.items()

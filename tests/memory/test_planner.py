@@ -196,10 +196,10 @@ def test_guard_message_names_need_budget_and_fitting_setting():
         planner.check(p, accumulation_steps=1)
     message = str(caught.value)
     assert isinstance(caught.value, ValueError)
-    assert f"global batch 64 (micro-batch 64 × 1 step(s) × 1 replica(s)) needs " \
+    assert f"global batch 64 = micro-batch 64 × 1 accumulation step × 1 replica needs " \
            f"{plan_report.format_bytes(p.peak_bytes(64, 1))}" in message
-    assert (f"micro-batch 16 × 4 steps fits in {plan_report.format_bytes(p.peak_bytes(16, 4))}"
-            in message)
+    assert (f"micro-batch 16 × 4 accumulation steps fits in "
+            f"{plan_report.format_bytes(p.peak_bytes(16, 4))}" in message)
     assert "activations" in message and "allow_over_budget=True" in message
     planner.check(p, accumulation_steps=1, allow_over_budget=True)  # the explicit override
     planner.check(p, accumulation_steps=4)  # 16 × 4 fits: no error
@@ -246,7 +246,7 @@ def test_guard_auto_picks_k_so_the_global_batch_holds():
     # 48 per replica: the largest dividing micro-batch under the budget is 12, so k = 4.
     assert (auto.micro_batch_size, auto.accumulation_steps) == (12, 4)
     assert auto.micro_batch_size * auto.accumulation_steps * auto.num_replicas == 96
-    with pytest.raises(tfmem.MemoryPlanError, match="micro-batch 12 × 4 steps fits"):
+    with pytest.raises(tfmem.MemoryPlanError, match="micro-batch 12 × 4 accumulation steps fits"):
         planner.guard(model, global_batch_size=96, num_replicas=2, accumulation_steps=2,
                       memory_budget=int(budget / 0.8) + 1)
     kept = planner.guard(model, global_batch_size=96, num_replicas=2, accumulation_steps=2,
@@ -325,8 +325,9 @@ def test_plan_script_prints_the_plan_and_draws_it(tmp_path):
     total = plan_report.format_bytes(reference.peak_bytes(reference.micro_batch_size))
     assert "total (peak per replica)" in result.stdout and total in result.stdout
     assert "SGD, mixed_float16" in result.stdout
-    assert (f"choice: global batch 48 = micro-batch {reference.micro_batch_size} × "
-            f"{reference.accumulation_steps} accumulation step(s) × 1 replica(s)") in result.stdout
+    assert reference.split() in result.stdout.splitlines()[0]  # the table's header
+    assert (f"the largest micro-batch that fits in one step (no accumulation): "
+            f"{reference.max_micro_batch}\n") in result.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -356,7 +357,7 @@ def test_accum_fit_is_stopped_before_the_first_step_when_over_budget():
     model = _accum_model(accumulation_steps=1)
     before = [w.copy() for w in model.get_weights()]
     budget = _budget_between_16x4_and_32x2(model)
-    with pytest.raises(tfmem.MemoryPlanError, match="micro-batch 16 × 4 steps fits"):
+    with pytest.raises(tfmem.MemoryPlanError, match="micro-batch 16 × 4 accumulation steps fits"):
         model.fit(_accum_data(), epochs=1, verbose=0, memory_budget=budget)
     assert int(model.optimizer.iterations) == 0
     assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))

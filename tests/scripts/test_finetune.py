@@ -59,9 +59,16 @@ def test_demo_trains_clearly_above_chance_and_writes_its_outputs(tmp_path):
                                             * metrics["num_replicas"])
     assert len(metrics["history"]["loss"]) == 2
     assert "total (peak per replica)" in result.stdout  # the memory plan was printed
+    # Each thing said once: the parameters and the split head the plan's table.
+    split = tfmem.describe_split(64, metrics["micro_batch_size"], metrics["accumulation_steps"],
+                                 metrics["num_replicas"])
+    assert result.stdout.count(split) == 1
+    assert result.stdout.count(f"{metrics['num_parameters']:,} parameters") == 1
+    assert f"small-cnn: {metrics['num_parameters']:,} parameters, Adam" in result.stdout
+    # TensorFlow's import banner (oneDNN, absl) is set aside; nothing else is on stderr.
+    assert "oneDNN" not in result.stderr and "InitializeLog" not in result.stderr
     # Progress (not a terminal here): an estimate of the run, then one line per epoch.
-    batch = (f"batch 64 = {metrics['micro_batch_size']} × {metrics['accumulation_steps']} × "
-             f"{metrics['num_replicas']}")
+    batch = "global batch 64"
     assert re.search(r"estimate: the run's 64 updates take about \d+(m\d\ds|s) on this "
                      r"machine at [\d,]+ images/s", result.stdout), result.stdout
     for epoch in (1, 2):
@@ -79,14 +86,17 @@ def test_demo_trains_clearly_above_chance_and_writes_its_outputs(tmp_path):
     assert run["config"]["model"] == "small-cnn" and run["config"]["learning_rate"] == 1e-3
     assert run["complete"]["epochs"] == 2
 
-    # Started again, the finished run is left as it is.
+    # Started again, the finished run is left as it is, run.json untouched, in one line.
     written = {name: (output / name).read_bytes() for name in ("metrics.json", "model.keras")}
+    recorded = (output / "run.json").stat().st_mtime_ns
     again = _finetune("--epochs", "2", cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert f"finetune: the run in runs/small-cnn is complete (2 epochs); its results are " \
-           f"runs/small-cnn/metrics.json and runs/small-cnn/model.keras. Nothing was " \
-           "changed" in again.stdout
+    assert again.stdout == (
+        "finetune: the run in runs/small-cnn is complete (2 epochs); its results are "
+        "runs/small-cnn/metrics.json and runs/small-cnn/model.keras. Nothing was changed: use "
+        "a new --output for another run, or more --epochs to train this one further.\n")
     assert {name: (output / name).read_bytes() for name in written} == written
+    assert (output / "run.json").stat().st_mtime_ns == recorded
     # Another experiment in the same directory stops, naming what differs.
     other = _finetune("--optimizer", "rmsprop", "--learning-rate", "0.01", "--seed", "7",
                       cwd=tmp_path)
@@ -202,6 +212,42 @@ def test_dry_run_prints_parameters_and_plan_and_trains_nothing(finetune_main, tm
     assert os.listdir(tmp_path) == []  # a dry run writes nothing: no data, no run directory
 
 
+@pytest.mark.parametrize("data", [None, "{missing}/train-*.tfrec", "gs://a-bucket/train-*.tfrec"])
+def test_a_dry_run_for_another_device_plans_without_the_data(finetune_main, tmp_path, capsys,
+                                                            data):
+    # The data lives on the machine planned for (a TPU VM, a bucket), not on this one.
+    data_flags = [] if data is None else ["--data", data.format(missing=tmp_path / "absent")]
+    finetune_main("--model", "efficientnetv2-b0", "--image-size", "64", "--dry-run", "--device",
+                  "tpu-v3-8", "--num-classes", "104", "--num-examples", "12753",
+                  "--global-batch-size", "64", "--output", str(tmp_path / "run"), *data_flags)
+    out = capsys.readouterr().out
+    said = [line for line in out.splitlines() if line.startswith("finetune: ")]
+    if data is None:
+        assert said == ["finetune: no data given: a dry run plans for --num-classes 104; "
+                        "training needs --data"]
+    else:
+        assert said == [f"finetune: data not checked: a dry run plans from --num-classes 104 "
+                        f"and --num-examples 12753 without reading {data_flags[1]}; training "
+                        "checks it before it starts"]
+    header = next(line for line in out.splitlines() if line.startswith("efficientnetv2-b0: "))
+    # A 104-class head on the backbone's 1280 features, bfloat16 on the TPU's 8 replicas.
+    reference = keras.applications.EfficientNetV2B0(include_top=False, weights=None,
+                                                    input_shape=(64, 64, 3))
+    assert header == (f"efficientnetv2-b0: {reference.count_params() + 1280 * 104 + 104:,} "
+                      "parameters, Adam, mixed_bfloat16 on tpu-v3-8, global batch 64 = "
+                      "micro-batch 8 × 1 accumulation step × 8 replicas")
+    assert "environment" not in out  # this machine's table: not the machine planned for
+    assert not (tmp_path / "run").exists()
+
+
+def test_training_still_checks_the_data(finetune_cli, tmp_path):
+    status, _, stderr = finetune_cli("--data", str(tmp_path / "absent" / "train-*.tfrec"),
+                                     "--num-classes", "104", "--num-examples", "12753",
+                                     "--output", str(tmp_path / "run"))
+    assert status == 2
+    assert re.fullmatch(r"error: .*Found no files matching the pattern .*absent.*\n", stderr)
+
+
 def _foreign(path, labels, broken=()):
     """Kaggle-layout records (image, class, id): 32x32 shapes of the demo set, these labels;
     the records at `broken` hold a truncated PNG."""
@@ -243,6 +289,9 @@ def written_sets(tmp_path_factory):
                    r"e\.g\. --model=resnet50"),
     (["--validation-data", "/data/val"], r"--validation-data goes with your own --data; the "
                                          r"demo brings its own classes, examples and held-out"),
+    (["--num-classes", "104"], r"--num-classes goes with your own --data; the demo brings"),
+    (["--num-examples", "500", "--dry-run"], r"--num-examples without --data plans for data "
+                                             r"that is elsewhere; pass its --num-classes too"),
     (["--model", "efficientnet-b9"], r"Unknown model 'efficientnet-b9'.*Valid names: "
                                      r".*efficientnetv2-xl"),
     (["--model", "small-cnn", "--image-size", "16"], r"at least 32×32 pixels"),
@@ -252,8 +301,9 @@ def written_sets(tmp_path_factory):
     (["--device", "t4"], r"--device t4 plans for another machine; it only goes with --dry-run"),
     (["--model", "efficientnetv2-b0", "--image-size", "224", "--dry-run", "--device", "t4",
       "--global-batch-size", "1024", "--accumulation-steps", "1"],
-     r"global batch 1024 \(micro-batch 1024 × 1 step\(s\) × 1 replica\(s\)\) needs [\d.]+ "
-     r"GiB per replica on t4, .*; micro-batch \d+ × \d+ steps fits in [\d.]+ GiB"),
+     r"global batch 1024 = micro-batch 1024 × 1 accumulation step × 1 replica needs [\d.]+ "
+     r"GiB per replica on t4, .*; micro-batch \d+ × \d+ accumulation steps fits in [\d.]+ "
+     r"GiB"),
     (["--data", "{demo}", "--num-classes", "3"], r"--num-classes 3, but the manifest of "
                                                   r".*demo says 4; leave --num-classes out"),
     (["--data", "{labels}"], r"'.*labels.tfrec' has no tfmem manifest.json, so its classes "

@@ -336,13 +336,13 @@ def test_frozen_batch_norm_statistics_keep_their_bits(k, frozen):
     (accum, accum_bn), (plain, plain_bn) = (
         _frozen_bn_model(tfmem.AccumModel, frozen, accumulation_steps=k),
         _frozen_bn_model(frozen=frozen))
-    start = [np.array(v) for v in accum_bn.non_trainable_variables]
+    start = [np.asarray(v).copy() for v in accum_bn.non_trainable_variables]
     for model in (accum, plain):
         model.compile("sgd", "mse")
         _fit(model, x, y, batch_size=12, epochs=2)
     for mine, reference, initial in zip(accum_bn.non_trainable_variables,
                                         plain_bn.non_trainable_variables, start):
-        assert np.array(mine).tobytes() == np.array(reference).tobytes() == initial.tobytes()
+        assert np.asarray(mine).tobytes() == np.asarray(reference).tobytes() == initial.tobytes()
     assert _rel_diff(accum.get_weights(), plain.get_weights()) <= RTOL
 
 

@@ -198,12 +198,14 @@ class MemoryPlan:
 
     def split(self, accumulation_steps: int | None = None) -> str:
         """The run's split in words: "global batch 64 = micro-batch 8 × 1 accumulation
-        step(s) × 8 replica(s)" (default k: the plan's choice, or micro-batch 1)."""
+        step × 8 replicas" (default k: the plan's choice, or micro-batch 1)."""
         return plan_report.format_split(self, accumulation_steps)
 
-    def table(self) -> str:
-        """The breakdown of the chosen setting (or micro-batch 1) as a text table."""
-        return plan_report.format_table(self)
+    def table(self, accumulation_steps: int | None = None) -> str:
+        """The breakdown as a text table, for `accumulation_steps` (default: the plan's
+        choice, or micro-batch 1)."""
+        micro = self.per_replica_batch_size // accumulation_steps if accumulation_steps else None
+        return plan_report.format_table(self, micro, accumulation_steps)
 
     def replace(self, **changes) -> MemoryPlan:
         """A copy with `changes`, the micro-batch × k chosen again."""

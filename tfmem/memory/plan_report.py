@@ -6,6 +6,20 @@ Works on any object with `MemoryPlan`'s attributes; it imports no other planner 
 from __future__ import annotations
 
 
+def describe_split(global_batch_size: int, micro_batch_size: int, accumulation_steps: int,
+                   num_replicas: int) -> str:
+    """How a global batch is made, in the one wording tfmem prints everywhere.
+
+    Example:
+        >>> describe_split(64, 8, 1, 8)
+        'global batch 64 = micro-batch 8 × 1 accumulation step × 8 replicas'
+    """
+    steps = "step" if accumulation_steps == 1 else "steps"
+    replicas = "replica" if num_replicas == 1 else "replicas"
+    return (f"global batch {global_batch_size} = micro-batch {micro_batch_size} × "
+            f"{accumulation_steps} accumulation {steps} × {num_replicas} {replicas}")
+
+
 def format_bytes(num_bytes: float) -> str:
     """`1536 * 2**20` → "1.50 GiB"; below 1 GiB in MiB."""
     if abs(num_bytes) >= 2**30:
@@ -19,11 +33,9 @@ def _setting(p, micro_batch_size, accumulation_steps) -> tuple[int, int]:
 
 
 def format_split(p, accumulation_steps: int | None = None) -> str:
-    """"global batch 64 = micro-batch 8 × 1 accumulation step(s) × 8 replica(s)"."""
+    """"global batch 64 = micro-batch 8 × 1 accumulation step × 8 replicas"."""
     k = accumulation_steps or p.accumulation_steps or p.per_replica_batch_size
-    micro = p.per_replica_batch_size // k
-    return (f"global batch {p.global_batch_size} = micro-batch {micro} × {k} accumulation "
-            f"step(s) × {p.num_replicas} replica(s)")
+    return describe_split(p.global_batch_size, p.per_replica_batch_size // k, k, p.num_replicas)
 
 
 def format_table(p, micro_batch_size: int | None = None,
@@ -31,9 +43,8 @@ def format_table(p, micro_batch_size: int | None = None,
     """The breakdown of one setting (default: the plan's choice, or micro-batch 1)."""
     b, k = _setting(p, micro_batch_size, accumulation_steps)
     rows = p.breakdown(b, k)
-    lines = [f"{p.model_name}: {p.num_parameters:,} parameters, {p.optimizer}, {p.precision}, "
-             f"global batch {p.global_batch_size} = {p.num_replicas} replica(s) × micro-batch "
-             f"{b} × {k} step(s), on {p.device}"]
+    lines = [f"{p.model_name}: {p.num_parameters:,} parameters, {p.optimizer}, {p.precision} "
+             f"on {p.device}, {describe_split(p.global_batch_size, b, k, p.num_replicas)}"]
     lines += [f"  {term.label:<34} {format_bytes(value):>11}   {term.source}"
               for term, value in rows.items()]
     lines.append(f"  {'total (peak per replica)':<34} {format_bytes(sum(rows.values())):>11}   "
@@ -61,23 +72,27 @@ def format_nothing_fits(p) -> str:
     if not alternative.changes:
         return (text + f". None of the changes checked fits ({'; '.join(alternative.tried)}): "
                 "the model needs a device with more memory per replica, or more replicas.")
+    steps = "step" if alternative.accumulation_steps == 1 else "steps"
     return (text + f". Smallest change checked to fit: {' + '.join(alternative.changes)} → "
             f"micro-batch {alternative.micro_batch_size} × {alternative.accumulation_steps} "
-            f"step(s), {format_bytes(alternative.peak_bytes)} of the "
+            f"accumulation {steps}, {format_bytes(alternative.peak_bytes)} of the "
             f"{format_bytes(p.budget_bytes)} budget")
 
 
 def format_error(p, micro_batch_size: int, accumulation_steps: int, needed_bytes: int) -> str:
     """The guard's message: what was asked, what it needs, and what would fit."""
-    head = (f"global batch {p.global_batch_size} (micro-batch {micro_batch_size} × "
-            f"{accumulation_steps} step(s) × {p.num_replicas} replica(s)) needs "
-            f"{format_bytes(needed_bytes)} per replica on {p.device}, over the budget of "
+    asked = describe_split(p.global_batch_size, micro_batch_size, accumulation_steps,
+                           p.num_replicas)
+    head = (f"{asked} needs {format_bytes(needed_bytes)} per replica on {p.device}, over the "
+            f"budget of "
             f"{format_bytes(p.budget_bytes)} ({p.safety:.0%} of "
             f"{format_bytes(p.memory_per_replica)})")
     if p.fits:
         fit = p.peak_bytes(p.micro_batch_size, p.accumulation_steps)
-        advice = (f"; micro-batch {p.micro_batch_size} × {p.accumulation_steps} steps fits in "
-                  f"{format_bytes(fit)} (accumulation_steps={p.accumulation_steps}).")
+        steps = "step" if p.accumulation_steps == 1 else "steps"
+        advice = (f"; micro-batch {p.micro_batch_size} × {p.accumulation_steps} accumulation "
+                  f"{steps} fits in {format_bytes(fit)} (accumulation_steps="
+                  f"{p.accumulation_steps}).")
     else:
         advice = "; " + format_nothing_fits(p) + "."
     return (head + advice + " Pass `allow_over_budget=True` to run anyway.\n"

@@ -80,21 +80,15 @@ def _budget(runtime, memory_budget, device) -> Budget:
                 f"The runtime does not know the memory of its {kind} ({label!r}): pass "
                 "`device=` (a name from tfmem.runtime.devices.ACCELERATORS) or "
                 "`memory_budget=` bytes.")
+        # On a CPU, detect() counted this process's resident set in (as device="cpu" below).
         memory, replicas = int(runtime.memory_per_replica), int(runtime.num_replicas)
-        if kind == "cpu":
-            # Host RAM that was free at detection: this process's own share comes on top,
-            # as for device="cpu" below (the plan counts the whole process).
-            memory += (devices.resident_bytes() or 0) // replicas
         return Budget(label, kind, memory, replicas, runtime)
     if memory_budget is not None:
         if memory_budget <= 0:
             raise ValueError(f"`memory_budget` must be positive bytes, got {memory_budget}.")
         return Budget("a memory budget", "cpu", int(memory_budget), 1)
     if device is None or device.lower() == "cpu":
-        # The plan counts the whole process (TF import included), and this process already
-        # holds part of that: what it may grow to is its own resident set plus what is free.
-        own = devices.resident_bytes() or 0  # not Linux: count nothing already held
-        return Budget("cpu (this host)", "cpu", devices.host_available_memory() + own, 1)
+        return Budget("cpu (this host)", "cpu", devices.host_memory_for_process(), 1)
     accelerator = devices.lookup(device)
     target = types.SimpleNamespace(kind=accelerator.kind, device_name=accelerator.name,
                                    compute_capability=accelerator.compute_capability)

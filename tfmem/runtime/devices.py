@@ -174,6 +174,15 @@ def host_available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def host_memory_for_process() -> int:
+    """Bytes this process may grow to on this host: what it holds now plus what is available.
+
+    The memory of a CPU "device": a plan counts the whole process (the framework's import
+    included), and the part of it already resident is not in `host_available_memory()`.
+    """
+    return host_available_memory() + (resident_bytes() or 0)  # not Linux: nothing held known
+
+
 def cpu_name() -> str:
     """The CPU's model name (from /proc/cpuinfo), or what `platform` knows."""
     try:

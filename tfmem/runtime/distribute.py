@@ -161,7 +161,7 @@ def _describe_strategy(
         compute_capability = None if None in capabilities else min(capabilities)
     else:
         # Replicas in one process (logical CPUs) share the host's RAM.
-        memory = devices.host_available_memory() // max(1, num_replicas // num_workers)
+        memory = devices.host_memory_for_process() // max(1, num_replicas // num_workers)
         device_name = cpu_name()
     return Runtime(
         kind=kind,

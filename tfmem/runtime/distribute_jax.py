@@ -112,7 +112,7 @@ def _memory_per_device(found: list[jax.Device]) -> int | None:
     device = found[0]
     if device.platform == "cpu":
         num_local_cpus = sum(1 for d in found if d.process_index == jax.process_index())
-        return devices_lib.host_available_memory() // num_local_cpus
+        return devices_lib.host_memory_for_process() // num_local_cpus
     limit = probe_jax.device_memory_stats(device).get("bytes_limit")
     if limit:
         return int(limit)

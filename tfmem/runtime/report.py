@@ -13,6 +13,7 @@ import sys
 import traceback
 from importlib import metadata
 
+from tfmem.memory.plan_report import format_bytes
 from tfmem.runtime import devices
 from tfmem.runtime import precision
 from tfmem._version import __version__
@@ -21,7 +22,6 @@ from tfmem.backend import detect
 from tfmem.runtime import tpu
 from tfmem.runtime.runtime import Runtime, UnavailableDeviceError
 
-_GIB = 1024**3
 
 
 def describe(runtime: Runtime | None = None) -> str:
@@ -40,14 +40,13 @@ def describe(runtime: Runtime | None = None) -> str:
 
     runtime = detect() if runtime is None else runtime
     memory = (
-        f"{runtime.memory_per_replica / _GIB:.1f} GiB ({runtime.memory_per_replica} bytes)"
+        f"{format_bytes(runtime.memory_per_replica)} ({runtime.memory_per_replica} bytes)"
         if runtime.memory_per_replica is not None
         else "unknown (pass a device name to the planner)"
     )
     capability = (
         ".".join(map(str, runtime.compute_capability)) if runtime.compute_capability else "-"
     )
-    strategy = type(runtime.strategy)
     rows = [
         ("device kind", runtime.kind),
         ("device", runtime.device_name),
@@ -55,11 +54,11 @@ def describe(runtime: Runtime | None = None) -> str:
         ("workers", str(runtime.num_workers)),
         ("memory per replica", memory),
         ("compute capability", capability),
-        ("strategy", f"{strategy.__module__}.{strategy.__qualname__}"),
+        ("strategy", _strategy_name(runtime.strategy)),
         ("precision policy", f"{precision.policy_for(runtime)} (recommended); "
          f"{keras.mixed_precision.global_policy().name} (set now)"),
         ("TPU signals", "; ".join(tpu.signals()) or "none"),
-        ("host RAM available", f"{devices.host_available_memory() / _GIB:.1f} GiB"),
+        ("host RAM available", format_bytes(devices.host_available_memory())),
         ("CPU cores", str(os.cpu_count())),
         ("tfmem", __version__),
         ("keras", f"{keras.__version__} (backend {backend.NAME})"),
@@ -74,6 +73,19 @@ def describe(runtime: Runtime | None = None) -> str:
         [f"tfmem {__version__} environment"]
         + [f"  {name:<{width}}  {value}" for name, value in rows]
     )
+
+
+def _strategy_name(strategy) -> str:
+    """The public name of a strategy's class: `tf.distribute.MirroredStrategy`, ..."""
+    cls = type(strategy)
+    if strategy is None:
+        return "none"
+    if cls.__name__ == "_DefaultDistributionStrategy":
+        return "none (TensorFlow's default: one device)"
+    for package, public in (("tensorflow", "tf.distribute"), ("keras", "keras.distribution")):
+        if cls.__module__.split(".")[0] == package:
+            return f"{public}.{cls.__name__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _versions(*distributions: str) -> str:

@@ -16,6 +16,8 @@ from typing import TextIO
 import keras
 import numpy as np
 
+from tfmem.memory.plan_report import describe_split
+
 
 def format_duration(seconds: float) -> str:
     """`95` → `"1m35s"`, `7260` → `"2h01m"`."""
@@ -35,7 +37,7 @@ class RunProgress(keras.callbacks.Callback):
         steps_per_epoch: optimizer updates per epoch.
         global_batch_size: examples per update.
         micro_batch_size, accumulation_steps, num_replicas: how the global batch is made,
-            shown as `batch 64 = 16 × 4 × 1`.
+            shown as `tfmem.describe_split` words it; default: the global batch alone.
         stream: where to write; default stdout.
         live: redraw a line per update; default: when `stream` is a terminal.
         estimate_after: updates measured before the run's time is estimated.
@@ -54,9 +56,9 @@ class RunProgress(keras.callbacks.Callback):
         super().__init__()
         self.epochs, self.steps_per_epoch = epochs, steps_per_epoch
         self.global_batch_size = global_batch_size
-        self.batch_text = f"batch {global_batch_size}"
-        if micro_batch_size is not None:
-            self.batch_text += f" = {micro_batch_size} × {accumulation_steps} × {num_replicas}"
+        self.batch_text = (f"global batch {global_batch_size}" if micro_batch_size is None
+                           else describe_split(global_batch_size, micro_batch_size,
+                                               accumulation_steps, num_replicas))
         self.stream = stream or sys.stdout
         self.live = self.stream.isatty() if live is None else live
         self.estimate_after = estimate_after
