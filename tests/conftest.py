@@ -11,6 +11,7 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
+import tfmem  # noqa: E402, F401  (first: it imports TensorFlow with its banner set aside)
 import tensorflow as tf  # noqa: E402
 
 NUM_LOGICAL_CPUS = 2
