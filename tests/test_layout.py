@@ -78,6 +78,37 @@ def test_only_the_backend_module_asks_which_backend_runs():
     assert askers == ["tfmem.backend"]
 
 
+def _branches_on_the_backend(source: str) -> bool:
+    """Whether `source` compares `backend.NAME` (or a "tensorflow"/"jax" literal) with anything."""
+    def is_backend_name(node):
+        return isinstance(node, ast.Attribute) and node.attr == "NAME" and isinstance(
+            node.value, ast.Name) and node.value.id == "backend"
+
+    def is_name_literal(node):
+        return isinstance(node, ast.Constant) and node.value in ("tensorflow", "jax")
+
+    def branches(node):
+        operands = [node.left, *node.comparators]
+        equality = all(isinstance(op, (ast.Eq, ast.NotEq)) for op in node.ops)
+        return any(map(is_backend_name, operands)) or (
+            equality and any(map(is_name_literal, operands)))
+
+    return any(isinstance(node, ast.Compare) and branches(node)
+               for node in ast.walk(ast.parse(source)))
+
+
+def test_only_the_backend_module_branches_on_the_backend():
+    branching = sorted(_module_name(path) for path in PACKAGE.rglob("*.py")
+                       if _branches_on_the_backend(path.read_text()))
+    assert branching == ["tfmem.backend"]
+    # The check itself: it sees a comparison with the name, and ignores a mere mention.
+    assert _branches_on_the_backend('if backend.NAME == "jax":\n    pass')
+    assert _branches_on_the_backend('use_tf = name != "tensorflow"')
+    assert _branches_on_the_backend('if backend.NAME in ("jax",):\n    pass')
+    assert not _branches_on_the_backend('print(f"backend {backend.NAME}")')
+    assert not _branches_on_the_backend('imported = "tensorflow" in sys.modules')
+
+
 def test_every_subpackage_says_what_it_owns():
     for init in PACKAGE.glob("*/__init__.py"):
         docstring = ast.get_docstring(ast.parse(init.read_text()))

@@ -120,6 +120,8 @@ def test_detect_and_describe_without_tensorflow(results):
 def test_metrics_without_tensorflow(results):
     assert results["psnr"] == pytest.approx(28.1308, abs=1e-4)  # 10·log10(255² / 10²)
     assert results["ssim_identical"] == pytest.approx(1.0, abs=1e-6)
+    in_range, out_of_range = results["psnr_jit"]
+    assert in_range == pytest.approx(28.1308, abs=1e-4) and out_of_range != out_of_range  # NaN
 
 
 def test_plan_without_tensorflow_equals_the_tensorflow_plan(results):

@@ -1,8 +1,9 @@
 """The Keras backend tfmem runs on, read once at import: each backend-specific piece is chosen here.
 
 Like Keras, which picks its trainer class when `keras.models` is imported, tfmem reads
-`keras.backend.backend()` once and takes the matching half of `AccumModel`'s train step and
-the matching runtime detection; nothing else in tfmem asks which backend is running.
+`keras.backend.backend()` once and takes the matching half of `AccumModel`'s train step, of
+runtime detection, of the planner's gradient trace and of the image metrics' checks inside a
+compiled function; nothing else in tfmem asks which backend is running.
 """
 
 try:
@@ -17,9 +18,13 @@ except ImportError:
 NAME = keras.backend.backend()
 
 if NAME == "jax":
+    from tfmem.memory.gradient_trace import trace_call_jax as trace_call
+    from tfmem.metrics import traced_jax as metric_checks
     from tfmem.runtime.distribute_jax import current_runtime, detect
     from tfmem.training.accumulation_jax import AccumTrainer
 elif NAME == "tensorflow":
+    from tfmem.memory.gradient_trace import trace_call_tensorflow as trace_call
+    from tfmem.metrics import traced_tf as metric_checks
     from tfmem.runtime.distribute import current_runtime, detect
     from tfmem.training.accumulation_tf import AccumTrainer
 else:
@@ -28,4 +33,4 @@ else:
         "Set KERAS_BACKEND=tensorflow or KERAS_BACKEND=jax before importing keras."
     )
 
-__all__ = ["NAME", "AccumTrainer", "current_runtime", "detect"]
+__all__ = ["NAME", "AccumTrainer", "current_runtime", "detect", "metric_checks", "trace_call"]

@@ -149,3 +149,15 @@ def test_hand_computed_values():
         metrics.mae(zeros, zeros[:, :6], data_range=1.0)
     with pytest.raises(ValueError, match="at least 11×11"):
         metrics.ssim(zeros[:8, :8], zeros[:8, :8], data_range=1.0)
+
+
+def test_inside_tf_function_the_range_is_checked_by_the_graph():
+    clean = np.full((2, 16, 16, 3), 100.0, "float32")
+    traced = tf.function(lambda a, b: metrics.psnr(a, b, data_range=255))
+    # 10·log10(255² / 10²) per image, as eagerly.
+    np.testing.assert_allclose(traced(clean, clean + 10.0), [28.1308] * 2, atol=1e-4)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"psnr: values outside the declared data_range \(0, 255\)"):
+        traced(clean, clean + 300.0)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"\[0, 1\] images declared as"):
+        traced(clean / 255, clean / 255)

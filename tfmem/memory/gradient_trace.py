@@ -1,6 +1,6 @@
 """What a call's backward pass keeps, read from the framework's own gradient: the general path.
 
-`trace_call` runs one call (a layer, a `keras.ops` node, a recurrent cell, a whole subclassed
+`trace_call_tensorflow` and `trace_call_jax` run one call (a layer, a `keras.ops` node, a recurrent cell, a whole subclassed
 model) forward and backward on symbolic inputs, and reports which forward tensors the
 backward reads. On TensorFlow that is the graph `tf.GradientTape` builds (every forward
 tensor a gradient op takes as input); on JAX, the residuals `jax.vjp` saves. Nothing is
@@ -65,10 +65,12 @@ class _Trace:
     ambiguous: bool = False  # a symbolic-batch trace that cannot say what is per sample
 
 
-def trace_call(call: Callable, specs: Sequence[tuple[tuple, str]], *,
-               differentiable: Sequence[bool], trainable: Sequence, non_trainable: Sequence,
-               backend_name: str) -> TracedCall:
-    """Which forward tensors the backward pass of `call(*tensors)` reads.
+def trace_call_tensorflow(call: Callable, specs: Sequence[tuple[tuple, str]], *,
+                          differentiable: Sequence[bool], trainable: Sequence,
+                          non_trainable: Sequence) -> TracedCall:
+    """Which forward tensors the backward pass of `call(*tensors)` reads, on TensorFlow.
+
+    `tfmem.backend.trace_call` is this function or `trace_call_jax`, chosen once.
 
     Args:
         call: takes the flat list of input tensors and returns the output structure; it may
@@ -77,23 +79,30 @@ def trace_call(call: Callable, specs: Sequence[tuple[tuple, str]], *,
         differentiable: per input, whether a gradient flows into it (an earlier layer trains).
         trainable: the variables the gradient is taken for.
         non_trainable: the other variables `call` reads (statistics, seeds).
-        backend_name: "tensorflow" or "jax".
 
     Raises:
         whatever the framework raises when the call cannot be traced; callers fall back.
     """
     arguments = (call, specs, differentiable, trainable, non_trainable)
-    if backend_name == "tensorflow":
-        symbolic = _trace_tensorflow(*arguments, batch=None)
-        if not symbolic.ambiguous:
-            return TracedCall(tuple(sorted(symbolic.kept_inputs)),
-                              tuple(sorted(symbolic.kept_outputs)),
-                              tuple(v for v in symbolic.internal.values() if v[0] > 0),
-                              max(symbolic.forward.values(), default=0), symbolic.outputs,
-                              symbolic.has_loop)
-        trace = _trace_tensorflow
-    else:
-        trace = _trace_jax
+    symbolic = _trace_tensorflow(*arguments, batch=None)
+    if not symbolic.ambiguous:
+        return TracedCall(tuple(sorted(symbolic.kept_inputs)),
+                          tuple(sorted(symbolic.kept_outputs)),
+                          tuple(v for v in symbolic.internal.values() if v[0] > 0),
+                          max(symbolic.forward.values(), default=0), symbolic.outputs,
+                          symbolic.has_loop)
+    return _per_sample(_trace_tensorflow, arguments)
+
+
+def trace_call_jax(call: Callable, specs: Sequence[tuple[tuple, str]], *,
+                   differentiable: Sequence[bool], trainable: Sequence,
+                   non_trainable: Sequence) -> TracedCall:
+    """`trace_call_tensorflow` on JAX: the residuals `jax.vjp` saves, at two batch sizes."""
+    return _per_sample(_trace_jax, (call, specs, differentiable, trainable, non_trainable))
+
+
+def _per_sample(trace, arguments) -> TracedCall:
+    """Bytes per sample from traces at two batch sizes: the difference, so weights drop out."""
     small, large = (trace(*arguments, batch=batch) for batch in _BATCHES)
 
     def per_sample(name, small_bytes, large_bytes):

@@ -7,7 +7,7 @@ and collects the kept tensors by identity, so that a tensor two calls keep count
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 import keras
 import numpy as np
@@ -40,10 +40,11 @@ _MAX_TRACES = 4096
 class Walker:
     """Collects the kept tensors of one model, keyed so that a tensor counts once."""
 
-    def __init__(self, compute_dtype: str | None, frozen: Collection[int], backend_name: str):
+    def __init__(self, compute_dtype: str | None, frozen: Collection[int],
+                 trace_call: Callable):
         self.override = compute_dtype  # the plan's compute dtype for a float32-built model
         self.frozen = frozenset(frozen)  # ids of layers the plan treats as not trainable
-        self.backend_name = backend_name
+        self.trace_call = trace_call  # the backend's half of gradient_trace
         self.context: tuple = ()  # the nested-model calls the walk is inside
         self.alias: dict = {}  # key -> key of the tensor whose buffer it shares
         self.sizes: dict = {}  # kept key -> bytes per sample
@@ -208,7 +209,7 @@ class Walker:
         self.keep_internal(result, repeat=timesteps)
 
     def trace(self, operation, call, inputs, differentiable, has_trainable, extra_key=""):
-        """`gradient_trace.trace_call` for one call, cached; None when it cannot be traced."""
+        """The backend's `gradient_trace` for one call, cached; None when it cannot be traced."""
         name = type(operation).__name__
         weights = list(getattr(operation, "weights", []))
         trainable = [w for w in getattr(operation, "trainable_weights", [])
@@ -216,7 +217,7 @@ class Walker:
         trainable_ids = {id(w) for w in trainable}
         others = [w for w in weights if id(w) not in trainable_ids]
         specs = [(tuple(t.shape[1:]), keras.backend.standardize_dtype(t.dtype)) for t in inputs]
-        cache_key = (self.backend_name, type(operation), _config_key(operation), extra_key,
+        cache_key = (self.trace_call.__name__, type(operation), _config_key(operation), extra_key,
                      str(getattr(operation, "compute_dtype", "")), tuple(specs),
                      tuple(differentiable), tuple((tuple(w.shape), str(w.dtype),
                                                    id(w) in trainable_ids) for w in weights))
@@ -225,9 +226,8 @@ class Walker:
         else:
             result, reason = None, ""
             try:
-                result = gradient_trace.trace_call(
-                    call, specs, differentiable=differentiable, trainable=trainable,
-                    non_trainable=others, backend_name=self.backend_name)
+                result = self.trace_call(call, specs, differentiable=differentiable,
+                                         trainable=trainable, non_trainable=others)
             except Exception as error:  # noqa: BLE001 - any failure: the upper bound, named
                 reason = f"{name} ({type(error).__name__}: {_first_line(error)})"
             if len(_TRACES) >= _MAX_TRACES:

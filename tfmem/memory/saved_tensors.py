@@ -122,7 +122,7 @@ def traced_saved_tensors(model: keras.Model, *, compute_dtype: str | None = None
 def _walker(compute_dtype, frozen) -> Walker:
     from tfmem import backend  # chosen once there; imported here so the planner stays TF-free
 
-    return Walker(compute_dtype, frozen, backend.NAME)
+    return Walker(compute_dtype, frozen, backend.trace_call)
 
 
 def _result(walker: Walker, inputs) -> SavedTensors:

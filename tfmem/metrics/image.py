@@ -72,17 +72,6 @@ def _resolve_range(data_range: DataRange) -> tuple[float, float]:
     return low, high
 
 
-def _is_traced(x) -> bool:
-    """True inside a compiled function, where values are unknown until run time."""
-    if backend.NAME == "tensorflow":
-        import tensorflow as tf
-        return not tf.executing_eagerly()
-    if backend.NAME == "jax":
-        import jax
-        return isinstance(x, jax.core.Tracer)
-    return False
-
-
 def _prepare(y_true, y_pred, data_range, clip_predictions, metric):
     """Validates shapes and range; returns float32 batches, (low, high), and the
     per-image validity (all True unless traced under JAX)."""
@@ -113,7 +102,7 @@ def _check_range(y_true, y_pred, low, high, metric):
     span = high - low
     fix = ("declare the range your images really have (data_range=255 for 0..255 "
            "pixels, 1.0 for 0..1), the same one the data pipeline uses")
-    if not _is_traced(y_true):
+    if not backend.metric_checks.is_traced(y_true):
         for name, x in (("y_true", y_true), ("y_pred", y_pred)):
             x_min, x_max = float(ops.min(x)), float(ops.max(x))
             if x_min < low or x_max > high:
@@ -129,28 +118,8 @@ def _check_range(y_true, y_pred, low, high, metric):
                 f"which inflates SSIM to ~1 and PSNR by {20 * math.log10(span):.0f} dB; "
                 "pass data_range=1.0.")
         return None
-    if backend.NAME == "tensorflow":
-        import tensorflow as tf
-        message = f"{metric}: values outside the declared data_range ({low:g}, {high:g}); {fix}."
-        for x in (y_true, y_pred):
-            tf.debugging.assert_greater_equal(x, tf.constant(low, x.dtype), message=message)
-            tf.debugging.assert_less_equal(x, tf.constant(high, x.dtype), message=message)
-        if span > 1:
-            tf.debugging.assert_greater(
-                tf.maximum(tf.reduce_max(y_true), tf.reduce_max(y_pred)),
-                tf.constant(low + 1, y_true.dtype),
-                message=f"{metric}: every value lies in [{low:g}, {low + 1:g}] but "
-                        f"data_range is ({low:g}, {high:g}): [0, 1] images declared as "
-                        "0..255? Pass data_range=1.0.")
-        return None
-    # Jitted JAX: no way to raise, so mark the offending images invalid (NaN score).
-    axes = (1, 2, 3)
-    in_range = ((ops.min(y_true, axis=axes) >= low) & (ops.max(y_true, axis=axes) <= high)
-                & (ops.min(y_pred, axis=axes) >= low) & (ops.max(y_pred, axis=axes) <= high))
-    if span > 1:
-        in_range = in_range & (ops.maximum(ops.max(y_true, axis=axes),
-                                           ops.max(y_pred, axis=axes)) > low + 1)
-    return in_range
+    # Traced: the backend's half checks in the graph (TensorFlow) or marks images (JAX).
+    return backend.metric_checks.check_range(y_true, y_pred, low, high, metric, fix)
 
 
 def _finish(values, valid, single):

@@ -79,6 +79,12 @@ def main():
     clean = np.full((16, 16, 3), 100.0, "float32")
     results["psnr"] = float(tfmem.psnr(clean, clean + 10.0, data_range=255))
     results["ssim_identical"] = float(tfmem.ssim(clean, clean, data_range=255))
+    # Jitted, the metric cannot raise: an image outside the declared range scores NaN.
+    import jax
+
+    pair = np.stack([clean, clean]), np.stack([clean + 10.0, clean + 300.0])
+    results["psnr_jit"] = [float(v) for v in jax.jit(
+        lambda a, b: tfmem.psnr(a, b, data_range=255))(*pair)]
 
     import dataclasses
 
