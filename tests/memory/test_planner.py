@@ -183,7 +183,8 @@ def test_runtime_duck_type_and_device_table():
     assert (t4.num_replicas, t4.memory_per_replica) == (8, 16 * GIB)
     cpu = tfmem.plan(small_model(), global_batch_size=64, memory_budget=GIB)
     assert cpu.runtime_bytes > 700 * 2**20  # TF's own host RAM is part of a CPU plan
-    with pytest.raises(ValueError, match="multiple of the 8 replicas. Try 56 or 64"):
+    with pytest.raises(ValueError, match=r"\(60\) must be divisible by replicas × "
+                                         r"accumulation_steps \(8 × 1 = 8\)\. Try 56 or 64"):
         tfmem.plan(small_model(), global_batch_size=60, runtime=runtime)
 
 
@@ -203,8 +204,9 @@ def test_guard_message_names_need_budget_and_fitting_setting():
     assert "activations" in message and "allow_over_budget=True" in message
     planner.check(p, accumulation_steps=1, allow_over_budget=True)  # the explicit override
     planner.check(p, accumulation_steps=4)  # 16 × 4 fits: no error
-    with pytest.raises(ValueError, match=r"must divide the per-replica batch \(64\)\. Use a "
-                                         r"per-replica batch of 63 or 66\."):
+    with pytest.raises(ValueError, match=r"`global_batch_size` \(64\) must be divisible by "
+                                         r"replicas × accumulation_steps \(1 × 3 = 3\)\. Try "
+                                         r"63 or 66\.$"):
         planner.check(p, accumulation_steps=3)
 
 

@@ -43,7 +43,10 @@ def test_frozen_batch_norm_statistics_keep_their_bits(dropin, k):
 
 def test_a_partial_batch_fails_before_any_update(dropin):
     result = dropin["partial_last_batch"]
-    assert "(2 rows = global batch 2 / 1 replicas)" in result["raised"]
+    assert result["raised"].startswith(
+        "`global_batch_size` (2) must be divisible by replicas × accumulation_steps (1 × 4 = "
+        "4). Try 4. If this is the last batch of an epoch, batch the data with "
+        "`drop_remainder=True`.")
     assert result["iterations"] == 1  # the full batch before it
     assert result["change"] == 0.0
 

@@ -155,8 +155,9 @@ def test_dropout_draws_a_fresh_mask_per_micro_batch(accumulation):
 def test_indivisible_global_batch_names_the_nearest_sizes(accumulation):
     kind, message = accumulation["errors"]["indivisible_batch"]
     assert kind == "ValueError"
-    assert "(30 rows = global batch 30 / 1 replicas)" in message
-    assert "`accumulation_steps` (4)" in message and "28 or 32 rows per replica" in message
+    assert message.startswith("`global_batch_size` (30) must be divisible by replicas × "
+                              "accumulation_steps (1 × 4 = 4). Try 28 or 32. If this is the "
+                              "last batch of an epoch")
 
 
 def test_same_checks_as_the_tensorflow_path(accumulation):
@@ -168,8 +169,9 @@ def test_same_checks_as_the_tensorflow_path(accumulation):
 
 def test_indivisible_per_replica_batch_names_the_nearest_sizes(data_parallel):
     message = data_parallel["indivisible"]
-    assert "(8 rows = global batch 64 / 8 replicas)" in message
-    assert "`accumulation_steps` (3)" in message and "6 or 9 rows per replica" in message
+    # 8 rows per replica, 3 micro-batches: the same message as the TensorFlow path's.
+    assert message.startswith("`global_batch_size` (64) must be divisible by replicas × "
+                              "accumulation_steps (8 × 3 = 24). Try 48 or 72.")
 
 
 def test_detect_reports_eight_replicas(data_parallel):

@@ -31,7 +31,7 @@ from tfmem.memory.memory_plan import MemoryPlan, MemoryPlanError, choose
 from tfmem.memory.optimizer_state import optimizer_slot_bytes
 from tfmem.memory.saved_tensors import saved_tensors
 from tfmem.runtime import devices, precision as precision_lib
-from tfmem.runtime.cluster import nearest_multiples
+from tfmem.runtime.cluster import check_count, split_batch
 
 __all__ = ["Budget", "MemoryPlan", "MemoryPlanError", "check", "guard", "plan"]
 
@@ -252,11 +252,8 @@ def plan(
     if num_replicas:
         budget = budget._replace(num_replicas=num_replicas)
     replicas = budget.num_replicas
-    if global_batch_size < 1 or global_batch_size % replicas:
-        raise ValueError(
-            f"`global_batch_size` ({global_batch_size}) must be a positive multiple of the "
-            f"{replicas} replicas. Try {nearest_multiples(max(global_batch_size, 0), replicas)}."
-        )
+    check_count("global_batch_size", global_batch_size)
+    split_batch(global_batch_size, replicas, 1)
     if not 0 < safety <= 1:
         raise ValueError(f"`safety` must be in (0, 1], got {safety}.")
     chosen_precision, precision_note = _resolve_precision(precision, budget)
@@ -302,11 +299,8 @@ def check(plan: MemoryPlan, *, accumulation_steps: int | None = None,
         if plan.fits:
             return
         accumulation_steps = per_replica  # micro-batch 1: the smallest it could be
-    if accumulation_steps < 1 or per_replica % accumulation_steps:
-        raise ValueError(f"`accumulation_steps` ({accumulation_steps}) must divide the "
-                         f"per-replica batch ({per_replica}). Use a per-replica batch of "
-                         f"{nearest_multiples(per_replica, max(accumulation_steps, 1))}.")
-    micro = per_replica // accumulation_steps
+    check_count("accumulation_steps", accumulation_steps)
+    micro = split_batch(plan.global_batch_size, plan.num_replicas, accumulation_steps)
     needed = plan.peak_bytes(micro, accumulation_steps)
     if needed <= plan.budget_bytes:
         return

@@ -6,6 +6,7 @@ Pure Python (no TensorFlow, no JAX), so every backend and the planner can use it
 from __future__ import annotations
 
 import json
+import numbers
 
 
 def nearest_multiples(size: int, divisor: int) -> str:
@@ -19,9 +20,36 @@ def nearest_multiples(size: int, divisor: int) -> str:
     return f"{below} or {below + divisor}" if below else f"{below + divisor}"
 
 
+def split_batch(global_batch_size: int, num_replicas: int, accumulation_steps: int, *,
+                in_a_step: bool = False) -> int:
+    """Rows of one micro-batch on one replica: global batch / (replicas × accumulation steps).
+
+    The one check, with the one message, that the runtime, the planner and both train steps
+    make of a global batch (`in_a_step`: the batch a train step received, which may be the
+    partial last batch of an epoch).
+
+    Raises:
+        ValueError: `global_batch_size` is not a multiple of replicas × accumulation steps;
+            the message names the nearest sizes that are.
+
+    Example:
+        >>> split_batch(96, 8, 3)
+        4
+    """
+    divisor = num_replicas * accumulation_steps
+    if global_batch_size % divisor:
+        raise ValueError(
+            f"`global_batch_size` ({global_batch_size}) must be divisible by replicas × "
+            f"accumulation_steps ({num_replicas} × {accumulation_steps} = {divisor}). "
+            f"Try {nearest_multiples(global_batch_size, divisor)}." + (
+                " If this is the last batch of an epoch, batch the data with "
+                "`drop_remainder=True`." if in_a_step else ""))
+    return global_batch_size // divisor
+
+
 def check_count(name: str, value: int) -> None:
     """Raises unless `value` is an int >= 1 (`name` is the argument's name, for the message)."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"`{name}` must be an int, got {value!r} ({type(value).__name__}).")
     if value < 1:
         raise ValueError(f"`{name}` must be at least 1, got {value}.")

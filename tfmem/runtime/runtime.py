@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from tfmem.runtime.cluster import check_count, nearest_multiples
+from tfmem.runtime.cluster import check_count, split_batch
 
 KINDS = ("tpu", "gpu", "cpu")
 
@@ -96,14 +96,7 @@ class Runtime:
         """
         check_count("global_batch_size", global_batch_size)
         check_count("accumulation_steps", accumulation_steps)
-        divisor = self.num_replicas * accumulation_steps
-        if global_batch_size % divisor:
-            raise ValueError(
-                f"`global_batch_size` ({global_batch_size}) must be divisible by replicas × "
-                f"accumulation_steps ({self.num_replicas} × {accumulation_steps} = {divisor}). "
-                f"Try {nearest_multiples(global_batch_size, divisor)}."
-            )
-        return global_batch_size // divisor
+        return split_batch(global_batch_size, self.num_replicas, accumulation_steps)
 
     @classmethod
     def from_strategy(cls, strategy, *, hardware=None) -> Runtime:

@@ -51,7 +51,7 @@ from jax.experimental import sparse as jax_sparse
 from keras import tree
 
 from tfmem import _keras_internals as internals
-from tfmem.runtime.cluster import nearest_multiples
+from tfmem.runtime.cluster import split_batch
 from tfmem.training import micro_batches, placement
 
 
@@ -330,18 +330,8 @@ def _split(batch, num_steps: int, num_shards: int):
         name = min(rows, key=rows.get)
         raise ValueError(micro_batches.rows_mismatch_message(
             f"their rows are {rows}", name, num_steps))
-    sizes = set(rows.values())
-    for size in sizes:
-        if size % (num_shards * num_steps):
-            rows = size // num_shards if size % num_shards == 0 else size / num_shards
-            nearest = nearest_multiples(int(rows), num_steps)
-            raise ValueError(
-                f"The batch each replica receives ({rows} rows = global batch {size} / "
-                f"{num_shards} replicas) must be divisible by `accumulation_steps` "
-                f"({num_steps}). Use a batch of {nearest} rows per replica (global batch = "
-                "rows per replica × replicas, with `drop_remainder=True` so the last batch "
-                "keeps that size), or change `accumulation_steps`."
-            )
+    for size in set(rows.values()):
+        split_batch(size, num_shards, num_steps, in_a_step=True)
 
     def split(leaf):
         if leaf is None:

@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from tfmem import _keras_internals as internals
 from tfmem.training import micro_batches
-from tfmem.runtime.cluster import nearest_multiples
+from tfmem.runtime.cluster import split_batch
 from tfmem.training import placement
 
 
@@ -241,13 +241,9 @@ def _check_rows(leaves: list, k: int) -> tuple[tf.Tensor, list]:
             difference = f"the rows of `{name}` (x below) and `{first_name}` (y below) differ"
             checks.append(tf.debugging.assert_equal(
                 dynamic, rows, message=micro_batches.rows_mismatch_message(difference, name, k)))
-    if batch_size is not None and batch_size % k:
-        raise ValueError(
-            f"The batch each replica receives ({batch_size} rows) must be divisible "
-            f"by `accumulation_steps` ({k}). Use a batch of "
-            f"{nearest_multiples(batch_size, k)} rows per replica (global batch = "
-            "rows per replica × replicas), or change `accumulation_steps`."
-        )
+    if batch_size is not None:  # each replica receives batch_size rows of the global batch
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        split_batch(batch_size * replicas, replicas, k, in_a_step=True)
     if batch_size is None:
         checks.append(
             tf.debugging.assert_equal(
