@@ -139,3 +139,13 @@ def test_shared_arithmetic_imports_no_tensorflow():
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "96 or 120 24"
+
+
+def test_runtime_imports_none_of_the_modules_that_build_it():
+    # `Runtime.from_strategy` describes a strategy itself: no function-level import circle
+    # between `runtime` and the per-backend `distribute` modules that build a `Runtime`.
+    tree = ast.parse((PACKAGE / "runtime" / "runtime.py").read_text())
+    imported = {alias.name if isinstance(node, ast.Import) else f"{node.module}.{alias.name}"
+                for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+                for alias in node.names}
+    assert not [name for name in imported if "distribute" in name or name.startswith("tensorflow")]

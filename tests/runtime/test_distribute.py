@@ -521,3 +521,12 @@ def test_console_script_entry_point(capsys):
     assert "error: detect(prefer='gpu') found no GPU" in capsys.readouterr().err
     assert main(["--prefer", "cpu"]) == 0
     assert "device kind" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["/job:localhost/replica:0/task:0/device:GPU:1", "/gpu:1",
+                                  "/job:worker/replica:0/task:1/device:CPU:0", "CPU:0",
+                                  "/device:TPU:3"])
+def test_a_device_name_reads_as_tensorflow_reads_it(name):
+    from tfmem.runtime.runtime import _device_type
+
+    assert _device_type(name) == tf.DeviceSpec.from_string(name).device_type

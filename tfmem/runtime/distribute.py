@@ -13,12 +13,10 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
-from tfmem.runtime import devices
 from tfmem.runtime import tpu
 from tfmem.runtime.cluster import workers_in_tf_config
-from tfmem.runtime.devices import cpu_name
 from tfmem.runtime.hardware import Hardware, inspect_hardware
-from tfmem.runtime.runtime import KINDS, Runtime, UnavailableDeviceError
+from tfmem.runtime.runtime import KINDS, Runtime, UnavailableDeviceError, describe_strategy
 
 def choose_layout(prefer: str | None, hardware: Hardware) -> tuple[str, str]:
     """The (kind, layout) to use once no TPU is taken; pure, so every branch is testable.
@@ -82,7 +80,7 @@ def detect(
     if prefer == "tpu" or (prefer is None and hardware.tpu_signals):
         strategy, failures = tpu.connect_first(hardware.tpu_names, connect_tpu or tpu.connect)
         if strategy is not None:
-            return _describe_strategy("tpu", strategy, hardware, ())
+            return describe_strategy("tpu", strategy, hardware, ())
         message = tpu.unavailable_message(hardware.tpu_signals, failures)
         if prefer == "tpu":
             raise UnavailableDeviceError(message)
@@ -91,29 +89,13 @@ def detect(
 
     kind, layout = choose_layout(prefer, hardware)
     strategy = _build_strategy(layout, hide_gpus=bool(hardware.gpus) and kind == "cpu")
-    return _describe_strategy(kind, strategy, hardware, notes)
-
-
-def runtime_from_strategy(
-    strategy: tf.distribute.Strategy, *, hardware: Hardware | None = None
-) -> Runtime:
-    """The `Runtime` of a strategy you created yourself (`tfmem.Runtime.from_strategy`)."""
-    hardware = inspect_hardware() if hardware is None else hardware
-    try:
-        device_types = {
-            tf.DeviceSpec.from_string(name).device_type
-            for name in strategy.extended.worker_devices
-        }
-    except RuntimeError:  # the default strategy has no device list: it uses GPU:0 if any
-        device_types = {"GPU" if hardware.gpus else "CPU"}
-    kind = "tpu" if "TPU" in device_types else "gpu" if "GPU" in device_types else "cpu"
-    return _describe_strategy(kind, strategy, hardware, ())
+    return describe_strategy(kind, strategy, hardware, notes)
 
 
 def current_runtime(model=None) -> Runtime:
     """The `Runtime` a model trains under: its strategy's (or the current strategy's)."""
     strategy = model.distribute_strategy if model is not None else tf.distribute.get_strategy()
-    return runtime_from_strategy(strategy)
+    return Runtime.from_strategy(strategy)
 
 
 def _build_strategy(layout: str, *, hide_gpus: bool) -> tf.distribute.Strategy:
@@ -141,43 +123,3 @@ def _multi_worker_strategy(tf_config: str, hide_gpus: bool) -> tf.distribute.Str
             f"TensorFlow op has run ({error}). Call tfmem.detect() first in your program, "
             "right after the imports; or unset TF_CONFIG to train on this machine alone."
         ) from error
-
-
-def _describe_strategy(
-    kind: str, strategy: tf.distribute.Strategy, hardware: Hardware, notes: tuple[str, ...]
-) -> Runtime:
-    num_replicas = strategy.num_replicas_in_sync
-    num_workers = _workers_of(strategy)
-    compute_capability = None
-    if kind == "tpu":
-        accelerator_type = hardware.tpu_accelerator_type
-        memory = tpu.memory_per_replica(accelerator_type)
-        device_name = f"TPU {accelerator_type}" if accelerator_type else "TPU"
-    elif kind == "gpu":
-        memories = [gpu.memory for gpu in hardware.gpus]
-        memory = None if None in memories else min(memories)
-        device_name = " + ".join(sorted({gpu.name for gpu in hardware.gpus}))
-        capabilities = [gpu.compute_capability for gpu in hardware.gpus]
-        compute_capability = None if None in capabilities else min(capabilities)
-    else:
-        # Replicas in one process (logical CPUs) share the host's RAM.
-        memory = devices.host_memory_for_process() // max(1, num_replicas // num_workers)
-        device_name = cpu_name()
-    return Runtime(
-        kind=kind,
-        strategy=strategy,
-        num_replicas=num_replicas,
-        num_workers=num_workers,
-        memory_per_replica=memory,
-        device_name=device_name,
-        compute_capability=compute_capability,
-        notes=notes,
-    )
-
-
-def _workers_of(strategy: tf.distribute.Strategy) -> int:
-    resolver = getattr(strategy, "cluster_resolver", None)
-    if resolver is None:
-        return 1
-    jobs = resolver.cluster_spec().as_dict()
-    return max(1, len(jobs.get("chief", [])) + len(jobs.get("worker", [])))

@@ -1,7 +1,8 @@
 """`Runtime`: where training runs (device kind, replicas, workers, memory per replica, scope).
 
-Backend-neutral: `tfmem.runtime.distribute` builds one from a `tf.distribute.Strategy`,
-`tfmem.runtime.distribute_jax` from a `keras.distribution`; the batch arithmetic is the same.
+Backend-neutral: `tfmem.runtime.distribute` builds one from a `tf.distribute.Strategy` (described
+here, from the strategy's attributes, with no TensorFlow call), `tfmem.runtime.distribute_jax`
+from a `keras.distribution`; the batch arithmetic is the same.
 """
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from tfmem.runtime import devices, tpu
 from tfmem.runtime.cluster import check_count, split_batch
+from tfmem.runtime.hardware import Hardware, inspect_hardware
 
 KINDS = ("tpu", "gpu", "cpu")
 
@@ -110,7 +113,56 @@ class Runtime:
             >>> Runtime.from_strategy(strategy).num_replicas
             2
         """
-        # The TensorFlow side is loaded on use, so the JAX backend never needs TensorFlow.
-        from tfmem.runtime import distribute
+        hardware = inspect_hardware() if hardware is None else hardware
+        try:
+            device_types = {_device_type(name) for name in strategy.extended.worker_devices}
+        except RuntimeError:  # the default strategy has no device list: it uses GPU:0 if any
+            device_types = {"GPU" if hardware.gpus else "CPU"}
+        kind = "tpu" if "TPU" in device_types else "gpu" if "GPU" in device_types else "cpu"
+        return describe_strategy(kind, strategy, hardware, ())
 
-        return distribute.runtime_from_strategy(strategy, hardware=hardware)
+
+def _device_type(name: str) -> str:
+    """`"/job:localhost/replica:0/task:0/device:GPU:1"` (or `"/gpu:1"`) → `"GPU"`."""
+    last = name.rsplit("/", 1)[-1]
+    return last.removeprefix("device:").split(":")[0].upper()
+
+
+def describe_strategy(kind: str, strategy, hardware: Hardware, notes: tuple[str, ...]) -> Runtime:
+    """The `Runtime` of a `tf.distribute.Strategy` of `kind` on `hardware` (no TensorFlow call:
+    it reads the strategy's replicas, workers and devices, and the hardware's memory)."""
+    num_replicas = strategy.num_replicas_in_sync
+    num_workers = _workers_of(strategy)
+    compute_capability = None
+    if kind == "tpu":
+        accelerator_type = hardware.tpu_accelerator_type
+        memory = tpu.memory_per_replica(accelerator_type)
+        device_name = f"TPU {accelerator_type}" if accelerator_type else "TPU"
+    elif kind == "gpu":
+        memories = [gpu.memory for gpu in hardware.gpus]
+        memory = None if None in memories else min(memories)
+        device_name = " + ".join(sorted({gpu.name for gpu in hardware.gpus}))
+        capabilities = [gpu.compute_capability for gpu in hardware.gpus]
+        compute_capability = None if None in capabilities else min(capabilities)
+    else:
+        # Replicas in one process (logical CPUs) share the host's RAM.
+        memory = devices.host_memory_for_process() // max(1, num_replicas // num_workers)
+        device_name = devices.cpu_name()
+    return Runtime(
+        kind=kind,
+        strategy=strategy,
+        num_replicas=num_replicas,
+        num_workers=num_workers,
+        memory_per_replica=memory,
+        device_name=device_name,
+        compute_capability=compute_capability,
+        notes=notes,
+    )
+
+
+def _workers_of(strategy) -> int:
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None:
+        return 1
+    jobs = resolver.cluster_spec().as_dict()
+    return max(1, len(jobs.get("chief", [])) + len(jobs.get("worker", [])))
