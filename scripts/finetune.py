@@ -130,14 +130,16 @@ def _dataset_facts(data: str) -> tuple[int, int, str]:
     The identity goes into the run's settings: the manifest's fingerprint (the set wherever
     it lies), or for foreign records their path and count.
     """
-    if _DRY_RUN.value and _NUM_CLASSES.value and _NUM_EXAMPLES.value and (
-            "://" in data or not manifest_lib.has_manifest(data)):
-        # Planning for another machine: its data may live there (a TPU VM, a bucket), not here.
+    # A dry run given both counts plans for another machine, whose data may live there (a TPU
+    # VM, a bucket): a remote path is not looked at, a local manifest is still used.
+    counted = _DRY_RUN.value and _NUM_CLASSES.value and _NUM_EXAMPLES.value
+    has_manifest = not (counted and "://" in data) and manifest_lib.has_manifest(data)
+    if counted and not has_manifest:
         print(f"finetune: data not checked: a dry run plans from --num-classes "
               f"{_NUM_CLASSES.value} and --num-examples {_NUM_EXAMPLES.value} without reading "
               f"{data}; training checks it before it starts")
         return _NUM_CLASSES.value, _NUM_EXAMPLES.value, None
-    if manifest_lib.has_manifest(data):
+    if has_manifest:
         manifest = tfmem.read_manifest(data)  # a damaged one stops here, naming the damage
         for flag, value in ((_NUM_CLASSES, manifest.num_classes),
                             (_NUM_EXAMPLES, manifest.num_examples)):

@@ -55,7 +55,8 @@ def test_a_log_gets_an_estimate_then_one_line_per_epoch(tmp_path):
                         r"[\d,]+ images/s \(\d+s from now\)", lines[0]), lines[0]
     for epoch, line in enumerate(lines[1:], start=1):
         assert re.fullmatch(rf"epoch {epoch}/2: loss [\d.]+; 8 updates in \d+s, global batch 2 = "
-                            r"micro-batch 1 × 2 accumulation steps × 1 replica, [\d,]+ images/s, \d+s left for the run", line), line
+                            r"micro-batch 1 × 2 accumulation steps × 1 replica, [\d,]+ images/s, "
+                            r"\d+s left for the run", line), line
 
 
 def test_a_terminal_gets_a_live_line_and_a_resumed_run_counts_from_where_it_was(tmp_path):
@@ -65,8 +66,8 @@ def test_a_terminal_gets_a_live_line_and_a_resumed_run_counts_from_where_it_was(
     bars = [frame for frame in frames if frame.startswith("epoch 2/2 [")]
     assert bars, text
     for frame in bars:  # every redraw names the epoch's step, the batch and the run's time
-        assert re.fullmatch(r"epoch 2/2 \[[#.]{20}\] [1-8]/8, loss [\d.]+, global batch 2 = micro-batch 1 × "
-                            r"2 accumulation steps × 1 replica, "
+        assert re.fullmatch(r"epoch 2/2 \[[#.]{20}\] [1-8]/8, loss [\d.]+, global batch 2 = "
+                            r"micro-batch 1 × 2 accumulation steps × 1 replica, "
                             r"([\d,]+ images/s, \d+s left for the run|measuring speed)",
                             frame), frame
     # 8 updates left of 16 when the run restarted: the estimate is for the whole run.

@@ -1,11 +1,11 @@
 """What a call's backward pass keeps, read from the framework's own gradient: the general path.
 
-`trace_call_tensorflow` and `trace_call_jax` run one call (a layer, a `keras.ops` node, a recurrent cell, a whole subclassed
-model) forward and backward on symbolic inputs, and reports which forward tensors the
-backward reads. On TensorFlow that is the graph `tf.GradientTape` builds (every forward
-tensor a gradient op takes as input); on JAX, the residuals `jax.vjp` saves. Nothing is
-computed: weights enter as symbolic values through `keras.StatelessScope`, so a model whose
-variables were never initialised can be traced too.
+`trace_call_tensorflow` and `trace_call_jax` run one call (a layer, a `keras.ops` node, a
+recurrent cell, a whole subclassed model) forward and backward on symbolic inputs, and report
+which forward tensors the backward reads. On TensorFlow that is the graph `tf.GradientTape`
+builds (every forward tensor a gradient op takes as input); on JAX, the residuals `jax.vjp`
+saves. Nothing is computed: weights enter as symbolic values through `keras.StatelessScope`,
+so a model whose variables were never initialised can be traced too.
 
 On TensorFlow a call is traced once with a symbolic batch axis: a tensor's bytes per sample
 are its size beyond that axis. Where that cannot be read (a reshape folds the batch into

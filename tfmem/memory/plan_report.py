@@ -14,10 +14,14 @@ def describe_split(global_batch_size: int, micro_batch_size: int, accumulation_s
         >>> describe_split(64, 8, 1, 8)
         'global batch 64 = micro-batch 8 × 1 accumulation step × 8 replicas'
     """
-    steps = "step" if accumulation_steps == 1 else "steps"
     replicas = "replica" if num_replicas == 1 else "replicas"
     return (f"global batch {global_batch_size} = micro-batch {micro_batch_size} × "
-            f"{accumulation_steps} accumulation {steps} × {num_replicas} {replicas}")
+            f"{_steps(accumulation_steps)} × {num_replicas} {replicas}")
+
+
+def _steps(accumulation_steps: int) -> str:
+    """`1` → "1 accumulation step", `4` → "4 accumulation steps"."""
+    return f"{accumulation_steps} accumulation step{'' if accumulation_steps == 1 else 's'}"
 
 
 def format_bytes(num_bytes: float) -> str:
@@ -72,11 +76,10 @@ def format_nothing_fits(p) -> str:
     if not alternative.changes:
         return (text + f". None of the changes checked fits ({'; '.join(alternative.tried)}): "
                 "the model needs a device with more memory per replica, or more replicas.")
-    steps = "step" if alternative.accumulation_steps == 1 else "steps"
     return (text + f". Smallest change checked to fit: {' + '.join(alternative.changes)} → "
-            f"micro-batch {alternative.micro_batch_size} × {alternative.accumulation_steps} "
-            f"accumulation {steps}, {format_bytes(alternative.peak_bytes)} of the "
-            f"{format_bytes(p.budget_bytes)} budget")
+            f"micro-batch {alternative.micro_batch_size} × "
+            f"{_steps(alternative.accumulation_steps)}, {format_bytes(alternative.peak_bytes)} "
+            f"of the {format_bytes(p.budget_bytes)} budget")
 
 
 def format_error(p, micro_batch_size: int, accumulation_steps: int, needed_bytes: int) -> str:
@@ -84,15 +87,12 @@ def format_error(p, micro_batch_size: int, accumulation_steps: int, needed_bytes
     asked = describe_split(p.global_batch_size, micro_batch_size, accumulation_steps,
                            p.num_replicas)
     head = (f"{asked} needs {format_bytes(needed_bytes)} per replica on {p.device}, over the "
-            f"budget of "
-            f"{format_bytes(p.budget_bytes)} ({p.safety:.0%} of "
+            f"budget of {format_bytes(p.budget_bytes)} ({p.safety:.0%} of "
             f"{format_bytes(p.memory_per_replica)})")
     if p.fits:
         fit = p.peak_bytes(p.micro_batch_size, p.accumulation_steps)
-        steps = "step" if p.accumulation_steps == 1 else "steps"
-        advice = (f"; micro-batch {p.micro_batch_size} × {p.accumulation_steps} accumulation "
-                  f"{steps} fits in {format_bytes(fit)} (accumulation_steps="
-                  f"{p.accumulation_steps}).")
+        advice = (f"; micro-batch {p.micro_batch_size} × {_steps(p.accumulation_steps)} fits "
+                  f"in {format_bytes(fit)} (accumulation_steps={p.accumulation_steps}).")
     else:
         advice = "; " + format_nothing_fits(p) + "."
     return (head + advice + " Pass `allow_over_budget=True` to run anyway.\n"

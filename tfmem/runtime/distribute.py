@@ -18,6 +18,7 @@ from tfmem.runtime.cluster import workers_in_tf_config
 from tfmem.runtime.hardware import Hardware, inspect_hardware
 from tfmem.runtime.runtime import KINDS, Runtime, UnavailableDeviceError, describe_strategy
 
+
 def choose_layout(prefer: str | None, hardware: Hardware) -> tuple[str, str]:
     """The (kind, layout) to use once no TPU is taken; pure, so every branch is testable.
 

@@ -23,7 +23,6 @@ from tfmem.runtime import tpu
 from tfmem.runtime.runtime import Runtime, UnavailableDeviceError
 
 
-
 def describe(runtime: Runtime | None = None) -> str:
     """A one-screen description of the runtime and the installed versions.
 
@@ -77,9 +76,9 @@ def describe(runtime: Runtime | None = None) -> str:
 
 def _strategy_name(strategy) -> str:
     """The public name of a strategy's class: `tf.distribute.MirroredStrategy`, ..."""
-    cls = type(strategy)
     if strategy is None:
         return "none"
+    cls = type(strategy)
     if cls.__name__ == "_DefaultDistributionStrategy":
         return "none (TensorFlow's default: one device)"
     for package, public in (("tensorflow", "tf.distribute"), ("keras", "keras.distribution")):
