@@ -129,8 +129,10 @@ def test_shared_arithmetic_imports_no_tensorflow():
         import types
         sys.modules["tfmem"] = types.ModuleType("tfmem")  # skip tfmem/__init__ (it imports TF)
         sys.modules["tfmem"].__path__ = [sys.argv[1] + "/tfmem"]
-        from tfmem.runtime import cluster, runtime
-        print(cluster.nearest_multiples(100, 24), runtime.Runtime("cpu", None, 2).global_batch_size(4, 3))
+        from tfmem.runtime import budget, cluster, runtime
+        from tfmem.memory import guard
+        print(cluster.nearest_multiples(100, 24), runtime.Runtime("cpu", None, 2).global_batch_size(4, 3),
+              budget.budget_for(device="tpu-v3-8").num_replicas)
         """
     )
     result = subprocess.run(
@@ -138,7 +140,7 @@ def test_shared_arithmetic_imports_no_tensorflow():
         env=dict(os.environ, KERAS_BACKEND="jax"),
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip() == "96 or 120 24"
+    assert result.stdout.strip() == "96 or 120 24 8"
 
 
 def test_runtime_imports_none_of_the_modules_that_build_it():

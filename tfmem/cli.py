@@ -6,7 +6,7 @@ so both spellings reach the same flag. Every error ends the program with one lin
 `error: <what happened>; <how to fix>`, and exit status 2 when the command line is wrong
 (a flag's value, a combination of flags, a run directory made with other settings, a plan
 over the memory budget) or 1 when the run fails (data, disk, another process); `--debug`
-prints the traceback too.
+prints the traceback too. A warning is one line too, `warning: <what>`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import contextlib
 import re
 import sys
 import traceback
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 
 from absl import app, flags
@@ -79,6 +80,17 @@ def usage_errors() -> Iterator[None]:
         raise UsageError(one_line(error)) from error
 
 
+@contextlib.contextmanager
+def one_line_warnings() -> Iterator[None]:
+    """Inside: a warning prints as one line, `warning: <message>` (no source file and line)."""
+    shown = warnings.formatwarning
+    warnings.formatwarning = lambda message, *_, **__: f"warning: {message}\n"
+    try:
+        yield
+    finally:
+        warnings.formatwarning = shown
+
+
 def fail(message: str, status: int) -> None:
     print(f"error: {message}", file=sys.stderr)
     sys.exit(status)
@@ -104,7 +116,8 @@ def run(main: Callable[[list[str]], object], argv: Sequence[str] | None = None) 
         fail(f"unexpected argument {rest[1]!r}: every option is a flag with its name, e.g. "
              f"--model={rest[1]}; see --helpshort for the flags", USAGE)
     try:
-        status = main(rest)
+        with one_line_warnings():
+            status = main(rest)
     except SystemExit:
         raise
     except KeyboardInterrupt:

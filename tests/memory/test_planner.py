@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import tfmem
-from tfmem.memory import plan_report, planner
+from tfmem.memory import guard, plan_report, planner
 from tfmem.memory.memory_plan import Term
 from tfmem.memory.saved_tensors import traced_saved_tensors
 
@@ -243,15 +243,15 @@ def test_guard_auto_picks_k_so_the_global_batch_holds():
     model = activation_model()
     loose = tfmem.plan(model, global_batch_size=96, memory_budget=100 * GIB, num_replicas=2)
     budget = (loose.peak_bytes(12, 4) + loose.peak_bytes(16, 3)) // 2
-    auto = planner.guard(model, global_batch_size=96, num_replicas=2,
+    auto = guard.guard(model, global_batch_size=96, num_replicas=2,
                          memory_budget=int(budget / 0.8) + 1)
     # 48 per replica: the largest dividing micro-batch under the budget is 12, so k = 4.
     assert (auto.micro_batch_size, auto.accumulation_steps) == (12, 4)
     assert auto.micro_batch_size * auto.accumulation_steps * auto.num_replicas == 96
     with pytest.raises(tfmem.MemoryPlanError, match="micro-batch 12 × 4 accumulation steps fits"):
-        planner.guard(model, global_batch_size=96, num_replicas=2, accumulation_steps=2,
+        guard.guard(model, global_batch_size=96, num_replicas=2, accumulation_steps=2,
                       memory_budget=int(budget / 0.8) + 1)
-    kept = planner.guard(model, global_batch_size=96, num_replicas=2, accumulation_steps=2,
+    kept = guard.guard(model, global_batch_size=96, num_replicas=2, accumulation_steps=2,
                          memory_budget=int(budget / 0.8) + 1, allow_over_budget=True)
     assert kept.global_batch_size == 96
 

@@ -10,6 +10,7 @@ import pytest
 
 import tfmem
 from tfmem.memory.probe import measure
+from tfmem.runtime.memory_cap import MemoryWatch
 
 # `tfmem.probe` is the function; the module (for its watchdog) is reached by name.
 probe_module = importlib.import_module("tfmem.memory.probe")
@@ -76,7 +77,7 @@ def test_watchdog_kills_a_child_whose_resident_set_reaches_the_limit():
             "    held.append(bytearray(16 * 2**20))\n    time.sleep(0.01)\n")
     child = subprocess.Popen([sys.executable, "-c", grow])
     limit = 256 * MIB
-    watchdog = probe_module._Watchdog(child.pid, limit)
+    watchdog = MemoryWatch(child.pid, limit)
     watchdog.start()
     assert child.wait(timeout=60) == -signal.SIGKILL
     watchdog.join(timeout=5)

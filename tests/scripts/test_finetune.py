@@ -372,3 +372,30 @@ def test_overwrite_discards_the_run_and_starts_again(finetune_cli, written_sets,
     assert "is complete" not in out and "Resuming" not in out
     assert json.loads((tmp_path / "run.json").read_text())["config"]["learning_rate"] == 0.01
     assert json.loads((tmp_path / "metrics.json").read_text())["history"]["loss"]
+
+
+def test_the_run_is_one_library_call_with_the_flags_as_its_settings(finetune_main, tmp_path,
+                                                                   capsys):
+    from tfmem import finetune
+
+    finetune_main("--dry-run", "--output", str(tmp_path / "script"))
+    by_script = capsys.readouterr().out
+    assert finetune.run(finetune.FinetuneConfig(dry_run=True,
+                                                output=str(tmp_path / "call"))) == {}
+    by_call = capsys.readouterr().out
+
+    def plan_lines(out):  # the plan's table, but the budget: this host's free RAM, read live
+        table = out[out.index("small-cnn: "):].splitlines()
+        return [line for line in table if "total (peak per replica)" not in line]
+
+    assert plan_lines(by_call) == plan_lines(by_script)
+    assert "total (peak per replica)" in by_call and "environment" in by_call
+    # Every flag of the script is a field of the settings, with the same default.
+    script_flags = re.findall(r'flags\.DEFINE_\w+\(\s*"(\w+)"', SCRIPT.read_text())
+    fields = finetune.FinetuneConfig.__dataclass_fields__
+    assert sorted(script_flags) == sorted(fields)
+    assert all(str(flags.FLAGS[name].default) == str(fields[name].default) for name in fields)
+    with pytest.raises(tfmem.cli.UsageError, match="--device t4 plans for another machine"):
+        finetune.run(finetune.FinetuneConfig(device="t4"))
+    with pytest.raises(tfmem.cli.UsageError, match="learning rate must be a finite number"):
+        finetune.FinetuneConfig(learning_rate=float("nan"))

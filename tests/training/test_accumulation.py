@@ -132,6 +132,39 @@ def test_batch_norm_moving_statistics_average_over_window():
     assert np.max(np.abs(chained - expected_mean)) > 1e-2
 
 
+class _PartlyUsed(keras.layers.Layer):
+    """A dense layer with a second weight its call never reads, so it gets no gradient."""
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight((input_shape[-1], 3), initializer="glorot_uniform")
+        self.unused = self.add_weight((3,), initializer="ones")
+
+    def call(self, inputs):
+        return inputs @ self.kernel
+
+
+def _partly_used(cls=keras.Model, **kwargs):
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    return cls(inputs, _PartlyUsed()(hidden), **kwargs)
+
+
+@pytest.mark.parametrize("run_eagerly,jit_compile", [(False, False), (True, False),
+                                                     (False, True)])
+def test_weight_without_gradient_is_left_out_of_the_update(run_eagerly, jit_compile):
+    # AdamW decays every weight it gets a gradient for, a zero one too; a weight whose gradient
+    # is None (as in a plain step) is left out, so it keeps its initial ones.
+    x, y, w = _data((6,), 32)
+    accum, plain = _pair(
+        _partly_used, 4, optimizer=lambda: keras.optimizers.AdamW(0.01, weight_decay=0.5),
+        loss="mse", run_eagerly=run_eagerly, jit_compile=jit_compile,
+    )
+    for model in (accum, plain):
+        model.fit(x, y, sample_weight=w, batch_size=16, shuffle=False, verbose=0)
+        np.testing.assert_array_equal(model.layers[-1].unused.numpy(), np.ones(3))
+    assert _rel_diff(accum.get_weights(), plain.get_weights()) <= RTOL
+
+
 def test_learning_rate_schedule_counts_real_updates():
     # y = w·x with x = 1, target 0, MSE: grad = 2w, so SGD gives w <- w (1 - 2 lr).
     k, num_updates = 4, 5

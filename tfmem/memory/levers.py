@@ -19,6 +19,7 @@ import keras
 from tfmem import _keras_internals as internals
 from tfmem.memory.memory_plan import Alternative, MemoryPlan
 from tfmem.memory.optimizer_state import optimizer_slot_bytes
+from tfmem.memory.plan_settings import PlanSettings
 
 # Combinations of more changes than this are not searched: the answer would not be "a change".
 _MAX_CHANGES = 3
@@ -26,11 +27,16 @@ _MAX_CHANGES = 3
 
 @dataclasses.dataclass(frozen=True)
 class Lever:
-    """One change to try. Levers of the same `group` exclude each other."""
+    """One change to try. Levers of the same `group` exclude each other.
+
+    `apply(settings, model)` returns the plan settings with the change made (a
+    `dataclasses.replace`), for the model being planned (the asked one, or a variant `build`
+    makes); a lever that only changes the model keeps the settings.
+    """
 
     description: str
     group: str
-    changes: dict
+    apply: Callable[[PlanSettings, keras.Model], PlanSettings] = lambda settings, model: settings
     build: Callable[[], keras.Model] | None = None
 
 
@@ -51,23 +57,28 @@ def levers_for(model: keras.Model, base: MemoryPlan,
     found = []
     if base.precision == "float32":
         policy = "mixed_float16" if base.device_kind == "gpu" else "mixed_bfloat16"
-        found.append(Lever(f"precision {policy}", "precision", {"precision": policy}))
+        found.append(Lever(f"precision {policy}", "precision", _replacing(precision=policy)))
     trainable = model.trainable_variables
     for description, optimizer in (
             ("optimizer SGD (momentum 0.9)", keras.optimizers.SGD(momentum=0.9)),
             ("optimizer Adafactor", keras.optimizers.Adafactor())):
         if optimizer_slot_bytes(optimizer, trainable) < base.optimizer_bytes:
-            found.append(Lever(description, "optimizer", {"optimizer": optimizer}))
+            found.append(Lever(description, "optimizer", _replacing(optimizer=optimizer)))
     if backbone_ids(model):
         found.append(Lever("frozen backbone (train the head only)", "freeze",
-                           {"freeze_backbone": True}))
+                           lambda settings, candidate: dataclasses.replace(
+                               settings, frozen=backbone_ids(candidate))))
     for description, build in smaller_variants:
-        found.append(Lever(description, "model", {}, build))
+        found.append(Lever(description, "model", build=build))
     return found
 
 
-def search(model: keras.Model, base: MemoryPlan,
-           evaluate: Callable[[keras.Model, dict], MemoryPlan],
+def _replacing(**changes) -> Callable[[PlanSettings, keras.Model], PlanSettings]:
+    return lambda settings, model: dataclasses.replace(settings, **changes)
+
+
+def search(model: keras.Model, base: MemoryPlan, settings: PlanSettings,
+           evaluate: Callable[[keras.Model, PlanSettings], MemoryPlan],
            smaller_variants: Sequence[tuple[str, Callable[[], keras.Model]]] = ()
            ) -> Alternative:
     """The smallest combination of levers whose plan fits, or an empty `Alternative`.
@@ -75,8 +86,8 @@ def search(model: keras.Model, base: MemoryPlan,
     Args:
         model: the model as asked for.
         base: its plan, which does not fit.
-        evaluate: plans `(model, changes)`, where `changes` holds plan settings
-            (`precision`, `optimizer`) and `freeze_backbone`.
+        settings: the settings `base` was planned with.
+        evaluate: plans `(model, settings)` with micro-batch × k chosen.
         smaller_variants: `(description, builder)` pairs, built only when reached.
     """
     levers = levers_for(model, base, smaller_variants)
@@ -87,18 +98,20 @@ def search(model: keras.Model, base: MemoryPlan,
             groups = [levers[i].group for i in combination]
             if len(set(groups)) < len(groups):
                 continue
-            candidate, changes = model, {}
-            for i in combination:
+            candidate = model
+            for i in combination:  # at most one builds a model (one "model" group)
                 if levers[i].build is not None:
                     if i not in built:
                         built[i] = _build(levers[i], tried)
                     candidate = built[i]
-                changes.update(levers[i].changes)
             if candidate is None:
                 continue
+            changed = settings
+            for i in combination:
+                changed = levers[i].apply(changed, candidate)
             descriptions = tuple(levers[i].description for i in combination)
             tried.append(" + ".join(descriptions))
-            result = evaluate(candidate, changes)
+            result = evaluate(candidate, changed)
             if result.fits:
                 return Alternative(descriptions, result.micro_batch_size,
                                    result.accumulation_steps,

@@ -1,10 +1,15 @@
-"""Pure sizing of a training run: what it needs per replica, and the micro-batch × k that fits.
+"""Sizing of a training run: what it needs per replica, and the micro-batch × k that fits.
 
 The rule of thumb this follows: training memory = model state + micro-batch × (sample data +
 kept activations), planned at no more than `safety` (80%) of the device, because the OS,
 the CUDA context and the runtime need the rest. Every term is a formula over the model's own
 variables and graph; each comment says where it comes from. Nothing here trains or allocates;
 `tfmem.probe` measures the same terms and returns a plan calibrated on them.
+
+The arithmetic (`estimate`, `choose`, `check`) is pure: it reads the model and a frozen
+`PlanSettings`. Where the plan is for comes in as a `Budget` value, made on the runtime side
+(`tfmem.runtime.budget`, the only part that may read this host's free memory); `settings`
+builds both from `plan`'s arguments, and a lever is a `dataclasses.replace` of the settings.
 
 Example:
     >>> model = keras.applications.ResNet50(weights=None, input_shape=(224, 224, 3))
@@ -17,10 +22,10 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import types
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import keras
 import numpy as np
@@ -29,11 +34,15 @@ from tfmem import _keras_internals as internals
 from tfmem.memory import levers
 from tfmem.memory.memory_plan import MemoryPlan, MemoryPlanError, choose
 from tfmem.memory.optimizer_state import optimizer_slot_bytes
+from tfmem.memory.plan_settings import PlanSettings
 from tfmem.memory.saved_tensors import saved_tensors
-from tfmem.runtime import devices, precision as precision_lib
+from tfmem.runtime import precision as precision_lib
+from tfmem.runtime.budget import Budget, budget_for
 from tfmem.runtime.cluster import check_count, split_batch
+from tfmem.training.accumulation_math import accumulator_nbytes
 
-__all__ = ["Budget", "MemoryPlan", "MemoryPlanError", "check", "guard", "plan"]
+__all__ = ["Budget", "MemoryPlan", "MemoryPlanError", "PlanSettings", "check", "estimate",
+           "plan", "settings"]
 
 # -- The CPU runtime term (host RAM only; zero in accelerator memory) --------------------------
 # Measured on this project's reference machine (TF 2.21 / Keras 3.15.1 CPU with oneDNN,
@@ -54,46 +63,62 @@ _MIXED = ("mixed_float16", "mixed_bfloat16")
 _PRECISIONS = ("auto", "float32") + _MIXED
 
 
-class Budget(NamedTuple):
-    """Where a plan is for: device label and kind, memory and replicas, and the target whose
-    precision policy `precision="auto"` takes (a `Runtime`, a device-table entry, or None
-    for this host's CPU)."""
+def settings(
+    *,
+    global_batch_size: int,
+    optimizer: Any = "adam",
+    precision: str = "float32",
+    runtime: Any = None,
+    memory_budget: int | None = None,
+    device: str | None = None,
+    budget: Budget | None = None,
+    num_replicas: int | None = None,
+    safety: float = 0.8,
+    input_batches_in_flight: int = 2,
+    input_shape: Sequence | None = None,
+) -> PlanSettings:
+    """The settings of a plan, checked: the arguments `tfmem.plan` and `tfmem.probe` take.
 
-    device: str
-    kind: str
-    memory_per_replica: int
-    num_replicas: int
-    target: Any = None
+    Args:
+        global_batch_size: samples per optimizer update, over all replicas.
+        optimizer: Keras optimizer instance or name; decides the slot count.
+        precision: "float32", "mixed_float16", "mixed_bfloat16", or "auto": the policy
+            tfmem uses on the planned device (bf16 on TPU, fp16 on GPUs of compute
+            capability ≥ 7, float32 on CPU). A float32-built model planned mixed has its
+            activations counted in the 2-byte compute dtype.
+        runtime: anything with `memory_per_replica` and `num_replicas` (a
+            `tfmem.Runtime`); `kind` "cpu" adds the framework's host RAM.
+        memory_budget: bytes per replica instead of a runtime (planned as host RAM).
+        device: a name from `tfmem.runtime.devices.ACCELERATORS` or "cpu" (this host's
+            available RAM). With none of `runtime`, `memory_budget`, `device`, `budget`: "cpu".
+        budget: a `tfmem.runtime.budget.Budget` made beforehand, instead of the three above.
+        num_replicas: overrides the replica count of the runtime/device.
+        safety: fraction of `memory_per_replica` to plan for (0.8: the classic 80% rule).
+        input_batches_in_flight: global batches of input resident at once (the step's own and
+            one prefetched by `tf.data`).
+        input_shape: one sample's shape (or a list of them), for a subclassed model that
+            was never built; default: the shapes it was built with.
 
-
-def _budget(runtime, memory_budget, device) -> Budget:
-    """The budget from exactly one of `runtime`, `memory_budget`, `device` (default: cpu)."""
-    given = [name for name, v in (("runtime", runtime), ("memory_budget", memory_budget),
-                                  ("device", device)) if v is not None]
-    if len(given) > 1:
-        raise ValueError(f"Give one of `runtime`, `memory_budget`, `device`; got {given}.")
-    if runtime is not None:
-        kind = str(getattr(runtime, "kind", "cpu")).lower()
-        label = getattr(runtime, "device_name", None) or kind
-        if runtime.memory_per_replica is None:
-            raise ValueError(
-                f"The runtime does not know the memory of its {kind} ({label!r}): pass "
-                "`device=` (a name from tfmem.runtime.devices.ACCELERATORS) or "
-                "`memory_budget=` bytes.")
-        # On a CPU, detect() counted this process's resident set in (as device="cpu" below).
-        memory, replicas = int(runtime.memory_per_replica), int(runtime.num_replicas)
-        return Budget(label, kind, memory, replicas, runtime)
-    if memory_budget is not None:
-        if memory_budget <= 0:
-            raise ValueError(f"`memory_budget` must be positive bytes, got {memory_budget}.")
-        return Budget("a memory budget", "cpu", int(memory_budget), 1)
-    if device is None or device.lower() == "cpu":
-        return Budget("cpu (this host)", "cpu", devices.host_memory_for_process(), 1)
-    accelerator = devices.lookup(device)
-    target = types.SimpleNamespace(kind=accelerator.kind, device_name=accelerator.name,
-                                   compute_capability=accelerator.compute_capability)
-    return Budget(accelerator.name, accelerator.kind, accelerator.memory_per_replica,
-                  accelerator.num_replicas, target)
+    Raises:
+        ValueError: the global batch does not split over the replicas, or bad arguments.
+    """
+    if budget is None:
+        budget = budget_for(runtime=runtime, memory_budget=memory_budget, device=device,
+                            num_replicas=num_replicas)
+    elif runtime is not None or memory_budget is not None or device is not None:
+        raise ValueError("Give `budget` or one of `runtime`, `memory_budget`, `device`, "
+                         "not both.")
+    elif num_replicas:
+        budget = dataclasses.replace(budget, num_replicas=num_replicas)
+    check_count("global_batch_size", global_batch_size)
+    split_batch(global_batch_size, budget.num_replicas, 1)
+    if not 0 < safety <= 1:
+        raise ValueError(f"`safety` must be in (0, 1], got {safety}.")
+    chosen, note = _resolve_precision(precision, budget)
+    return PlanSettings(global_batch_size=global_batch_size, budget=budget, optimizer=optimizer,
+                        precision=chosen, safety=safety,
+                        input_batches_in_flight=input_batches_in_flight,
+                        input_shape=input_shape, notes=(note,) if note else ())
 
 
 def _resolve_precision(precision: str, budget: Budget) -> tuple[str, str | None]:
@@ -118,11 +143,15 @@ def _nbytes(variables) -> int:
     return sum(math.prod(v.shape) * _itemsize(v) for v in variables)
 
 
-def _estimate(model, *, global_batch_size, optimizer, precision, budget, safety,
-              input_batches_in_flight, frozen=frozenset(), input_shape=None,
-              notes=(), analyses=None) -> MemoryPlan:
-    """The plan's terms for one setting (micro-batch × k not chosen yet); `analyses` caches
-    the activation analysis across settings that share the model, dtype and frozen set."""
+def estimate(model: keras.Model, settings: PlanSettings,
+             analyses: dict | None = None) -> MemoryPlan:
+    """The plan's terms for one setting, micro-batch × k not chosen yet (`choose` picks them).
+
+    `analyses` caches the activation analysis across settings that share the model, its
+    compute dtype and the frozen set (the levers plan the same model several times).
+    """
+    precision, frozen, budget = settings.precision, settings.frozen, settings.budget
+    optimizer = settings.optimizer
     optimizer = keras.optimizers.get(optimizer)
     own_compute = keras.backend.standardize_dtype(model.dtype_policy.compute_dtype)
     override = None
@@ -133,7 +162,7 @@ def _estimate(model, *, global_batch_size, optimizer, precision, budget, safety,
     key = (id(model), override, frozenset(frozen))
     if key not in analyses:
         analyses[key] = saved_tensors(model, compute_dtype=override, frozen=frozen,
-                                      input_shapes=input_shape)
+                                      input_shapes=settings.input_shape)
     saved = analyses[key]
     trainable = [v for v in model.trainable_variables if id(v) not in frozen]
     num_trainable = sum(math.prod(v.shape) for v in trainable)
@@ -150,7 +179,7 @@ def _estimate(model, *, global_batch_size, optimizer, precision, budget, safety,
             # LossScaleOptimizer unscales into new float32 gradients and checks them all for
             # inf/nan before applying: a second gradient set is alive at once.
             mixed += _nbytes(trainable)
-    notes = list(notes)
+    notes = list(settings.notes)
     if override:
         notes.append(f"built in float32, planned {precision}: float32 activations counted "
                      f"as {override}")
@@ -172,8 +201,8 @@ def _estimate(model, *, global_batch_size, optimizer, precision, budget, safety,
         device_kind=budget.kind,
         num_replicas=budget.num_replicas,
         memory_per_replica=budget.memory_per_replica,
-        safety=safety,
-        global_batch_size=global_batch_size,
+        safety=settings.safety,
+        global_batch_size=settings.global_batch_size,
         # Every weight (trainable and BN moving statistics) in its own dtype; not the few
         # bytes of dropout seed states.
         parameter_bytes=_nbytes(model.weights),
@@ -183,7 +212,7 @@ def _estimate(model, *, global_batch_size, optimizer, precision, budget, safety,
         optimizer_bytes=optimizer_slot_bytes(optimizer, trainable),
         # AccumModel's running sum of gradients, one per trainable variable: float32, or the
         # variable's own dtype where that is wider (float64).
-        accumulation_bytes=sum(math.prod(v.shape) * max(4, _itemsize(v)) for v in trainable),
+        accumulation_bytes=sum(accumulator_nbytes(v.shape, v.dtype) for v in trainable),
         mixed_precision_bytes=int(mixed),
         runtime_bytes=(_CPU_IMPORT_BYTES + _CPU_GRAPH_BASE_BYTES
                        + _CPU_BYTES_PER_VARIABLE * len(model.variables)
@@ -193,25 +222,17 @@ def _estimate(model, *, global_batch_size, optimizer, precision, budget, safety,
         # The backward pass of the largest op holds its output gradient and input gradient
         # next to the kept tensors (or a grouped convolution its patch matrix).
         workspace_bytes_per_sample=saved.workspace_bytes,
-        input_batches_in_flight=input_batches_in_flight,
+        input_batches_in_flight=settings.input_batches_in_flight,
         notes=tuple(notes),
     )
 
 
 def plan(
     model: keras.Model,
+    plan_settings: PlanSettings | None = None,
     *,
-    global_batch_size: int,
-    optimizer: Any = "adam",
-    precision: str = "float32",
-    runtime: Any = None,
-    memory_budget: int | None = None,
-    device: str | None = None,
-    num_replicas: int | None = None,
-    safety: float = 0.8,
-    input_batches_in_flight: int = 2,
-    input_shape: Sequence | None = None,
     smaller_variants: Sequence[tuple[str, Callable[[], keras.Model]]] = (),
+    **arguments: Any,
 ) -> MemoryPlan:
     """Sizes one training run of `model` and picks micro-batch × accumulation steps.
 
@@ -219,23 +240,11 @@ def plan(
         model: a built Keras model: functional, Sequential or subclassed, with concrete
             input shapes. Only shapes are read: a model built inside
             `tfmem.models.shapes_only()` (no weights in memory) plans the same.
-        global_batch_size: samples per optimizer update, over all replicas.
-        optimizer: Keras optimizer instance or name; decides the slot count.
-        precision: "float32", "mixed_float16", "mixed_bfloat16", or "auto": the policy
-            tfmem uses on the planned device (bf16 on TPU, fp16 on GPUs of compute
-            capability ≥ 7, float32 on CPU). A float32-built model planned mixed has its
-            activations counted in the 2-byte compute dtype.
-        runtime: anything with `memory_per_replica` and `num_replicas` (a
-            `tfmem.Runtime`); `kind` "cpu" adds the framework's host RAM.
-        memory_budget: bytes per replica instead of a runtime (planned as host RAM).
-        device: a name from `tfmem.runtime.devices.ACCELERATORS` or "cpu" (this host's
-            available RAM). With none of the three, "cpu".
-        num_replicas: overrides the replica count of the runtime/device.
-        safety: fraction of `memory_per_replica` to plan for (0.8: the classic 80% rule).
-        input_batches_in_flight: global batches of input resident at once (the step's own and
-            one prefetched by `tf.data`).
-        input_shape: one sample's shape (or a list of them), for a subclassed model that
-            was never built; default: the shapes it was built with.
+        plan_settings: a `PlanSettings` from `settings(...)`; or, instead, its arguments:
+            `global_batch_size` (required), `optimizer`, `precision`, one of `runtime`,
+            `memory_budget`, `device`, `budget`, and `num_replicas`, `safety`,
+            `input_batches_in_flight`, `input_shape` (each described at
+            `tfmem.memory.planner.settings`).
         smaller_variants: `(description, builder)` pairs the planner builds and checks, when
             nothing fits, after the changes it can check on `model` itself (precision,
             optimizer, frozen backbone), e.g. `("image size 288", lambda: build(...))`.
@@ -248,30 +257,18 @@ def plan(
         ValueError: the global batch does not split over the replicas, bad arguments, or a
             model whose shapes are unknown.
     """
-    budget = _budget(runtime, memory_budget, device)
-    if num_replicas:
-        budget = budget._replace(num_replicas=num_replicas)
-    replicas = budget.num_replicas
-    check_count("global_batch_size", global_batch_size)
-    split_batch(global_batch_size, replicas, 1)
-    if not 0 < safety <= 1:
-        raise ValueError(f"`safety` must be in (0, 1], got {safety}.")
-    chosen_precision, precision_note = _resolve_precision(precision, budget)
-    settings = dict(global_batch_size=global_batch_size, optimizer=optimizer, budget=budget,
-                    safety=safety, input_batches_in_flight=input_batches_in_flight,
-                    input_shape=input_shape, analyses={})
-    result = choose(_estimate(model, precision=chosen_precision,
-                              notes=[precision_note] if precision_note else [], **settings))
+    if plan_settings is None:
+        plan_settings = settings(**arguments)
+    elif arguments:
+        raise TypeError(f"Give `plan_settings` or its arguments, not both: {sorted(arguments)}.")
+    analyses: dict = {}
+    result = choose(estimate(model, plan_settings, analyses))
     if result.fits:
         return result
-
-    def evaluate(candidate, changes: dict) -> MemoryPlan:
-        changes = dict(changes)
-        frozen = levers.backbone_ids(candidate) if changes.pop("freeze_backbone", False) else ()
-        return choose(_estimate(candidate, **{**settings, "precision": chosen_precision,
-                                              **changes, "frozen": frozenset(frozen)}))
-
-    alternative = levers.search(model, result, evaluate, smaller_variants)
+    alternative = levers.search(
+        model, result, plan_settings,
+        lambda candidate, changed: choose(estimate(candidate, changed, analyses)),
+        smaller_variants)
     return result.replace(alternative=alternative)
 
 
@@ -305,37 +302,3 @@ def check(plan: MemoryPlan, *, accumulation_steps: int | None = None,
     if needed <= plan.budget_bytes:
         return
     raise MemoryPlanError(plan, micro, accumulation_steps, needed)
-
-
-def guard(
-    model: keras.Model,
-    *,
-    global_batch_size: int,
-    accumulation_steps: int | str | None = "auto",
-    allow_over_budget: bool = False,
-    **plan_kwargs: Any,
-) -> MemoryPlan:
-    """Plans a run and stops it before the first step if it cannot fit.
-
-    Args:
-        model: the model about to train.
-        global_batch_size: samples per update over all replicas.
-        accumulation_steps: the k the run will use, or "auto"/None for the plan's choice.
-        allow_over_budget: True returns the plan without raising (the explicit override).
-        **plan_kwargs: passed to `plan` (optimizer, precision, runtime/memory_budget/device…).
-
-    Returns:
-        The `MemoryPlan`; with "auto", its `accumulation_steps` is the k to use.
-
-    Raises:
-        MemoryPlanError: the setting (or, with "auto", every setting) exceeds the budget.
-
-    Example:
-        >>> k = guard(model, global_batch_size=64, device="t4").accumulation_steps
-    """
-    steps = None if accumulation_steps in (None, "auto") else accumulation_steps
-    if isinstance(steps, str):
-        raise ValueError(f"`accumulation_steps` must be a positive int or 'auto', got {steps!r}.")
-    memory_plan = plan(model, global_batch_size=global_batch_size, **plan_kwargs)
-    check(memory_plan, accumulation_steps=steps, allow_over_budget=allow_over_budget)
-    return memory_plan

@@ -34,14 +34,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from tfmem.runtime import devices
+from tfmem.runtime.memory_cap import MemoryWatch
 from tfmem.memory import planner
 from tfmem.memory.memory_plan import MeasuredLine, MemoryPlan
 from tfmem.memory.plan_report import format_bytes
@@ -50,7 +48,6 @@ from tfmem.memory.plan_report import format_bytes
 # within ~20% (benchmarks/planner_accuracy.py), so half the budget keeps every probe run
 # well away from the limit while still measuring a slope over a useful range of batches.
 _PROBE_FRACTION = 0.5
-_POLL_SECONDS = 0.02
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,34 +143,33 @@ class ProbeError(RuntimeError):
 
 def probe(
     model: Any,
+    plan_settings: planner.PlanSettings | None = None,
     *,
-    global_batch_size: int,
-    optimizer: Any = "adam",
     loss: str = "mse",
-    precision: str = "float32",
-    runtime: Any = None,
-    memory_budget: int | None = None,
-    device: str | None = None,
-    num_replicas: int | None = None,
-    safety: float = 0.8,
     micro_batch_sizes: Sequence[int] | None = None,
     num_steps: int = 2,
     timeout: float = 900.0,
+    **arguments: Any,
 ) -> MemoryPlan:
     """Measures `model`'s peak at 2–3 micro-batch sizes and returns a calibrated plan.
 
-    Takes the arguments of `tfmem.plan` (the estimate it starts from) plus the probe's own.
-    The measured line `fixed + per_sample × b` replaces the estimate's terms
-    (`plan.measured`); accumulation buffers and the input of a k-times larger batch, which a
-    plain step does not have, are still added from the formulas.
+    Takes what `tfmem.plan` takes (a `PlanSettings`, or its arguments: `global_batch_size`,
+    `optimizer`, `precision`, `runtime`/`memory_budget`/`device`, ...) for the estimate it
+    starts from, plus the probe's own. The measured line `fixed + per_sample × b` replaces the
+    estimate's terms (`plan.measured`); accumulation buffers and the input of a k-times larger
+    batch, which a plain step does not have, are still added from the formulas.
 
     Args:
         model: a built functional `keras.Model` (saved to a temporary file for the children).
+        plan_settings: the settings of the estimate (`tfmem.memory.planner.settings`).
+        loss: the loss the probe runs train with.
         micro_batch_sizes: sizes to run; default: up to three sizes (¼, ½ and all of the
             largest one whose *estimated* peak stays under half the budget, capped at the
             per-replica batch).
         num_steps: training steps per size (the first traces the graph).
         timeout: seconds per child.
+        **arguments: the arguments of `tfmem.memory.planner.settings`, instead of
+            `plan_settings`.
 
     Returns:
         A `MemoryPlan` with `measured` set and micro-batch × k chosen on the measured line.
@@ -188,9 +184,9 @@ def probe(
         >>> calibrated = tfmem.probe(model, global_batch_size=64, memory_budget=8 * 2**30)
         >>> calibrated.measured.per_sample_bytes, calibrated.micro_batch_size  # doctest: +SKIP
     """
-    estimate = planner.plan(model, global_batch_size=global_batch_size, optimizer=optimizer,
-                            precision=precision, runtime=runtime, memory_budget=memory_budget,
-                            device=device, num_replicas=num_replicas, safety=safety)
+    if plan_settings is None:
+        plan_settings = planner.settings(**arguments)
+    estimate = planner.plan(model, plan_settings)
     kind = estimate.device_kind
     if kind not in ("cpu", "gpu"):
         raise ValueError(f"`probe` measures this machine's CPU or GPU, not a {kind}: plan for "
@@ -216,8 +212,9 @@ def probe(
     results = []
     for size in sizes:
         result = measure(model, micro_batch_size=size, input_shape=model.input_shape[1:],
-                         memory_limit=estimate.budget_bytes, optimizer=optimizer, loss=loss,
-                         precision=precision, num_steps=num_steps, device=kind, timeout=timeout)
+                         memory_limit=estimate.budget_bytes, optimizer=plan_settings.optimizer,
+                         loss=loss, precision=plan_settings.precision, num_steps=num_steps,
+                         device=kind, timeout=timeout)
         if result.stopped:
             raise ProbeError(f"The probe run at micro-batch {size} did not finish: "
                              f"{result.reason}. Nothing else was run.")
@@ -266,7 +263,7 @@ def _run_child(spec_path: str, result_path: str, spec: dict, timeout: float) -> 
         stderr=subprocess.PIPE,
         text=True,
     )
-    watchdog = _Watchdog(child.pid, spec["memory_limit"] if spec["device"] == "cpu" else None)
+    watchdog = MemoryWatch(child.pid, spec["memory_limit"] if spec["device"] == "cpu" else None)
     watchdog.start()
     try:
         _, stderr = child.communicate(timeout=timeout)
@@ -301,35 +298,6 @@ def _last_error_line(stderr: str) -> str:
             if any(marker in line for marker in markers):
                 return line[:300]
     return lines[-1][:300] if lines else ""
-
-
-class _Watchdog(threading.Thread):
-    """Kills the child when its resident set reaches the limit (no limit: only records)."""
-
-    def __init__(self, pid: int, limit: int | None):
-        super().__init__(daemon=True)
-        self.pid, self.limit = pid, limit
-        self.highest, self.reason = 0, ""
-        self._done = threading.Event()
-
-    def run(self) -> None:
-        while not self._done.is_set():
-            resident = devices.resident_bytes(self.pid)
-            if resident is None:
-                return
-            self.highest = max(self.highest, resident)
-            if self.limit is not None and resident >= self.limit:
-                self.reason = (
-                    f"stopped by the memory limit: resident set reached {resident / 2**30:.2f} GiB "
-                    f"(limit {self.limit / 2**30:.2f} GiB)"
-                )
-                os.kill(self.pid, 9)
-                return
-            time.sleep(_POLL_SECONDS)
-
-    def stop(self) -> None:
-        self._done.set()
-        self.join()
 
 
 def _read_status(field: str) -> int:

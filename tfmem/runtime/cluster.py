@@ -47,6 +47,31 @@ def split_batch(global_batch_size: int, num_replicas: int, accumulation_steps: i
     return global_batch_size // divisor
 
 
+def check_accumulation_steps(value) -> int | str:
+    """`value` as an int (or "auto"), or raises: the one check of an `accumulation_steps`.
+
+    Raises:
+        ValueError: not a positive integer and not "auto".
+
+    Example:
+        >>> check_accumulation_steps(4), check_accumulation_steps("auto")
+        (4, 'auto')
+    """
+    if value == "auto":
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(
+            f"`accumulation_steps` must be a positive integer; received {value!r} "
+            f"of type {type(value).__name__}. Pass the number of micro-batches each "
+            "global batch is split into, e.g. `accumulation_steps=4`, or \"auto\" to "
+            "take it from the memory plan.")
+    if value < 1:
+        raise ValueError(
+            f"`accumulation_steps` must be >= 1; received {value}. Use 1 for no "
+            "accumulation, or k > 1 to split each global batch into k micro-batches.")
+    return int(value)
+
+
 def check_count(name: str, value: int) -> None:
     """Raises unless `value` is an int >= 1 (`name` is the argument's name, for the message)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):

@@ -65,6 +65,10 @@ class Runtime:
 
     def scope(self):
         """The strategy's scope: create the model and optimizer inside it."""
+        if self.strategy is None:
+            raise RuntimeError(
+                f"This runtime describes {self.device_name or self.kind} for planning and has "
+                "no strategy to train under; train with `tfmem.detect()` on that machine.")
         return self.strategy.scope()
 
     def global_batch_size(self, per_replica_batch: int, accumulation_steps: int = 1) -> int:
@@ -120,6 +124,24 @@ class Runtime:
             device_types = {"GPU" if hardware.gpus else "CPU"}
         kind = "tpu" if "TPU" in device_types else "gpu" if "GPU" in device_types else "cpu"
         return describe_strategy(kind, strategy, hardware, ())
+
+    @classmethod
+    def of_device(cls, name: str) -> Runtime:
+        """The runtime of a device of `tfmem.runtime.devices.ACCELERATORS`, for planning only:
+        its kind, replicas, memory and compute capability, and no strategy (`scope()` fails).
+
+        Raises:
+            ValueError: the name is not in the table; the message lists the valid names.
+
+        Example:
+            >>> Runtime.of_device("tpu-v3-8").num_replicas
+            8
+        """
+        accelerator = devices.lookup(name)
+        return cls(kind=accelerator.kind, strategy=None, num_replicas=accelerator.num_replicas,
+                   memory_per_replica=accelerator.memory_per_replica,
+                   device_name=accelerator.name,
+                   compute_capability=accelerator.compute_capability)
 
 
 def _device_type(name: str) -> str:

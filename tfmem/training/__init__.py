@@ -1,7 +1,8 @@
 """Training: `AccumModel`, its per-backend train steps, and training that survives a kill.
 
 `accumulation` holds `AccumModel`; `accumulation_tf` and `accumulation_jax` its train step on
-each backend (`micro_batches`: what both say about cutting a batch by rows; `placement`: where
+each backend (`accumulation_math`: the arithmetic and loop state both share, the planner too;
+`micro_batches`: what both say about cutting a batch by rows; `placement`: where
 the micro-batch loop runs under XLA, in the compiled step or on the host); `resume` runs `fit`
 so a killed process resumes where it stopped, from verified resume points; `run_directory`
 locks a run's directory and records its settings; `progress` reports a whole run's progress

@@ -7,37 +7,18 @@ backend's (`accumulation_tf`, `accumulation_jax`), chosen once in `tfmem.backend
 
 from __future__ import annotations
 
-import numbers
-import warnings
 import weakref
 
 import keras
 
 from tfmem import _keras_internals as internals
 from tfmem import backend
-from tfmem.memory import planner
+from tfmem.memory import guard
+from tfmem.memory.guard import RunPlan
+from tfmem.runtime.cluster import check_accumulation_steps
 
 # Reductions for which "mean of the k micro-batch losses" == "big-batch loss".
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
-
-
-def _validate_accumulation_steps(value) -> int | str:
-    """Returns `value` as an int (or "auto"), or raises: the one place that checks it."""
-    if value == "auto":
-        return value
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(
-            f"`accumulation_steps` must be a positive integer; received {value!r} "
-            f"of type {type(value).__name__}. Pass the number of micro-batches each "
-            "global batch is split into, e.g. `accumulation_steps=4`, or \"auto\" to "
-            "take it from the memory plan when `fit` starts."
-        )
-    if value < 1:
-        raise ValueError(
-            f"`accumulation_steps` must be >= 1; received {value}. Use 1 for no "
-            "accumulation, or k > 1 to split each global batch into k micro-batches."
-        )
-    return int(value)
 
 
 class AccumModel(backend.AccumTrainer, keras.Model):
@@ -118,13 +99,13 @@ class AccumModel(backend.AccumTrainer, keras.Model):
 
     @accumulation_steps.setter
     def accumulation_steps(self, value) -> None:
-        self._accumulation_steps = _validate_accumulation_steps(value)
+        self._accumulation_steps = check_accumulation_steps(value)
         # A compiled step has `k` baked into its graph; retrace on change.
         self.train_function = None
 
     def fit(self, x=None, y=None, batch_size=None, *args, check_memory: bool = True,
             memory_budget: int | None = None, **kwargs):
-        """`keras.Model.fit`, after checking the memory plan of the run.
+        """`keras.Model.fit`, after checking the memory plan of the run (`plan_memory`).
 
         Args:
             x, y, batch_size, *args, **kwargs: as `keras.Model.fit`; batch by the
@@ -138,62 +119,54 @@ class AccumModel(backend.AccumTrainer, keras.Model):
             tfmem.MemoryPlanError: the global batch's micro-batches do not fit,
                 with the breakdown and the `accumulation_steps` that would.
         """
-        self._plan_memory(x, batch_size, check_memory, memory_budget)
+        self.plan_memory(x, batch_size, check_memory=check_memory, memory_budget=memory_budget)
         return super().fit(x, y, batch_size, *args, **kwargs)
 
-    def _plan_memory(self, x, batch_size, check_memory, memory_budget):
+    def plan_memory(self, x=None, batch_size=None, *, check_memory: bool = True,
+                    memory_budget: int | None = None) -> RunPlan | None:
+        """Plans and checks the run `fit(x, batch_size=batch_size)` would make; `fit` calls it.
+
+        The one guard (`tfmem.memory.guard`): with `accumulation_steps="auto"` it sets `k`
+        from the plan. Every `fit` calls it (so does `fit_resumable`, through `fit`).
+
+        Args:
+            x: the training data as `fit` takes it (arrays, or a batched `tf.data.Dataset`).
+            batch_size: as in `fit`, for arrays.
+            check_memory: False skips the check (with "auto" the plan still picks `k`).
+            memory_budget: bytes per replica; default: the strategy's devices.
+
+        Returns:
+            The `RunPlan`, or None when nothing was planned (`check_memory=False` with a set
+            `k`, or data without a static batch size, which is warned about).
+
+        Raises:
+            tfmem.MemoryPlanError: the run does not fit (see `fit`).
+            ValueError: the global batch does not split into replicas × `k`, or "auto"
+                for a run that cannot be planned.
+        """
         auto = self._auto_accumulation
         if not (check_memory or auto):
-            return
+            return None
         global_batch = _global_batch_size(x, batch_size)
         if global_batch is None:
-            if auto:
-                raise ValueError(
-                    'accumulation_steps="auto" needs the global batch size before the '
-                    "first step, and the data has no static batch dimension. Batch the "
-                    "dataset with `drop_remainder=True`, or set `accumulation_steps`."
-                )
-            warnings.warn("AccumModel: memory check skipped, the data has no static batch "
-                          "size (batch it with drop_remainder=True to check).")
-            return
+            guard.unplanned(self, "the data has no static batch size (batch it with "
+                            "drop_remainder=True to check)", auto=auto)
+            return None
         runtime = backend.current_runtime(self)
-        replicas = runtime.num_replicas
-        per_replica, remainder = divmod(global_batch, replicas)
-        if remainder or (not auto and per_replica % self.accumulation_steps):
-            return  # the step itself raises, with the sizes that would divide
-        if memory_budget is not None:
-            budget = dict(memory_budget=memory_budget, num_replicas=replicas)
-        else:
-            budget = dict(runtime=runtime)
-            if budget["runtime"].memory_per_replica is None and not auto:
-                warnings.warn("AccumModel: memory check skipped, the device memory is "
-                              "unknown; pass fit(..., memory_budget=bytes) to check.")
-                return
+        where = (dict(runtime=runtime) if memory_budget is None
+                 else dict(memory_budget=memory_budget, num_replicas=runtime.num_replicas))
         precision = self.dtype_policy.name
-        try:
-            memory_plan = planner.plan(
-                self, global_batch_size=global_batch, optimizer=self.optimizer,
-                precision=precision if precision.startswith("mixed_") else "float32",
-                # A subclassed model Keras has not built yet is planned at the data's shapes.
-                input_shape=None if self.built else _sample_shapes(x), **budget)
-        except Exception as error:  # noqa: BLE001 - a model the planner cannot size still trains
-            reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-            if auto:
-                raise ValueError(
-                    'accumulation_steps="auto" takes k from the memory plan, and the planner '
-                    f"could not plan this run ({reason}). Set `accumulation_steps` to a "
-                    f"number k that divides the per-replica batch ({per_replica}), e.g. "
-                    "`accumulation_steps=1`.") from error
-            if not getattr(self, "_unplanned_warning_given", False):
-                warnings.warn(f"AccumModel: memory check skipped, the planner could not plan "
-                              f"this run ({reason}); training without the check.")
-                self._unplanned_warning_given = True
-            return
-        # The guard refuses only a plan it computed.
-        planner.check(memory_plan, accumulation_steps=None if auto else self.accumulation_steps,
-                      allow_over_budget=not check_memory and not auto)
+        run = guard.guard(
+            self, global_batch_size=global_batch,
+            accumulation_steps="auto" if auto else self.accumulation_steps,
+            allow_over_budget=not check_memory and not auto, batch_of_the_data=True, **where,
+            optimizer=self.optimizer,
+            precision=precision if precision.startswith("mixed_") else "float32",
+            # A subclassed model Keras has not built yet is planned at the data's shapes.
+            input_shape=None if self.built else _sample_shapes(x))
         if auto:
-            self.accumulation_steps = memory_plan.accumulation_steps
+            self.accumulation_steps = run.accumulation_steps
+        return run
 
     @classmethod
     def wrap(cls, model: keras.Model, accumulation_steps: int = 1) -> "AccumModel":
@@ -252,7 +225,14 @@ class AccumModel(backend.AccumTrainer, keras.Model):
     # `Model.from_config` revives functional configs through `cls(inputs=...,
     # outputs=..., **config)`, which passes `accumulation_steps` back to __init__.
 
-    def _batch_norm_statistics(self) -> list:
+    # The three hooks the backend's train step calls (`tfmem.training.accumulation_math` lists
+    # what an `AccumTrainer` needs of this class).
+
+    def batch_norm_statistics(self) -> list:
+        """The variables averaged over a window: BatchNormalization's moving statistics.
+
+        The rest of the non-trainable state is threaded through the micro-batches.
+        """
         return [
             v
             for layer in internals.flatten_layers(self)
@@ -260,7 +240,17 @@ class AccumModel(backend.AccumTrainer, keras.Model):
             for v in layer.non_trainable_variables
         ]
 
-    def _check_optimizer(self) -> None:
+    def check_accumulation_setup(self) -> None:
+        """Raises `ValueError` when no train step can run; called before each step.
+
+        That is when `accumulation_steps` is still "auto" (`fit` chooses it), or when the
+        optimizer accumulates gradients too (`gradient_accumulation_steps`).
+        """
+        if self.accumulation_steps == "auto":
+            raise ValueError(
+                'accumulation_steps="auto" is chosen when `fit` starts; call `fit`, or set '
+                "`model.accumulation_steps = k` before `train_on_batch`."
+            )
         if getattr(self.optimizer, "gradient_accumulation_steps", None):
             raise ValueError(
                 "The optimizer has `gradient_accumulation_steps="
@@ -270,8 +260,12 @@ class AccumModel(backend.AccumTrainer, keras.Model):
                 "accumulates inside each step."
             )
 
-    def _check_loss_reductions(self) -> None:
-        """Rejects losses whose micro-batch mean would differ from the big-batch loss."""
+    def check_loss_reductions(self) -> None:
+        """Raises `ValueError` for a compiled loss the mean of micro-batch losses misstates.
+
+        Only the "sum_over_batch_size" reduction (or "mean") averages to the big-batch loss.
+        Called once the micro-step is traced, since the compiled loss is built then.
+        """
         for name, loss in internals.compiled_losses(self):
             reduction = getattr(loss, "reduction", "sum_over_batch_size")
             if reduction not in _MEAN_REDUCTIONS:

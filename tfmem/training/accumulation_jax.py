@@ -53,10 +53,24 @@ from keras import tree
 from tfmem import _keras_internals as internals
 from tfmem.runtime.cluster import split_batch
 from tfmem.training import micro_batches, placement
+from tfmem.training.accumulation_math import (
+    AccumulationState,
+    accumulator_dtype,
+    average_statistic,
+    mean,
+)
 
 
 class AccumTrainer:
-    """The JAX half of `AccumModel`: Keras's JAX trainer calls `train_step(state, data)`."""
+    """The JAX half of `AccumModel`: Keras's JAX trainer calls `train_step(state, data)`.
+
+    The class it is mixed into is a `keras.Model` with the hooks that
+    `tfmem.training.accumulation_math` lists: `accumulation_steps`,
+    `check_accumulation_setup()`, `check_loss_reductions()` and `batch_norm_statistics()`.
+    A step is pure: the micro-batch loop carries an `AccumulationState` (sums, the
+    non-trainable values other than the BatchNorm statistics, the metric variables) through
+    `_micro_step`, and `_update` turns it into the new Keras state.
+    """
 
     def train_step(self, state, data):
         return train_step(self, state, data)
@@ -98,7 +112,7 @@ def train_step(model: keras.Model, state: tuple, data) -> tuple[dict, tuple]:
         >>> model.compile("sgd", "sparse_categorical_crossentropy")  # doctest: +SKIP
         >>> model.fit(images, labels, batch_size=256)  # 4 micro-batches of 64, 1 update
     """
-    _check_steps(model)
+    model.check_accumulation_setup()
     num_steps = model.accumulation_steps
     if num_steps == 1:
         # A window of one micro-batch is Keras's plain step: no loop, no float32 sums.
@@ -113,11 +127,11 @@ def train_step(model: keras.Model, state: tuple, data) -> tuple[dict, tuple]:
             model, is_averaged, trainable, statistics, optimizer_variables, carry, micro_batch)
         return carry, None
 
-    carry = (
-        [jnp.zeros(v.shape, _accumulator_dtype(v)) for v in trainable],
-        [jnp.zeros(v.shape, _accumulator_dtype(v)) for v in statistics],
-        _select(non_trainable, is_averaged, False),
-        list(metrics_variables),
+    carry = AccumulationState(
+        gradient_sums=[jnp.zeros(v.shape, accumulator_dtype(v.dtype)) for v in trainable],
+        statistic_deltas=[jnp.zeros(v.shape, accumulator_dtype(v.dtype)) for v in statistics],
+        carried=_select(non_trainable, is_averaged, False),
+        metrics_variables=list(metrics_variables),
     )
     # A rolled loop (an XLA while loop) is what keeps one micro-batch of activations alive:
     # unrolled, XLA schedules the k micro-batches like one big batch (4 convolutions at 96×96,
@@ -125,7 +139,7 @@ def train_step(model: keras.Model, state: tuple, data) -> tuple[dict, tuple]:
     # optimization barrier between them).
     carry, _ = jax.lax.scan(body, carry, micro_batches)
     # The compiled loss is built while the micro-step traces, so its reduction is checked here.
-    model._check_loss_reductions()
+    model.check_loss_reductions()
     return _update(model, is_averaged, trainable, statistics, optimizer_variables, carry)
 
 
@@ -149,22 +163,24 @@ class HostLoopStep:
         out_shardings = None
         if keras.distribution.distribution() is not None:
             out_shardings = (None, internals.jax_state_shardings(model))
-        # The new state takes the buffers of the old (the sums have no output to go into).
-        self.update = jax.jit(self._update, donate_argnums=(1, 2), out_shardings=out_shardings)
+        # The new state takes the buffers of the old: the fixed arrays and the threaded ones
+        # (`carried`, `metrics_variables`); the sums have no output to go into.
+        self.update = jax.jit(self._update, out_shardings=out_shardings,
+                              donate_argnames=("fixed", "carried", "metrics_variables"))
 
     def __call__(self, state, data):
         model = self.model
-        _check_steps(model)
+        model.check_accumulation_setup()
         trainable, non_trainable, optimizer_variables, metrics_variables = state
         is_averaged = _averaged_flags(model)
         statistics = _select(non_trainable, is_averaged, True)
         # Every argument committed to its device, as the micro-step's outputs are: JAX compiles
         # a function again for arguments that differ only in being committed.
-        carry = _committed((
-            _zeros_like(trainable),
-            _zeros_like(statistics),
-            _select(non_trainable, is_averaged, False),
-            list(metrics_variables),
+        carry = _committed(AccumulationState(
+            gradient_sums=_zeros_like(trainable),
+            statistic_deltas=_zeros_like(statistics),
+            carried=_select(non_trainable, is_averaged, False),
+            metrics_variables=list(metrics_variables),
         ))
         fixed = _committed((trainable, statistics, optimizer_variables))
         # Host arrays (numpy, from Keras's iterator) moved once, not once per micro-step.
@@ -172,9 +188,8 @@ class HostLoopStep:
             lambda leaf: jax.device_put(leaf) if isinstance(leaf, np.ndarray) else leaf, data)
         for index in range(model.accumulation_steps):
             carry = self.micro_step(carry, fixed, data, index)
-        model._check_loss_reductions()
-        sums, state = carry[:2], carry[2:]
-        return self.update(sums, state, fixed)
+        model.check_loss_reductions()
+        return self.update(fixed, **carry._asdict())
 
     def _micro_step(self, carry, fixed, data, index):
         model = self.model
@@ -186,31 +201,26 @@ class HostLoopStep:
         return _micro_step(model, _averaged_flags(model), trainable, statistics,
                            optimizer_variables, carry, micro_batch)
 
-    def _update(self, sums, state, fixed):
+    def _update(self, fixed, carried, metrics_variables, **sums):
         trainable, statistics, optimizer_variables = fixed
+        carry = AccumulationState(carried=carried, metrics_variables=metrics_variables, **sums)
         return _update(self.model, _averaged_flags(self.model), trainable, statistics,
-                       optimizer_variables, (*sums, *state))
+                       optimizer_variables, carry)
 
 
 def _micro_step(model, is_averaged, trainable, statistics, optimizer_variables, carry,
                 micro_batch):
-    """Forward + backward of one micro-batch, added into `carry`; returns the new carry.
-
-    `carry = (grad_sum, delta_sum, carried, metrics_variables)`: float32 gradient sums, float32
-    sums of the BatchNorm statistics' changes, the other non-trainable values (threaded from
-    one micro-batch to the next) and the metric variables.
-    """
-    grad_sum, delta_sum, carried, metrics_variables = carry
+    """Forward + backward of one micro-batch, added into `carry`; returns the new carry."""
     micro_x, micro_y, micro_weight = _assemble(micro_batch)
     # BatchNorm statistics restart from the step's value in every micro-batch and their changes
     # are averaged; all other state (seed generators, custom state) is carried from one
     # micro-batch to the next.
-    non_trainable_in = _merge(is_averaged, statistics, carried)
+    non_trainable_in = _merge(is_averaged, statistics, carry.carried)
     grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
     (_, aux), grads = grad_fn(
         trainable,
         non_trainable_in,
-        metrics_variables,
+        carry.metrics_variables,
         micro_x,
         micro_y,
         micro_weight,
@@ -218,54 +228,43 @@ def _micro_step(model, is_averaged, trainable, statistics, optimizer_variables, 
         optimizer_variables=optimizer_variables,
     )
     unscaled_loss, y_pred, non_trainable_out, metrics_variables = aux
-    grad_sum = [total + g.astype(total.dtype) for total, g in zip(grad_sum, grads)]
-    delta_sum = [
+    gradient_sums = [
+        total + g.astype(total.dtype) for total, g in zip(carry.gradient_sums, grads)
+    ]
+    statistic_deltas = [
         total + (new - old).astype(total.dtype)
         for total, new, old in zip(
-            delta_sum, _select(non_trainable_out, is_averaged, True), statistics
+            carry.statistic_deltas, _select(non_trainable_out, is_averaged, True), statistics
         )
     ]
-    carried = _select(non_trainable_out, is_averaged, False)
     # Keras metrics accumulate totals and counts, so k updates with the k micro-batches
     # leave them where one update with the global batch would.
     _, metrics_variables = internals.update_metrics_variables(
         model, metrics_variables, unscaled_loss, micro_x, micro_y, y_pred, micro_weight
     )
-    return grad_sum, delta_sum, carried, metrics_variables
+    return carry._replace(
+        gradient_sums=gradient_sums,
+        statistic_deltas=statistic_deltas,
+        carried=_select(non_trainable_out, is_averaged, False),
+        metrics_variables=metrics_variables,
+    )
 
 
 def _update(model, is_averaged, trainable, statistics, optimizer_variables, carry):
     """The optimizer update with the mean gradient, and the averaged statistics: `(logs, state)`."""
-    grad_sum, delta_sum, carried, metrics_variables = carry
     num_steps = model.accumulation_steps
     # The mean of the k (possibly loss-scaled) micro-batch gradients; a LossScaleOptimizer
     # unscales it and skips the update if any micro-batch produced an inf or a NaN.
-    grads = [(total / num_steps).astype(v.dtype) for total, v in zip(grad_sum, trainable)]
+    grads = [mean(total, num_steps).astype(v.dtype)
+             for total, v in zip(carry.gradient_sums, trainable)]
     trainable, optimizer_variables = model.optimizer.stateless_apply(
         optimizer_variables, grads, trainable
     )
-    averaged = [
-        # A statistic no micro-batch moved (a frozen layer's) keeps its exact bits.
-        jnp.where(delta == 0, old, (old + delta / num_steps).astype(old.dtype))
-        for old, delta in zip(statistics, delta_sum)
-    ]
-    non_trainable = _merge(is_averaged, averaged, carried)
-    logs = _metrics_result(model, metrics_variables)
-    return logs, (trainable, non_trainable, optimizer_variables, metrics_variables)
-
-
-def _accumulator_dtype(value):
-    """Sums of `value`: float32, or its own dtype where that is wider (float64)."""
-    return jnp.promote_types(jnp.result_type(value), jnp.float32)
-
-
-def _check_steps(model: keras.Model) -> None:
-    if model.accumulation_steps == "auto":
-        raise ValueError(
-            'accumulation_steps="auto" is chosen when `fit` starts; call `fit`, or set '
-            "`model.accumulation_steps = k` before `train_on_batch`."
-        )
-    model._check_optimizer()
+    averaged = [average_statistic(old, delta_sum, num_steps)
+                for old, delta_sum in zip(statistics, carry.statistic_deltas)]
+    non_trainable = _merge(is_averaged, averaged, carry.carried)
+    logs = _metrics_result(model, carry.metrics_variables)
+    return logs, (trainable, non_trainable, optimizer_variables, carry.metrics_variables)
 
 
 def _platform() -> str:
@@ -282,13 +281,13 @@ def _unpack(data):
 
 def _averaged_flags(model: keras.Model) -> list[bool]:
     """For each non-trainable variable: whether it is a BatchNorm statistic (averaged)."""
-    statistics = {id(v) for v in model._batch_norm_statistics()}
+    statistics = {id(v) for v in model.batch_norm_statistics()}
     return [id(v) in statistics for v in model.non_trainable_variables]
 
 
 def _zeros_like(values: list) -> list:
     """Accumulator zeros shaped and placed like `values` (replicated where they are)."""
-    return [jnp.zeros(v.shape, _accumulator_dtype(v), device=v.sharding) for v in values]
+    return [jnp.zeros(v.shape, accumulator_dtype(v.dtype), device=v.sharding) for v in values]
 
 
 def _committed(values):

@@ -9,6 +9,7 @@ out of XLA and each micro-step is compiled on its own (`tfmem.training.placement
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import keras
 import tensorflow as tf
@@ -17,19 +18,28 @@ from tfmem import _keras_internals as internals
 from tfmem.training import micro_batches
 from tfmem.runtime.cluster import split_batch
 from tfmem.training import placement
+from tfmem.training.accumulation_math import (
+    AccumulationState,
+    accumulator_dtype,
+    average_statistic,
+    mean,
+)
 
 
 class AccumTrainer:
-    """The TensorFlow half of `AccumModel`: its `train_step` and first-batch build."""
+    """The TensorFlow half of `AccumModel`: its `train_step` and first-batch build.
+
+    The class it is mixed into is a `keras.Model` with the hooks that
+    `tfmem.training.accumulation_math` lists: `accumulation_steps`,
+    `check_accumulation_setup()`, `check_loss_reductions()` and `batch_norm_statistics()`.
+    A step checks and splits the batch, runs `_micro_step` on each micro-batch over an
+    `AccumulationState` (`_accumulate`), and applies the window's one update (`_update`).
+    Metrics and other layer state (dropout seeds) are TensorFlow variables, updated in place.
+    """
 
     def train_step(self, data):
+        self.check_accumulation_setup()
         k = self.accumulation_steps
-        if k == "auto":
-            raise ValueError(
-                'accumulation_steps="auto" is chosen when `fit` starts; call `fit`, or set '
-                "`model.accumulation_steps = k` before `train_on_batch`."
-            )
-        self._check_optimizer()
         if k == 1:
             # Nothing to accumulate: Keras's own step, without the float32 sums and the loop
             # (the planner counts accumulation buffers only for k > 1).
@@ -48,91 +58,18 @@ class AccumTrainer:
         # The loop reads only `split`, so no micro-batch runs before the batch is known to split.
         with tf.control_dependencies(checks):
             split = tf.nest.map_structure(lambda t: None if t is None else _split(t, k), batch)
-
-        variables = list(self.trainable_variables)
-        if not variables:
-            warnings.warn("The model does not have any trainable weights.")
-        bn_variables = self._batch_norm_statistics()
-        bn_start = [tf.identity(v.value) for v in bn_variables]
-        has_gradient = [False] * len(variables)
-
-        def micro_step(x_i, y_i, w_i, loss_sum, grad_sums, bn_sums):
-            with tf.GradientTape() as tape:
-                y_pred = self(x_i, training=True) if internals.call_has_training_arg(self) else self(x_i)
-                loss = internals.compute_loss(
-                    self,
-                    x=x_i, y=y_i, y_pred=y_pred, sample_weight=w_i, training=True
-                )
-                scaled = self.optimizer.scale_loss(loss) if self.optimizer else loss
-            grads = tape.gradient(scaled, variables) if variables else []
-            for index, grad in enumerate(grads):
-                has_gradient[index] = has_gradient[index] or grad is not None
-            grad_sums = [
-                acc if g is None else acc + tf.cast(tf.convert_to_tensor(g), acc.dtype)
-                for acc, g in zip(grad_sums, grads)
-            ]
-            # Collect this micro-batch's change of the BN statistics, then rewind them so
-            # every micro-batch steps from the same start (docs/accumulation.md).
-            bn_sums = [
-                acc + tf.cast(v.value - start, acc.dtype)
-                for acc, v, start in zip(bn_sums, bn_variables, bn_start)
-            ]
-            for v, start in zip(bn_variables, bn_start):
-                v.assign(start)
-            self.compute_metrics(x_i, y_i, y_pred, sample_weight=w_i)
-            return loss_sum + tf.cast(loss, loss_sum.dtype), grad_sums, bn_sums
-
-        if self._xla_loop_on_host():
-            # The step runs without XLA and each micro-step is one loop-free XLA program
-            # (`tfmem.training.placement`). It takes the micro-batch, not its index: XLA
-            # needs slice bounds as compile-time constants, so an index would compile k programs.
-            micro_step = tf.function(micro_step, jit_compile=True, autograph=False)
-
-        def body(i, loss_sum, grad_sums, bn_sums):
-            x_i, y_i, w_i = tf.nest.map_structure(
-                lambda t: None if t is None else _micro_batch(t, i, k), split
-            )
-            return (i + 1, *micro_step(x_i, y_i, w_i, loss_sum, grad_sums, bn_sums))
-
-        _, loss_sum, grad_sums, bn_sums = tf.while_loop(
-            lambda i, *_: i < k,
-            body,
-            (
-                tf.constant(0),
-                tf.zeros((), _accumulator_dtype(self.compute_dtype)),
-                [tf.zeros(v.shape, _accumulator_dtype(v.dtype)) for v in variables],
-                [tf.zeros(s.shape, _accumulator_dtype(s.dtype)) for s in bn_start],
-            ),
-            # Sequential micro-batches: running them in parallel would keep
-            # several micro-batches of activations alive and defeat the purpose.
-            parallel_iterations=1,
-            maximum_iterations=k,
-        )
-        # The compiled loss is built while the loop body traces, so check it here.
-        self._check_loss_reductions()
-        for v, start, total in zip(bn_variables, bn_start, bn_sums):
-            # A statistic no micro-batch moved (a frozen layer's) keeps its exact bits.
-            v.assign(tf.where(tf.equal(total, 0), start, start + tf.cast(total / k, start.dtype)))
-
-        loss = loss_sum / k
-        # The logged loss is the mean over replicas: Keras sums replica logs, so each replica
-        # reports its loss × replicas (as Keras's own step does).
-        replicas = tf.distribute.get_strategy().num_replicas_in_sync
-        internals.loss_tracker(self).update_state(
-            loss * replicas,
-            sample_weight=dynamic_batch,
-        )
-        if variables:
-            grads = [s / k if used else None for s, used in zip(grad_sums, has_gradient)]
-            with tf.control_dependencies(checks):  # `optimizer.iterations` moves only then
-                self.optimizer.apply_gradients(zip(grads, variables))
+        window = _window(self)
+        carry, has_gradient = _accumulate(self, window, split, k, self._xla_loop_on_host())
+        # The compiled loss is built while the micro-step traces, so check it here.
+        self.check_loss_reductions()
+        _update(self, window, carry, has_gradient, dynamic_batch, checks)
         return self._multi_worker_logs(self.get_metrics_result())
 
     def make_train_function(self, force=False):
         if not self._xla_loop_on_host():
             return super().make_train_function(force)
         # Keras compiles the whole step with XLA when `jit_compile` is on; here only the
-        # micro-step is (`train_step`), so the step function is built with XLA off.
+        # micro-step is (`_accumulate`), so the step function is built with XLA off.
         self.jit_compile = False
         try:
             return super().make_train_function(force)
@@ -166,6 +103,133 @@ class AccumTrainer:
         return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
 
+class _Window(NamedTuple):
+    """What stays fixed over a window's micro-batches."""
+
+    variables: list  # the trainable variables, in `gradient_sums` order
+    statistics: list  # the BatchNorm statistics, in `statistic_deltas` order
+    starts: list  # their values before the window
+
+
+def _window(model: keras.Model) -> _Window:
+    variables = list(model.trainable_variables)
+    if not variables:
+        warnings.warn("The model does not have any trainable weights.")
+    statistics = model.batch_norm_statistics()
+    return _Window(variables, statistics, [tf.identity(v.value) for v in statistics])
+
+
+def _accumulate(model: keras.Model, window: _Window, split, k: int,
+                xla_loop_on_host: bool) -> tuple[AccumulationState, list[bool]]:
+    """Runs `_micro_step` on the `k` micro-batches of `split`, one after the other.
+
+    Returns the final carry and, per trainable variable, whether it got a gradient. That is a
+    property of the graph, not of the values: it is read from the micro-step's one trace (from
+    its first call, when running eagerly), where such a variable's sum is None.
+    """
+    carry = AccumulationState(
+        gradient_sums=[tf.zeros(v.shape, accumulator_dtype(v.dtype)) for v in window.variables],
+        statistic_deltas=[tf.zeros(s.shape, accumulator_dtype(s.dtype)) for s in window.starts],
+        loss_sum=tf.zeros((), accumulator_dtype(model.compute_dtype)),
+    )
+
+    def micro_batch_at(i):
+        return tf.nest.map_structure(lambda t: None if t is None else _micro_batch(t, i, k), split)
+
+    def step(carry, micro_batch):
+        return _micro_step(model, window, carry, micro_batch)
+
+    if tf.executing_eagerly():  # `run_eagerly`: the loop runs in Python, as `tf.while_loop` would
+        for i in range(k):
+            stepped = step(carry, micro_batch_at(tf.constant(i)))
+            carry = _keep_sums(carry, stepped)
+        return carry, _has_gradient(stepped)
+    # The micro-step is traced once, as a function that every iteration calls (TensorFlow
+    # inlines it; micro-batch 0 only gives the argument types). On a host-loop platform
+    # (`tfmem.training.placement`) the step runs without XLA and the micro-step is one loop-free
+    # XLA program. It takes the micro-batch, not its index: XLA needs slice bounds as
+    # compile-time constants, so an index would compile k programs.
+    traced = tf.function(step, jit_compile=True if xla_loop_on_host else None, autograph=False)
+    traced = traced.get_concrete_function(carry, micro_batch_at(tf.constant(0)))
+    _, carry = tf.while_loop(
+        lambda i, _: i < k,
+        lambda i, carry: (i + 1, _keep_sums(carry, traced(carry, micro_batch_at(i)))),
+        (tf.constant(0), carry),
+        # Sequential micro-batches: running them in parallel would keep
+        # several micro-batches of activations alive and defeat the purpose.
+        parallel_iterations=1,
+        maximum_iterations=k,
+    )
+    return carry, _has_gradient(traced.structured_outputs)
+
+
+def _micro_step(model: keras.Model, window: _Window, carry: AccumulationState,
+                micro_batch: tuple) -> AccumulationState:
+    """Forward + backward of one micro-batch `(x, y, sample_weight)`, added into `carry`.
+
+    Returns the new carry, in which a variable that got no gradient has None for its sum, as
+    `tape.gradient` has None for its gradient (`_keep_sums` puts the sum back).
+    """
+    x, y, sample_weight = micro_batch
+    with tf.GradientTape() as tape:
+        y_pred = model(x, training=True) if internals.call_has_training_arg(model) else model(x)
+        loss = internals.compute_loss(
+            model, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+        )
+        scaled = model.optimizer.scale_loss(loss) if model.optimizer else loss
+    grads = tape.gradient(scaled, window.variables) if window.variables else []
+    gradient_sums = [
+        None if g is None else total + tf.cast(tf.convert_to_tensor(g), total.dtype)
+        for total, g in zip(carry.gradient_sums, grads)
+    ]
+    # Collect this micro-batch's change of the BN statistics, then rewind them so
+    # every micro-batch steps from the same start (docs/accumulation.md).
+    statistic_deltas = [
+        total + tf.cast(v.value - start, total.dtype)
+        for total, v, start in zip(carry.statistic_deltas, window.statistics, window.starts)
+    ]
+    for v, start in zip(window.statistics, window.starts):
+        v.assign(start)
+    model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+    return carry._replace(
+        gradient_sums=gradient_sums,
+        statistic_deltas=statistic_deltas,
+        loss_sum=carry.loss_sum + tf.cast(loss, carry.loss_sum.dtype),
+    )
+
+
+def _keep_sums(carry: AccumulationState, stepped: AccumulationState) -> AccumulationState:
+    """`stepped`, with the sums it has None for (no gradient) taken from `carry`."""
+    return stepped._replace(gradient_sums=[
+        total if new is None else new
+        for total, new in zip(carry.gradient_sums, stepped.gradient_sums)
+    ])
+
+
+def _has_gradient(stepped: AccumulationState) -> list[bool]:
+    return [total is not None for total in stepped.gradient_sums]
+
+
+def _update(model: keras.Model, window: _Window, carry: AccumulationState,
+            has_gradient: list[bool], dynamic_batch: tf.Tensor, checks: list) -> None:
+    """The window's one update: the BatchNorm statistics, the logged loss, the mean gradient."""
+    k = model.accumulation_steps
+    for v, start, delta_sum in zip(window.statistics, window.starts, carry.statistic_deltas):
+        v.assign(average_statistic(start, delta_sum, k))
+    # The logged loss is the mean over replicas: Keras sums replica logs, so each replica
+    # reports its loss × replicas (as Keras's own step does).
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    internals.loss_tracker(model).update_state(
+        mean(carry.loss_sum, k) * replicas,
+        sample_weight=dynamic_batch,
+    )
+    if window.variables:
+        grads = [mean(total, k) if used else None
+                 for total, used in zip(carry.gradient_sums, has_gradient)]
+        with tf.control_dependencies(checks):  # `optimizer.iterations` moves only then
+            model.optimizer.apply_gradients(zip(grads, window.variables))
+
+
 def _platform(strategy) -> str:
     """The kind of device ("cpu", "gpu" or "tpu") the strategy's replicas run on."""
     if isinstance(strategy, tf.distribute.TPUStrategy):
@@ -192,11 +256,6 @@ def _first_local_batch(strategy, iterator):
         else v,
         batch,
     )
-
-
-def _accumulator_dtype(dtype) -> tf.DType:
-    """Sums of a `dtype` value: float32, or the value's own dtype where that is wider."""
-    return tf.float64 if tf.as_dtype(dtype) == tf.float64 else tf.float32
 
 
 def _is_built(model) -> bool:

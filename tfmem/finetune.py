@@ -1,0 +1,420 @@
+"""Fine-tuning an image classifier from TFRecords, as one call: `run(FinetuneConfig(...))`.
+
+This is what `scripts/finetune.py` runs (its flags are `FinetuneConfig`'s fields, with hyphens):
+detect the runtime and its precision, build the model in the strategy's scope, plan and check
+the memory (`tfmem.memory.guard`), stream the TFRecords, train an `AccumModel` with
+`fit_resumable`, evaluate, and write the run directory: `run.json` (the settings a restart
+must match), `backup/` (resume points), `logs/` (TensorBoard), `model.keras` and
+`metrics.json`. What is checked and recovered: docs/failure-model.md.
+
+Errors a user can fix by changing the settings are `tfmem.cli.UsageError`s naming the
+command-line option; the rest are the library's own.
+
+Example:
+    >>> from tfmem import finetune
+    >>> results = finetune.run(finetune.FinetuneConfig(epochs=1, output="runs/demo"))
+    >>> results["validation"]["accuracy"]  # doctest: +SKIP
+    0.98
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import glob
+import json
+import math
+import os
+import shutil
+import time
+
+import keras
+
+from tfmem import backend, cli, models
+from tfmem.data import demo, manifest as manifest_lib, reader
+from tfmem.data.integrity import SkippedRecords
+from tfmem.memory import guard, levers
+from tfmem.runtime import precision as precision_lib, report
+from tfmem.runtime.runtime import Runtime
+from tfmem.training import run_directory
+from tfmem.training.accumulation import AccumModel
+from tfmem.training.progress import RunProgress
+from tfmem.training.resume import fit_resumable
+
+# The demo set: 2048 training + 512 held-out shapes (tfmem.make_demo_dataset), 4 classes.
+DEMO_SPLITS = (("train", 2048, 0), ("validation", 512, 1))
+OPTIMIZERS = ("adam", "adamw", "sgd", "rmsprop")
+
+
+@dataclasses.dataclass(frozen=True)
+class FinetuneConfig:
+    """The settings of a fine-tuning run; `scripts/finetune.py --help` describes each flag.
+
+    Attributes:
+        model: a name of `tfmem.models.MODELS` (an image classifier).
+        data: "demo" (the embedded demo set, written under `output`), a directory of
+            TFRecords, or a glob such as "gs://bucket/train-*.tfrec".
+        validation_data: TFRecords to evaluate on (with "demo": the demo's held-out set).
+        num_classes, num_examples: for data without a tfmem manifest.json.
+        global_batch_size: samples per optimizer update, over all replicas.
+        accumulation_steps: "auto" (the plan's choice) or k micro-batches per global batch.
+        epochs: training epochs.
+        image_size: height and width; default: the model's (the demo's 32 for "demo").
+        precision: "auto", "float32", "mixed_float16" or "mixed_bfloat16".
+        weights: a local weights file.
+        freeze_backbone: train only the new head.
+        optimizer: one of `OPTIMIZERS`.
+        learning_rate: a finite number > 0.
+        output: the run directory (default runs/<model>).
+        overwrite: discard the run in `output` and start again.
+        skip_corrupt: skip records that cannot be read, naming each.
+        device: plan for this device of the table instead of the detected one (dry run only).
+        prefer: force a device kind ("tpu", "gpu", "cpu").
+        allow_over_budget: train even when the plan exceeds the memory budget.
+        dry_run: build, plan and print; train nothing.
+        save_every_steps: updates between resume points (default: 4 per epoch).
+        seed: seed of weights, shuffling and augmentation.
+        deterministic: deterministic ops (a resumed run ends bit-identical).
+    """
+
+    model: str = "small-cnn"
+    data: str = "demo"
+    validation_data: str | None = None
+    num_classes: int | None = None
+    num_examples: int | None = None
+    global_batch_size: int = 64
+    accumulation_steps: int | str = "auto"
+    epochs: int = 2
+    image_size: int | None = None
+    precision: str = "auto"
+    weights: str | None = None
+    freeze_backbone: bool = False
+    optimizer: str = "adam"
+    learning_rate: float = 1e-3
+    output: str | None = None
+    overwrite: bool = False
+    skip_corrupt: bool = False
+    device: str | None = None
+    prefer: str | None = None
+    allow_over_budget: bool = False
+    dry_run: bool = False
+    save_every_steps: int | None = None
+    seed: int = 0
+    deterministic: bool = False
+
+    def __post_init__(self):
+        if not (isinstance(self.learning_rate, (int, float)) and math.isfinite(self.learning_rate)
+                and self.learning_rate > 0):
+            raise cli.UsageError(f"--learning-rate {self.learning_rate}: the learning rate must "
+                                 "be a finite number > 0, e.g. --learning-rate=1e-3")
+        if self.optimizer not in OPTIMIZERS:
+            raise cli.UsageError(f"--optimizer {self.optimizer!r} is not one of "
+                                 f"{', '.join(OPTIMIZERS)}; pick one of them")
+
+
+def run(config: FinetuneConfig) -> dict:
+    """Runs (or with `dry_run`, plans) one fine-tuning; returns metrics.json's dict.
+
+    Returns:
+        The results written to metrics.json; `{}` for a dry run or a run found complete.
+
+    Raises:
+        tfmem.cli.UsageError: the settings cannot work (a flag combination, the data's facts,
+            a run directory made with other settings, a plan over the budget).
+        ValueError, OSError: the data or the disk failed (`docs/failure-model.md`).
+    """
+    _check(config)
+    with cli.usage_errors():  # unknown name → the list of valid ones
+        spec = models.spec(config.model)
+    if spec.task != "classification":
+        raise cli.UsageError(
+            f"{spec.name} is a {spec.task} model; finetune.py trains image classifiers. "
+            f"Size it with: python scripts/plan.py --model {spec.name} ...")
+    if config.deterministic:
+        import tensorflow as tf
+
+        tf.config.experimental.enable_op_determinism()
+    keras.utils.set_random_seed(config.seed)
+    runtime = backend.detect(prefer=config.prefer)
+    precision = (precision_lib.policy_for(runtime) if config.precision == "auto"
+                 else config.precision)
+    precision_lib.set_policy(policy=precision)
+
+    # Each model has its own default directory: a demo and an XL run never share one.
+    output = config.output or os.path.join("runs", spec.name)
+    data = _Data.of(config, spec)
+    if config.dry_run:
+        if not config.device:  # the plan is for this machine: say what it is
+            print(report.describe(runtime))
+        _build_and_plan(config, spec, runtime, precision, data)
+        return {}
+    with run_directory.lock(output, "--output"):  # one process per run directory
+        if config.overwrite:
+            _discard(output)
+        holds_run = bool(glob.glob(os.path.join(output, "backup", "backup-*.json"))) or any(
+            os.path.exists(os.path.join(output, name)) for name in ("model.keras",
+                                                                    "metrics.json"))
+        recorded = run_directory.check_config(
+            output, _run_settings(config, spec, precision, data),
+            holds_run=holds_run, how_to_fix=(
+                "start it with its own settings to resume it, use a new --output for a new "
+                "run, or pass --overwrite to discard it and start again"))
+        finished = recorded.get("complete")
+        if finished and config.epochs <= finished["epochs"]:
+            print(f"finetune: the run in {output} is complete ({finished['epochs']} epochs); "
+                  f"its results are {os.path.join(output, 'metrics.json')} and "
+                  f"{os.path.join(output, 'model.keras')}. Nothing was changed: use a new "
+                  "--output for another run, or more --epochs to train this one further.")
+            return {}
+        if recorded.get("epochs") != config.epochs:  # a later start may train on further
+            recorded = {**recorded, "epochs": config.epochs}
+            run_directory.write_config(output, recorded)
+        print(report.describe(runtime))
+        if data.demo:
+            data = dataclasses.replace(data, **_demo_data(output, data.image_size))
+        results = _train(config, spec, runtime, precision, output, data)
+        run_directory.write_config(output, {**recorded, "complete": {
+            "epochs": config.epochs, "metrics": os.path.join(output, "metrics.json")}})
+        print(f"finetune: wrote {os.path.join(output, 'metrics.json')}")
+        if results.get("skipped"):
+            print(results["skipped"])
+        return results
+
+
+@dataclasses.dataclass(frozen=True)
+class _Data:
+    """What the run knows of its data before training: its size, classes and identity."""
+
+    demo: bool
+    image_size: int
+    num_classes: int
+    num_examples: int | None
+    identity: str | None = None
+    validation_identity: str | None = None
+    train: str | None = None
+    validation: str | None = None
+
+    @classmethod
+    def of(cls, config: FinetuneConfig, spec) -> _Data:
+        image_size = config.image_size or spec.default_image_size
+        if config.data == "demo" and config.num_classes:  # a dry run for data elsewhere
+            print(f"finetune: no data given: a dry run plans for --num-classes "
+                  f"{config.num_classes}; training needs --data")
+            return cls(False, image_size, config.num_classes, config.num_examples)
+        if config.data == "demo":  # written only when training starts
+            return cls(True, config.image_size or 32, len(demo.CLASS_NAMES),
+                       DEMO_SPLITS[0][1], "demo", "demo")
+        num_classes, num_examples, identity = _dataset_facts(config)
+        # Not read either when the training data was not (a dry run for another machine).
+        validation = config.validation_data
+        validation_identity = validation and identity and _validation_identity(validation)
+        return cls(False, image_size, num_classes, num_examples, identity,
+                   validation_identity, config.data, validation)
+
+
+def _check(config: FinetuneConfig) -> None:
+    """Combinations of settings that cannot work together."""
+    if config.device and not config.dry_run:
+        raise cli.UsageError(f"--device {config.device} plans for another machine; it only goes "
+                             "with --dry-run (training always runs on the detected runtime)")
+    if config.data == "demo":
+        # A dry run may name the classes of data it does not have (planning for another machine).
+        names = ("validation_data",) if config.dry_run else ("validation_data", "num_classes",
+                                                             "num_examples")
+        for name in names:
+            if getattr(config, name) is not None:
+                raise cli.UsageError(
+                    f"--{name.replace('_', '-')} goes with your own --data; the demo "
+                    "brings its own classes, examples and held-out set")
+        if config.dry_run and config.num_examples is not None and config.num_classes is None:
+            raise cli.UsageError("--num-examples without --data plans for data that is "
+                                 "elsewhere; pass its --num-classes too")
+
+
+def _demo_data(output: str, image_size: int) -> dict:
+    """Writes the demo train/validation sets once under `output`; returns their paths."""
+    paths = []
+    for split, num_examples, seed in DEMO_SPLITS:
+        path = os.path.join(output, "demo-data", f"{image_size}px", split)
+        try:
+            manifest_lib.read_manifest(path)
+        except ValueError:  # none yet, or damaged: (re)write it; it is the same every time
+            demo.make_demo_dataset(path, num_examples=num_examples, image_size=image_size,
+                                   seed=seed, overwrite=True)
+        paths.append(path)
+    return {"train": paths[0], "validation": paths[1]}
+
+
+def _dataset_facts(config: FinetuneConfig) -> tuple[int, int, str | None]:
+    """(num_classes, num_examples, identity) from the manifest, or from the records and flags.
+
+    The identity goes into the run's settings: the manifest's fingerprint (the set wherever
+    it lies), or for foreign records their path and count.
+    """
+    data = config.data
+    # A dry run given both counts plans for another machine, whose data may live there (a TPU
+    # VM, a bucket): a remote path is not looked at, a local manifest is still used.
+    counted = config.dry_run and config.num_classes and config.num_examples
+    has_manifest = not (counted and "://" in data) and manifest_lib.has_manifest(data)
+    if counted and not has_manifest:
+        print(f"finetune: data not checked: a dry run plans from --num-classes "
+              f"{config.num_classes} and --num-examples {config.num_examples} without reading "
+              f"{data}; training checks it before it starts")
+        return config.num_classes, config.num_examples, None
+    if has_manifest:
+        manifest = manifest_lib.read_manifest(data)  # a damaged one stops here, naming it
+        for name, value in (("num_classes", manifest.num_classes),
+                            ("num_examples", manifest.num_examples)):
+            given, option = getattr(config, name), "--" + name.replace("_", "-")
+            if given is not None and given != value:
+                raise cli.UsageError(
+                    f"{option} {given}, but the manifest of {data} says {value}; leave "
+                    f"{option} out (the manifest gives it)")
+        return manifest.num_classes, manifest.num_examples, f"manifest {manifest.fingerprint}"
+    if config.num_classes is None:
+        raise cli.UsageError(
+            f"{data!r} has no tfmem manifest.json, so its classes are unknown; pass "
+            "--num-classes (e.g. from the dataset's description)")
+    with cli.usage_errors():  # no files there: the path is wrong
+        count = reader.count_records(data)
+    if count is None and config.num_examples is None:
+        raise cli.UsageError(f"{data!r} is remote and has no manifest.json, so its size is "
+                             "unknown; pass --num-examples")
+    if count is not None and config.num_examples is not None and config.num_examples > count:
+        raise cli.UsageError(f"--num-examples {config.num_examples} is more than the {count} "
+                             f"records of {data}; pass --num-examples {count} or fewer")
+    num_examples = config.num_examples or count
+    return config.num_classes, num_examples, f"{os.path.abspath(data)}, {num_examples} examples"
+
+
+def _validation_identity(data: str) -> str:
+    """The validation set's identity in the run's settings (as `_dataset_facts` gives it)."""
+    if manifest_lib.has_manifest(data):
+        return f"manifest {manifest_lib.read_manifest(data).fingerprint}"
+    with cli.usage_errors():  # no files there: the path is wrong
+        return f"{os.path.abspath(data)}, {reader.count_records(data)} records"
+
+
+def _run_settings(config: FinetuneConfig, spec, precision: str, data: _Data) -> dict:
+    """What defines the run: a restart with any of these changed is another run."""
+    return {
+        "model": spec.name, "image_size": data.image_size, "num_classes": data.num_classes,
+        "optimizer": config.optimizer, "learning_rate": config.learning_rate,
+        "global_batch_size": config.global_batch_size,
+        "accumulation_steps": str(config.accumulation_steps), "precision": precision,
+        "seed": config.seed, "freeze_backbone": config.freeze_backbone,
+        "weights": os.path.abspath(config.weights) if config.weights else None,
+        "data": data.identity, "validation_data": data.validation_identity,
+    }
+
+
+def _discard(output: str) -> None:
+    """--overwrite: the run's resume points, logs and results go; the demo data stays."""
+    for name in ("backup", "logs", "model.keras", "metrics.json", run_directory.CONFIG_FILE):
+        path = os.path.join(output, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
+
+
+def _save_results(accum, results: dict, output: str) -> None:
+    """model.keras and metrics.json, each under a temporary name, then renamed."""
+    temporary = os.path.join(output, ".tmp-model.keras")
+    accum.save(temporary)
+    os.replace(temporary, os.path.join(output, "model.keras"))
+    temporary = os.path.join(output, ".tmp-metrics.json")
+    with open(temporary, "w") as file:
+        json.dump(results, file, indent=2)
+    os.replace(temporary, os.path.join(output, "metrics.json"))
+
+
+def _build_and_plan(config: FinetuneConfig, spec, runtime: Runtime, precision: str,
+                    data: _Data) -> tuple[keras.Model, keras.optimizers.Optimizer,
+                                          guard.RunPlan]:
+    """The model and optimizer (in the strategy's scope), and the run's checked split."""
+    # A dry run reads only shapes: its model's weights are never initialised (no RAM for them).
+    deferred = config.dry_run and not config.weights
+    with runtime.scope(), cli.usage_errors():  # e.g. an image size the model cannot take
+        with models.shapes_only() if deferred else contextlib.nullcontext():
+            model = models.build(spec.name, num_classes=data.num_classes,
+                                 image_size=data.image_size, weights=config.weights,
+                                 freeze_backbone=config.freeze_backbone)
+        optimizer = keras.optimizers.get({"class_name": config.optimizer,
+                                          "config": {"learning_rate": config.learning_rate}})
+    # --device plans for that device (its replicas and, with precision "auto", its policy).
+    where = (dict(device=config.device, precision=config.precision) if config.device
+             else dict(runtime=runtime, precision=precision))
+    with cli.usage_errors():  # a batch that does not split, a plan over the budget, "auto"
+        run_plan = guard.guard(
+            model, global_batch_size=config.global_batch_size,
+            accumulation_steps=config.accumulation_steps,
+            allow_over_budget=config.allow_over_budget, optimizer=optimizer,
+            smaller_variants=levers.registry_variants(
+                spec.name, image_size=data.image_size, num_classes=data.num_classes),
+            **where)
+    if run_plan.plan is not None:  # its first line: parameters and the split
+        print(run_plan.plan.table(run_plan.accumulation_steps))
+    else:
+        print(f"{spec.name}: {model.count_params():,} parameters, {run_plan.describe()}")
+    return model, optimizer, run_plan
+
+
+def _train(config: FinetuneConfig, spec, runtime: Runtime, precision: str, output: str,
+           data: _Data) -> dict:
+    """Builds, plans, trains and evaluates; returns metrics.json's dict."""
+    model, optimizer, run_plan = _build_and_plan(config, spec, runtime, precision, data)
+    steps_per_epoch = data.num_examples // config.global_batch_size
+    if steps_per_epoch < 1:
+        raise cli.UsageError(
+            f"--global-batch-size {config.global_batch_size} is larger than the "
+            f"{data.num_examples} training examples; use at most {data.num_examples}")
+    with runtime.scope():
+        accum = AccumModel.wrap(model, accumulation_steps=run_plan.accumulation_steps)
+        accum.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(),
+                      metrics=["accuracy"])
+    skipped = SkippedRecords() if config.skip_corrupt else None
+    options = dict(image_size=(data.image_size, data.image_size), data_range=spec.data_range,
+                   num_classes=data.num_classes, skip_corrupt=config.skip_corrupt,
+                   skipped=skipped)
+
+    def make_dataset(epoch):
+        dataset = reader.image_dataset(data.train, batch_size=config.global_batch_size,
+                                       training=True, seed=config.seed + epoch, **options)
+        # Skipped records would end the epoch early: an epoch is steps_per_epoch updates.
+        return dataset.repeat() if config.skip_corrupt else dataset
+
+    validation = (reader.image_dataset(data.validation, batch_size=config.global_batch_size,
+                                       training=False, **options)
+                  if data.validation else None)
+    progress = RunProgress(epochs=config.epochs, steps_per_epoch=steps_per_epoch,
+                           global_batch_size=config.global_batch_size)
+    start = time.perf_counter()
+    history = fit_resumable(
+        accum, make_dataset, epochs=config.epochs, steps_per_epoch=steps_per_epoch,
+        backup_dir=os.path.join(output, "backup"),
+        save_every_steps=config.save_every_steps or max(steps_per_epoch // 4, 1),
+        validation_data=validation,
+        callbacks=[progress, keras.callbacks.TensorBoard(os.path.join(output, "logs"))],
+        verbose=0, check_memory=False)  # the guard above checked it
+    seconds = time.perf_counter() - start
+    results = {
+        "model": spec.name, "num_parameters": model.count_params(), "data": data.train,
+        "num_examples": data.num_examples, "num_classes": data.num_classes,
+        "epochs": config.epochs, "global_batch_size": config.global_batch_size,
+        "micro_batch_size": run_plan.micro_batch_size,
+        "accumulation_steps": run_plan.accumulation_steps,
+        "num_replicas": run_plan.num_replicas, "device": runtime.device_name,
+        "precision": precision, "planned_peak_bytes": run_plan.peak_bytes,
+        "budget_bytes": run_plan.plan.budget_bytes if run_plan.plan else None,
+        "history": history, "train_seconds_this_run": seconds,
+    }
+    if validation is not None:
+        loss, accuracy = accum.evaluate(validation, verbose=0)
+        results["validation"] = {"loss": loss, "accuracy": accuracy}
+        print(f"finetune: validation accuracy {accuracy:.3f} after {config.epochs} epochs "
+              f"(chance {1 / data.num_classes:.3f})")
+    if skipped is not None:
+        results["skipped"] = skipped.summary()
+    _save_results(accum, results, output)
+    return results

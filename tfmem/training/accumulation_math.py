@@ -1,0 +1,106 @@
+"""The arithmetic of one accumulation window, shared by both backends' train steps and the planner.
+
+A window is `k = accumulation_steps` micro-batches and one optimizer update
+(docs/accumulation.md). Its sums are kept in `accumulator_dtype`; the update takes their
+`mean`, and each BatchNorm statistic ends at `average_statistic`. `AccumulationState` is what
+the micro-batch loop carries. The rules use `keras.ops` (or Python operators), so one
+definition runs inside a TensorFlow graph and inside a JAX `jit`; this module imports neither
+framework itself (the planner imports no TensorFlow).
+
+What an `AccumTrainer` (`accumulation_tf`, `accumulation_jax`) needs of the class it is mixed
+into (`AccumModel`): a `keras.Model` with
+
+* `accumulation_steps`: `k`, an integer >= 1 (or "auto" until `fit` chooses it);
+* `check_accumulation_setup()`: raises `ValueError` when no step can run (`k` still "auto",
+  an optimizer that accumulates gradients too); called before each step;
+* `check_loss_reductions()`: raises `ValueError` for a compiled loss whose micro-batch mean
+  is not the big-batch loss; called after the micro-step is traced (the compiled loss is built
+  then);
+* `batch_norm_statistics()`: the variables averaged over the window (`average_statistic`)
+  rather than threaded through the micro-batches.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import keras
+import numpy as np
+
+
+class AccumulationState(NamedTuple):
+    """What the micro-batch loop carries from one micro-batch to the next.
+
+    A `NamedTuple`, so a nest for `tf.while_loop` and a pytree for `jax.lax.scan`. A field a
+    backend keeps elsewhere stays empty: TensorFlow updates its metrics and other layer state
+    in place, and JAX logs the loss through its metric variables.
+
+    Attributes:
+        gradient_sums: per trainable variable, the sum of its micro-batch gradients (scaled by
+            the loss scale, if any), in `accumulator_dtype`.
+        statistic_deltas: per BatchNorm statistic, the sum of the changes each micro-batch
+            made to it from the window's start, in `accumulator_dtype`.
+        loss_sum: the sum of the micro-batch losses (TensorFlow).
+        carried: the other non-trainable values, threaded from one micro-batch to the next
+            (JAX).
+        metrics_variables: the metric variables' values (JAX).
+    """
+
+    gradient_sums: list
+    statistic_deltas: list
+    loss_sum: Any = ()
+    carried: list | tuple = ()
+    metrics_variables: list | tuple = ()
+
+
+def accumulator_dtype(dtype) -> str:
+    """The dtype a sum of `dtype` values is kept in: float32, or float64 for float64 values.
+
+    Half-precision gradients and statistics are summed in float32, so `k` micro-batches round
+    no worse than one; a float64 model keeps its precision.
+
+    Args:
+        dtype: a dtype name, or a NumPy, TensorFlow or JAX dtype.
+
+    Example:
+        >>> accumulator_dtype("bfloat16"), accumulator_dtype("float64")
+        ('float32', 'float64')
+    """
+    return "float64" if keras.backend.standardize_dtype(dtype) == "float64" else "float32"
+
+
+def accumulator_nbytes(shape, dtype) -> int:
+    """The bytes of the running sum of a `shape` value of `dtype` (`accumulator_dtype`).
+
+    Example:
+        >>> accumulator_nbytes((3, 4), "float16"), accumulator_nbytes((3, 4), "float64")
+        (48, 96)
+    """
+    return math.prod(shape) * np.dtype(accumulator_dtype(dtype)).itemsize
+
+
+def mean(total, num_steps: int):
+    """The mean of `num_steps` micro-batch values whose sum is `total`: `total / num_steps`."""
+    return total / num_steps
+
+
+def average_statistic(start, delta_sum, num_steps: int):
+    """A BatchNorm statistic at the end of a window: `start` moved by the mean change.
+
+    `start + mean(delta_sum)` is one momentum step with the window's average batch
+    statistics (docs/accumulation.md), added in the wider of the two dtypes and rounded once
+    to the statistic's. A statistic no micro-batch moved (`delta_sum == 0`: a frozen layer's)
+    keeps its exact bits.
+
+    Args:
+        start: the statistic's value before the window.
+        delta_sum: the sum of the micro-batches' changes to it (`AccumulationState`).
+        num_steps: `k`, the number of micro-batches.
+
+    Example:
+        >>> float(average_statistic(np.float32(1.0), np.float32(0.5), 4))  # 1 + 0.5 / 4
+        1.125
+    """
+    moved = keras.ops.cast(keras.ops.add(start, mean(delta_sum, num_steps)), start.dtype)
+    return keras.ops.where(keras.ops.equal(delta_sum, 0), start, moved)
