@@ -86,6 +86,11 @@ flags.DEFINE_integer("seed", 0, "Seed of weights, shuffling and augmentation.")
 flags.DEFINE_bool(
     "deterministic", False, "Deterministic ops (slower): a resumed run then ends with exactly "
     "the weights of an uninterrupted one.")
+flags.DEFINE_string(
+    "memory_limit", "auto", "The most RAM (and swap) the training process may hold: 'auto' "
+    "(80% of the RAM available at the start), 'none', or a size such as 3GB. Reaching it stops "
+    "that process; training resumes from its last resume point with half the micro-batch and "
+    "twice the accumulation steps (the same global batch).")
 flags.register_validator(
     "learning_rate", lambda value: math.isfinite(value) and value > 0,
     "the learning rate must be a finite number > 0, e.g. --learning-rate=1e-3")

@@ -26,7 +26,12 @@ import json
 import math
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import tempfile
 import time
+import traceback
 
 import keras
 
@@ -34,7 +39,8 @@ from tfmem import backend, cli, models
 from tfmem.data import demo, manifest as manifest_lib, reader
 from tfmem.data.integrity import SkippedRecords
 from tfmem.memory import guard, levers
-from tfmem.runtime import precision as precision_lib, report
+from tfmem.memory.plan_report import format_bytes
+from tfmem.runtime import memory_cap, precision as precision_lib, report
 from tfmem.runtime.runtime import Runtime
 from tfmem.training import run_directory
 from tfmem.training.accumulation import AccumModel
@@ -75,6 +81,8 @@ class FinetuneConfig:
         save_every_steps: updates between resume points (default: 4 per epoch).
         seed: seed of weights, shuffling and augmentation.
         deterministic: deterministic ops (a resumed run ends bit-identical).
+        memory_limit: "auto" (80% of the RAM available at the start), "none", or a size
+            ("3GB", "2.5GiB") this run's training process may hold in RAM and swap.
     """
 
     model: str = "small-cnn"
@@ -101,6 +109,7 @@ class FinetuneConfig:
     save_every_steps: int | None = None
     seed: int = 0
     deterministic: bool = False
+    memory_limit: str = "auto"
 
     def __post_init__(self):
         if not (isinstance(self.learning_rate, (int, float)) and math.isfinite(self.learning_rate)
@@ -115,21 +124,48 @@ class FinetuneConfig:
 def run(config: FinetuneConfig) -> dict:
     """Runs (or with `dry_run`, plans) one fine-tuning; returns metrics.json's dict.
 
+    Under a memory limit (`memory_limit`, by default 80% of the RAM available at the start) the
+    training runs in a child process that `tfmem.runtime.memory_cap.MemoryWatch` stops at the
+    limit; this process then resumes it from its last resume point with the micro-batch halved
+    and twice the accumulation steps (the same global batch), until it fits or micro-batch 1
+    does not (docs/out-of-memory.md).
+
     Returns:
         The results written to metrics.json; `{}` for a dry run or a run found complete.
 
     Raises:
         tfmem.cli.UsageError: the settings cannot work (a flag combination, the data's facts,
-            a run directory made with other settings, a plan over the budget).
-        ValueError, OSError: the data or the disk failed (`docs/failure-model.md`).
+            a run directory made with other settings, a plan over the budget, a memory limit
+            that even micro-batch 1 exceeds).
+        ValueError, OSError, RuntimeError: the data, the disk or the training process failed
+            (`docs/failure-model.md`).
     """
     _check(config)
-    with cli.usage_errors():  # unknown name → the list of valid ones
-        spec = models.spec(config.model)
-    if spec.task != "classification":
-        raise cli.UsageError(
-            f"{spec.name} is a {spec.task} model; finetune.py trains image classifiers. "
-            f"Size it with: python scripts/plan.py --model {spec.name} ...")
+    with cli.usage_errors():  # "3 GB", "lots"
+        cap = memory_limit_bytes(config.memory_limit)
+    if config.dry_run or cap is None:
+        return _run(config, _Attempt(config.accumulation_steps))
+    spec = _spec(config)
+    _Data.of(config, spec)  # a wrong model or data stops here, before any process
+    # This process holds the run directory for its training processes, one after the other.
+    with run_directory.lock(_output(config, spec), "--output"):
+        return _supervise(config, cap)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Attempt:
+    """What one training process is asked to do: the k to use, the recoveries before it, and
+    where to say which split it took (`_supervise` reads it)."""
+
+    accumulation_steps: int | str
+    recoveries: tuple = ()
+    split_file: str | None = None
+    locked: bool = False  # the run directory is held by the supervising process
+
+
+def _run(config: FinetuneConfig, attempt: _Attempt) -> dict:
+    """The run itself, in this process (no memory limit enforced here)."""
+    spec = _spec(config)
     if config.deterministic:
         import tensorflow as tf
 
@@ -140,15 +176,15 @@ def run(config: FinetuneConfig) -> dict:
                  else config.precision)
     precision_lib.set_policy(policy=precision)
 
-    # Each model has its own default directory: a demo and an XL run never share one.
-    output = config.output or os.path.join("runs", spec.name)
+    output = _output(config, spec)
     data = _Data.of(config, spec)
     if config.dry_run:
         if not config.device:  # the plan is for this machine: say what it is
             print(report.describe(runtime))
-        _build_and_plan(config, spec, runtime, precision, data)
+        _build_and_plan(config, spec, runtime, precision, data, attempt)
         return {}
-    with run_directory.lock(output, "--output"):  # one process per run directory
+    held = contextlib.nullcontext() if attempt.locked else run_directory.lock(output, "--output")
+    with held:  # one process per run directory
         if config.overwrite:
             _discard(output)
         holds_run = bool(glob.glob(os.path.join(output, "backup", "backup-*.json"))) or any(
@@ -172,13 +208,30 @@ def run(config: FinetuneConfig) -> dict:
         print(report.describe(runtime))
         if data.demo:
             data = dataclasses.replace(data, **_demo_data(output, data.image_size))
-        results = _train(config, spec, runtime, precision, output, data)
+        results = _train(config, spec, runtime, precision, output, data, attempt)
         run_directory.write_config(output, {**recorded, "complete": {
             "epochs": config.epochs, "metrics": os.path.join(output, "metrics.json")}})
         print(f"finetune: wrote {os.path.join(output, 'metrics.json')}")
         if results.get("skipped"):
             print(results["skipped"])
         return results
+
+
+def _output(config: FinetuneConfig, spec) -> str:
+    """The run directory; each model has its own default, so a demo and an XL run never share
+    one."""
+    return config.output or os.path.join("runs", spec.name)
+
+
+def _spec(config: FinetuneConfig):
+    """The registry entry of `config.model`, an image classifier."""
+    with cli.usage_errors():  # unknown name → the list of valid ones
+        spec = models.spec(config.model)
+    if spec.task != "classification":
+        raise cli.UsageError(
+            f"{spec.name} is a {spec.task} model; finetune.py trains image classifiers. "
+            f"Size it with: python scripts/plan.py --model {spec.name} ...")
+    return spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,8 +383,9 @@ def _save_results(accum, results: dict, output: str) -> None:
 
 
 def _build_and_plan(config: FinetuneConfig, spec, runtime: Runtime, precision: str,
-                    data: _Data) -> tuple[keras.Model, keras.optimizers.Optimizer,
-                                          guard.RunPlan]:
+                    data: _Data, attempt: _Attempt) -> tuple[keras.Model,
+                                                             keras.optimizers.Optimizer,
+                                                             guard.RunPlan]:
     """The model and optimizer (in the strategy's scope), and the run's checked split."""
     # A dry run reads only shapes: its model's weights are never initialised (no RAM for them).
     deferred = config.dry_run and not config.weights
@@ -348,11 +402,15 @@ def _build_and_plan(config: FinetuneConfig, spec, runtime: Runtime, precision: s
     with cli.usage_errors():  # a batch that does not split, a plan over the budget, "auto"
         run_plan = guard.guard(
             model, global_batch_size=config.global_batch_size,
-            accumulation_steps=config.accumulation_steps,
+            accumulation_steps=attempt.accumulation_steps,
             allow_over_budget=config.allow_over_budget, optimizer=optimizer,
             smaller_variants=levers.registry_variants(
                 spec.name, image_size=data.image_size, num_classes=data.num_classes),
             **where)
+    if attempt.split_file:  # the supervising process halves this split if memory runs out
+        with open(attempt.split_file, "w") as file:
+            json.dump({"micro_batch_size": run_plan.micro_batch_size,
+                       "accumulation_steps": run_plan.accumulation_steps}, file)
     if run_plan.plan is not None:  # its first line: parameters and the split
         print(run_plan.plan.table(run_plan.accumulation_steps))
     else:
@@ -361,9 +419,10 @@ def _build_and_plan(config: FinetuneConfig, spec, runtime: Runtime, precision: s
 
 
 def _train(config: FinetuneConfig, spec, runtime: Runtime, precision: str, output: str,
-           data: _Data) -> dict:
+           data: _Data, attempt: _Attempt) -> dict:
     """Builds, plans, trains and evaluates; returns metrics.json's dict."""
-    model, optimizer, run_plan = _build_and_plan(config, spec, runtime, precision, data)
+    model, optimizer, run_plan = _build_and_plan(config, spec, runtime, precision, data,
+                                                 attempt)
     steps_per_epoch = data.num_examples // config.global_batch_size
     if steps_per_epoch < 1:
         raise cli.UsageError(
@@ -408,6 +467,7 @@ def _train(config: FinetuneConfig, spec, runtime: Runtime, precision: str, outpu
         "precision": precision, "planned_peak_bytes": run_plan.peak_bytes,
         "budget_bytes": run_plan.plan.budget_bytes if run_plan.plan else None,
         "history": history, "train_seconds_this_run": seconds,
+        "memory_recoveries": list(attempt.recoveries),
     }
     if validation is not None:
         loss, accuracy = accum.evaluate(validation, verbose=0)
@@ -418,3 +478,151 @@ def _train(config: FinetuneConfig, spec, runtime: Runtime, precision: str, outpu
         results["skipped"] = skipped.summary()
     _save_results(accum, results, output)
     return results
+
+
+def memory_limit_bytes(memory_limit: str | None) -> int | None:
+    """`"auto"` → 80% of the RAM available now, `"none"` (or None) → no limit, `"3GB"` → bytes.
+
+    Raises:
+        ValueError: not "auto", "none" or a size.
+    """
+    if memory_limit is None or str(memory_limit).lower() == "none":
+        return None
+    if str(memory_limit).lower() == "auto":
+        return memory_cap.default_cap()
+    try:
+        return memory_cap.parse_size(memory_limit)
+    except ValueError as error:
+        raise ValueError(f"--memory-limit {memory_limit}: {error}, or auto or none") from None
+
+
+def _supervise(config: FinetuneConfig, cap: int) -> dict:
+    """Trains in child processes held under `cap`, halving the micro-batch after each stop."""
+    steps = config.accumulation_steps
+    recoveries: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="tfmem-finetune-") as workdir:
+        while True:
+            spec = {"config": dataclasses.asdict(config), "accumulation_steps": steps,
+                    "recoveries": recoveries, "locked": True, "split_file": os.path.join(workdir, "split.json"),
+                    "outcome_file": os.path.join(workdir, "outcome.json")}
+            for name in ("split_file", "outcome_file"):
+                if os.path.exists(spec[name]):
+                    os.remove(spec[name])
+            status, watch = _attempt(spec, cap, workdir)
+            config = dataclasses.replace(config, overwrite=False)  # the next one resumes
+            outcome = _read_json(spec["outcome_file"])
+            if status == 0 and outcome is not None:
+                return outcome["results"]
+            if not watch.reason:
+                raise _child_failure(status, outcome)
+            split = _read_json(spec["split_file"])
+            if split is None:
+                raise cli.UsageError(
+                    f"the training process reached --memory-limit {format_bytes(cap)} before "
+                    f"its first step ({watch.reason}): the framework and the model alone need "
+                    "more; raise --memory-limit (or pass --memory-limit none)")
+            micro, k = split["micro_batch_size"], split["accumulation_steps"]
+            smaller = _halved(micro)
+            if smaller is None:
+                raise cli.UsageError(
+                    f"micro-batch 1 × {k} accumulation steps still reached --memory-limit "
+                    f"{format_bytes(cap)} ({watch.reason}); nothing smaller can be tried: "
+                    "use --precision mixed_bfloat16, --freeze-backbone, a smaller --image-size "
+                    "or model, or raise --memory-limit (scripts/plan.py shows what fits)")
+            steps = k * micro // smaller
+            recoveries.append({"micro_batch_size": micro, "accumulation_steps": k,
+                               "held_bytes": watch.highest, "limit_bytes": cap,
+                               "to_micro_batch_size": smaller, "to_accumulation_steps": steps})
+            print(f"finetune: memory limit {format_bytes(cap)} reached at micro-batch {micro} × "
+                  f"{k} accumulation step{'s' if k > 1 else ''} ({format_bytes(watch.highest)} "
+                  f"held); resuming from the last resume point with micro-batch {smaller} × "
+                  f"{steps} accumulation steps, the same global batch "
+                  f"{config.global_batch_size}", flush=True)
+
+
+def _halved(micro_batch_size: int) -> int | None:
+    """The micro-batch after a stop: the largest divisor of `micro_batch_size` up to its half
+    (so replicas × micro-batch × k still make the global batch); None below 2."""
+    for size in range(micro_batch_size // 2, 0, -1):
+        if micro_batch_size % size == 0:
+            return size
+    return None
+
+
+def _attempt(spec: dict, cap: int, workdir: str):
+    """Runs one training process under `cap`; returns its exit status and its watch."""
+    spec_path = os.path.join(workdir, "spec.json")
+    with open(spec_path, "w") as file:
+        json.dump(spec, file)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    child = subprocess.Popen([sys.executable, "-m", "tfmem.finetune", spec_path], env=env,
+                             preexec_fn=_die_with_parent)
+    watch = memory_cap.MemoryWatch(child.pid, cap)
+    watch.start()
+    try:
+        status = child.wait()
+    except BaseException:  # Ctrl-C or a kill of this process: the child goes too
+        child.kill()
+        child.wait()
+        raise
+    finally:
+        watch.stop()
+    return status, watch
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the supervising process dies (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the child outlives a killed parent
+        pass
+
+
+def _read_json(path: str) -> dict | None:
+    try:
+        with open(path) as file:
+            return json.load(file)
+    except (OSError, ValueError):
+        return None
+
+
+class _ChildTraceback(Exception):
+    """The training process's own traceback, chained under its error (shown by --debug)."""
+
+
+def _child_failure(status: int, outcome: dict | None) -> BaseException:
+    """The error of a training process that failed on its own (not stopped by the limit)."""
+    if outcome is None or "error" not in outcome:
+        how = (f"was killed by {signal.Signals(-status).name}" if status < 0
+               else f"ended with exit status {status}")
+        return RuntimeError(f"the training process {how} without saying why; run again to "
+                            "resume from its last resume point")
+    kind = cli.UsageError if outcome["usage"] else RuntimeError
+    error = kind(outcome["error"])
+    error.__cause__ = _ChildTraceback(outcome["traceback"])
+    return error
+
+
+def _child_main(spec_path: str) -> None:
+    """A training process of `_supervise`: runs the attempt, reports its outcome in a file."""
+    with open(spec_path) as file:
+        spec = json.load(file)
+    attempt = _Attempt(spec["accumulation_steps"], tuple(spec["recoveries"]), spec["split_file"],
+                       spec["locked"])
+    try:
+        results = _run(FinetuneConfig(**spec["config"]), attempt)
+    except BaseException as error:  # noqa: BLE001 - every failure goes back to the supervisor
+        outcome = {"error": cli.one_line(error), "usage": cli.is_usage_error(error),
+                   "traceback": traceback.format_exc()}
+        status = 1
+    else:
+        outcome, status = {"results": results}, 0
+    with open(spec["outcome_file"], "w") as file:
+        json.dump(outcome, file)
+    sys.exit(status)
+
+
+if __name__ == "__main__":
+    _child_main(sys.argv[1])

@@ -399,3 +399,55 @@ def test_the_run_is_one_library_call_with_the_flags_as_its_settings(finetune_mai
         finetune.run(finetune.FinetuneConfig(device="t4"))
     with pytest.raises(tfmem.cli.UsageError, match="learning rate must be a finite number"):
         finetune.FinetuneConfig(learning_rate=float("nan"))
+
+
+def test_a_run_over_its_memory_limit_resumes_with_a_smaller_micro_batch(tmp_path):
+    data = _foreign(tmp_path / "train.tfrec", [0, 1, 2, 3] * 64)  # 256 records: 4 updates
+    # At 128 px the small CNN holds about 1.8 GiB at micro-batch 64 and 1.1 GiB at 16: under a
+    # 1.45 GiB limit the first process is stopped, and the run goes on with a smaller one.
+    common = ["--data", data, "--num-classes", "4", "--image-size", "128", "--epochs", "1",
+              "--global-batch-size", "64", "--deterministic"]
+    # Another process on the machine, holding 64 MiB all along.
+    bystander = subprocess.Popen([sys.executable, "-c", "import sys, time\nheld = bytearray("
+                                  "64 * 2**20)\ntime.sleep(600)"])
+    limited = _finetune(*common, "--accumulation-steps", "1", "--memory-limit", "1.45GiB",
+                        "--output", str(tmp_path / "limited"))
+    assert bystander.poll() is None  # untouched by the limit
+    bystander.kill()
+    assert limited.returncode == 0, limited.stderr[-3000:]
+    metrics = json.loads((tmp_path / "limited" / "metrics.json").read_text())
+    recoveries = metrics["memory_recoveries"]
+    assert recoveries and recoveries[0]["micro_batch_size"] == 64
+    first = recoveries[0]
+    assert re.search(
+        rf"finetune: memory limit 1\.45 GiB reached at micro-batch 64 × 1 accumulation step "
+        rf"\([\d.]+ GiB held\); resuming from the last resume point with micro-batch 32 × 2 "
+        r"accumulation steps, the same global batch 64", limited.stdout), limited.stdout
+    assert first["held_bytes"] >= first["limit_bytes"] == int(1.45 * 2**30)
+    k = metrics["accumulation_steps"]
+    assert (metrics["micro_batch_size"] * k, metrics["global_batch_size"]) == (64, 64)
+    assert k == recoveries[-1]["to_accumulation_steps"] >= 2
+    # The same run with that k from the start and no limit: the same weights.
+    straight = _finetune(*common, "--accumulation-steps", str(k), "--memory-limit", "none",
+                         "--output", str(tmp_path / "straight"))
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    expected = keras.models.load_model(tmp_path / "straight" / "model.keras")
+    actual = keras.models.load_model(tmp_path / "limited" / "model.keras")
+    # Updates made before the stop summed 1 micro-batch, the others k: the same numbers up to
+    # the order of float32 sums.
+    for want, got in zip(expected.get_weights(), actual.get_weights()):
+        assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
+    assert int(actual.optimizer.iterations) == 4
+
+
+def test_a_memory_limit_below_the_framework_stops_with_one_line(finetune_cli, tmp_path):
+    status, _, stderr = finetune_cli("--memory-limit", "200MB", "--epochs", "1",
+                                     "--output", str(tmp_path / "run"))
+    assert status == 2
+    assert re.fullmatch(r"error: the training process reached --memory-limit 190\.7 MiB before "
+                        r"its first step \(stopped by the memory limit: .*\): the framework and "
+                        r"the model alone need more; raise --memory-limit .*\n", stderr), stderr
+    status, _, stderr = finetune_cli("--memory-limit", "lots", "--output", str(tmp_path / "x"))
+    assert (status, stderr) == (2, "error: --memory-limit lots: 'lots' is not a size; write a "
+                                   "positive number of bytes with a unit, e.g. 3GB, 2.5GiB or "
+                                   "800MB, or auto or none\n")
