@@ -601,7 +601,10 @@ def _child_failure(status: int, outcome: dict | None) -> BaseException:
                             "resume from its last resume point")
     kind = cli.UsageError if outcome["usage"] else RuntimeError
     error = kind(outcome["error"])
-    error.__cause__ = _ChildTraceback(outcome["traceback"])
+    try:  # raised, so that `--debug` prints it as a traceback, the child's inside
+        raise _ChildTraceback("the training process's traceback:\n" + outcome["traceback"])
+    except _ChildTraceback as cause:
+        error.__cause__ = cause
     return error
 
 

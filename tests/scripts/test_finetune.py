@@ -405,8 +405,10 @@ def test_a_run_over_its_memory_limit_resumes_with_a_smaller_micro_batch(tmp_path
     data = _foreign(tmp_path / "train.tfrec", [0, 1, 2, 3] * 64)  # 256 records: 4 updates
     # At 128 px the small CNN holds about 1.8 GiB at micro-batch 64 and 1.1 GiB at 16: under a
     # 1.45 GiB limit the first process is stopped, and the run goes on with a smaller one.
+    # SGD: its update is linear in the gradient, so summing 1 or k micro-batches differs only by
+    # the order of float32 sums (Adam's normalisation can magnify that on tiny gradients).
     common = ["--data", data, "--num-classes", "4", "--image-size", "128", "--epochs", "1",
-              "--global-batch-size", "64", "--deterministic"]
+              "--global-batch-size", "64", "--deterministic", "--optimizer", "sgd"]
     # Another process on the machine, holding 64 MiB all along.
     bystander = subprocess.Popen([sys.executable, "-c", "import sys, time\nheld = bytearray("
                                   "64 * 2**20)\ntime.sleep(600)"])
@@ -434,9 +436,11 @@ def test_a_run_over_its_memory_limit_resumes_with_a_smaller_micro_batch(tmp_path
     expected = keras.models.load_model(tmp_path / "straight" / "model.keras")
     actual = keras.models.load_model(tmp_path / "limited" / "model.keras")
     # Updates made before the stop summed 1 micro-batch, the others k: the same numbers up to
-    # the order of float32 sums.
-    for want, got in zip(expected.get_weights(), actual.get_weights()):
-        assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
+    # the order of float32 sums, over the model's weights as one vector (a conv bias before
+    # BatchNorm has a zero gradient in exact arithmetic, so on its own it is rounding noise).
+    want = np.concatenate([w.ravel() for w in expected.get_weights()])
+    got = np.concatenate([w.ravel() for w in actual.get_weights()])
+    assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
     assert int(actual.optimizer.iterations) == 4
 
 
