@@ -39,6 +39,7 @@ from tfmem import backend, cli, models
 from tfmem.data import demo, manifest as manifest_lib, reader
 from tfmem.data.integrity import SkippedRecords
 from tfmem.memory import guard, levers
+from tfmem.memory import plan_report
 from tfmem.memory.plan_report import format_bytes
 from tfmem.runtime import memory_cap, precision as precision_lib, report
 from tfmem.runtime.runtime import Runtime
@@ -161,6 +162,7 @@ class _Attempt:
     recoveries: tuple = ()
     split_file: str | None = None
     locked: bool = False  # the run directory is held by the supervising process
+    plan_budget: int | None = None  # plan for these bytes instead of the device's memory
 
 
 def _run(config: FinetuneConfig, attempt: _Attempt) -> dict:
@@ -399,6 +401,9 @@ def _build_and_plan(config: FinetuneConfig, spec, runtime: Runtime, precision: s
     # --device plans for that device (its replicas and, with precision "auto", its policy).
     where = (dict(device=config.device, precision=config.precision) if config.device
              else dict(runtime=runtime, precision=precision))
+    if attempt.plan_budget is not None:  # what fits under a memory limit
+        where = dict(memory_budget=attempt.plan_budget, num_replicas=runtime.num_replicas,
+                     precision=precision)
     with cli.usage_errors():  # a batch that does not split, a plan over the budget, "auto"
         run_plan = guard.guard(
             model, global_batch_size=config.global_batch_size,
@@ -408,9 +413,13 @@ def _build_and_plan(config: FinetuneConfig, spec, runtime: Runtime, precision: s
                 spec.name, image_size=data.image_size, num_classes=data.num_classes),
             **where)
     if attempt.split_file:  # the supervising process halves this split if memory runs out
+        memory_plan = run_plan.plan
         with open(attempt.split_file, "w") as file:
             json.dump({"micro_batch_size": run_plan.micro_batch_size,
-                       "accumulation_steps": run_plan.accumulation_steps}, file)
+                       "accumulation_steps": run_plan.accumulation_steps,
+                       "nothing_fits": (plan_report.format_nothing_fits(memory_plan)
+                                        if memory_plan is not None and not memory_plan.fits
+                                        else None)}, file)
     if run_plan.plan is not None:  # its first line: parameters and the split
         print(run_plan.plan.table(run_plan.accumulation_steps))
     else:
@@ -526,9 +535,9 @@ def _supervise(config: FinetuneConfig, cap: int) -> dict:
             if smaller is None:
                 raise cli.UsageError(
                     f"micro-batch 1 × {k} accumulation steps still reached --memory-limit "
-                    f"{format_bytes(cap)} ({watch.reason}); nothing smaller can be tried: "
-                    "use --precision mixed_bfloat16, --freeze-backbone, a smaller --image-size "
-                    "or model, or raise --memory-limit (scripts/plan.py shows what fits)")
+                    f"{format_bytes(cap)} ({format_bytes(watch.highest)} held), and nothing "
+                    "smaller can be tried; "
+                    + _plan_under(config, cap, workdir))
             steps = k * micro // smaller
             recoveries.append({"micro_batch_size": micro, "accumulation_steps": k,
                                "held_bytes": watch.highest, "limit_bytes": cap,
@@ -540,6 +549,26 @@ def _supervise(config: FinetuneConfig, cap: int) -> dict:
                   f"{config.global_batch_size}", flush=True)
 
 
+def _plan_under(config: FinetuneConfig, cap: int, workdir: str) -> str:
+    """What the plan for a budget of `cap` says fits (made in a dry-run process)."""
+    planned = dataclasses.replace(config, dry_run=True, allow_over_budget=True)
+    spec = {"config": dataclasses.asdict(planned),
+            "accumulation_steps": "auto", "recoveries": [], "locked": True, "plan_budget": cap,
+            "split_file": os.path.join(workdir, "plan-split.json"),
+            "outcome_file": os.path.join(workdir, "plan-outcome.json")}
+    _attempt(spec, None, workdir)
+    split = _read_json(spec["split_file"])
+    if split and split["nothing_fits"]:
+        return f"the plan for that budget: {split['nothing_fits']}"
+    if split:
+        return (f"the plan for that budget picks micro-batch {split['micro_batch_size']} × "
+                f"{split['accumulation_steps']}, which is over it here (its estimate is low "
+                "for this run): use --precision mixed_bfloat16, --freeze-backbone, a smaller "
+                "--image-size or model, or raise --memory-limit")
+    return ("use --precision mixed_bfloat16, --freeze-backbone, a smaller --image-size or "
+            "model, or raise --memory-limit (scripts/plan.py shows what fits)")
+
+
 def _halved(micro_batch_size: int) -> int | None:
     """The micro-batch after a stop: the largest divisor of `micro_batch_size` up to its half
     (so replicas × micro-batch × k still make the global batch); None below 2."""
@@ -549,8 +578,9 @@ def _halved(micro_batch_size: int) -> int | None:
     return None
 
 
-def _attempt(spec: dict, cap: int, workdir: str):
-    """Runs one training process under `cap`; returns its exit status and its watch."""
+def _attempt(spec: dict, cap: int | None, workdir: str):
+    """Runs one training process under `cap` (None: watched, not limited); returns its exit
+    status and its watch."""
     spec_path = os.path.join(workdir, "spec.json")
     with open(spec_path, "w") as file:
         json.dump(spec, file)
@@ -613,7 +643,7 @@ def _child_main(spec_path: str) -> None:
     with open(spec_path) as file:
         spec = json.load(file)
     attempt = _Attempt(spec["accumulation_steps"], tuple(spec["recoveries"]), spec["split_file"],
-                       spec["locked"])
+                       spec["locked"], spec.get("plan_budget"))
     try:
         results = _run(FinetuneConfig(**spec["config"]), attempt)
     except BaseException as error:  # noqa: BLE001 - every failure goes back to the supervisor

@@ -458,3 +458,22 @@ def test_a_memory_limit_below_the_framework_stops_with_one_line(finetune_cli, tm
     assert (status, stderr) == (2, "error: --memory-limit lots: 'lots' is not a size; write a "
                                    "positive number of bytes with a unit, e.g. 3GB, 2.5GiB or "
                                    "800MB, or auto or none\n")
+
+
+def test_when_micro_batch_one_reaches_the_limit_the_plan_for_it_is_the_answer(tmp_path):
+    data = _foreign(tmp_path / "train.tfrec", [0, 1, 2, 3] * 2)
+    # At 1024 px one image's activations take about 0.5 GB: TensorFlow's 0.65 GB and the model
+    # stay under 1 GiB, a step of micro-batch 1 does not.
+    result = _finetune("--data", data, "--num-classes", "4", "--image-size", "1024",
+                       "--global-batch-size", "2", "--accumulation-steps", "1", "--epochs", "1",
+                       "--memory-limit", "1GiB", "--output", str(tmp_path / "run"))
+    assert result.returncode == 2
+    assert ("finetune: memory limit 1.00 GiB reached at micro-batch 2 × 1 accumulation step"
+            in result.stdout)
+    assert re.fullmatch(
+        r"error: micro-batch 1 × 2 accumulation steps still reached --memory-limit 1\.00 GiB "
+        r"\([\d.]+ GiB held\), and nothing smaller can be tried; the plan for that budget: "
+        r"nothing fits, not even micro-batch 1: .* None of the changes checked fits \(.*\): the "
+        r"model needs a device with more memory per replica, or more replicas\.\n",
+        _error_line(result.stderr) + "\n"), result.stderr[-2000:]
+    assert not (tmp_path / "run" / "metrics.json").exists()

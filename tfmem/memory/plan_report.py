@@ -94,6 +94,6 @@ def format_error(p, micro_batch_size: int, accumulation_steps: int, needed_bytes
         advice = (f"; micro-batch {p.micro_batch_size} × {_steps(p.accumulation_steps)} fits "
                   f"in {format_bytes(fit)} (accumulation_steps={p.accumulation_steps}).")
     else:
-        advice = "; " + format_nothing_fits(p) + "."
+        advice = "; " + format_nothing_fits(p).rstrip(".") + "."
     return (head + advice + " Pass `allow_over_budget=True` to run anyway.\n"
             + format_table(p, micro_batch_size, accumulation_steps))
