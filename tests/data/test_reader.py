@@ -456,6 +456,9 @@ def test_demo_set_is_deterministic_and_balanced(tmp_path):
 
 def test_demo_set_is_learnable_in_one_short_epoch(tmp_path):
     """A tiny CNN streamed the demo shapes for one epoch beats chance (0.25) by far."""
+    # Deterministic ops: the same numbers whatever else runs on the machine (conftest turns it
+    # off again after the test).
+    tf.config.experimental.enable_op_determinism()
     train = tfmem.make_demo_dataset(tmp_path / "train", num_examples=2048, image_size=32, seed=0)
     held_out = tfmem.make_demo_dataset(tmp_path / "held_out", num_examples=512, image_size=32,
                                        seed=1)
