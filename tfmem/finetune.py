@@ -147,22 +147,23 @@ def run(config: FinetuneConfig) -> dict:
     if config.dry_run or cap is None:
         return _run(config, _Attempt(config.accumulation_steps))
     spec = _spec(config)
-    _Data.of(config, spec)  # a wrong model or data stops here, before any process
+    data = _Data.of(config, spec)  # a wrong model or data stops here, before any process
     # This process holds the run directory for its training processes, one after the other.
     with run_directory.lock(_output(config, spec), "--output"):
-        return _supervise(config, cap)
+        return _supervise(config, cap, data)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Attempt:
-    """What one training process is asked to do: the k to use, the recoveries before it, and
-    where to say which split it took (`_supervise` reads it)."""
+    """What one training process is asked to do: the k to use, the recoveries before it, where
+    to say which split it took (`_supervise` reads it), and the data's facts already found."""
 
     accumulation_steps: int | str
     recoveries: tuple = ()
     split_file: str | None = None
     locked: bool = False  # the run directory is held by the supervising process
     plan_budget: int | None = None  # plan for these bytes instead of the device's memory
+    data: dict | None = None  # the data's facts, as the supervising process found them
 
 
 def _run(config: FinetuneConfig, attempt: _Attempt) -> dict:
@@ -179,7 +180,7 @@ def _run(config: FinetuneConfig, attempt: _Attempt) -> dict:
     precision_lib.set_policy(policy=precision)
 
     output = _output(config, spec)
-    data = _Data.of(config, spec)
+    data = _Data(**attempt.data) if attempt.data else _Data.of(config, spec)
     if config.dry_run:
         if not config.device:  # the plan is for this machine: say what it is
             print(report.describe(runtime))
@@ -505,26 +506,17 @@ def memory_limit_bytes(memory_limit: str | None) -> int | None:
         raise ValueError(f"--memory-limit {memory_limit}: {error}, or auto or none") from None
 
 
-def _supervise(config: FinetuneConfig, cap: int) -> dict:
+def _supervise(config: FinetuneConfig, cap: int, data: _Data) -> dict:
     """Trains in child processes held under `cap`, halving the micro-batch after each stop."""
-    steps = config.accumulation_steps
-    recoveries: list[dict] = []
+    attempt = _Attempt(config.accumulation_steps, locked=True, data=dataclasses.asdict(data))
     with tempfile.TemporaryDirectory(prefix="tfmem-finetune-") as workdir:
         while True:
-            spec = {"config": dataclasses.asdict(config), "accumulation_steps": steps,
-                    "recoveries": recoveries, "locked": True, "split_file": os.path.join(workdir, "split.json"),
-                    "outcome_file": os.path.join(workdir, "outcome.json")}
-            for name in ("split_file", "outcome_file"):
-                if os.path.exists(spec[name]):
-                    os.remove(spec[name])
-            status, watch = _attempt(spec, cap, workdir)
+            status, watch, outcome, split = _attempt(config, attempt, cap, workdir)
             config = dataclasses.replace(config, overwrite=False)  # the next one resumes
-            outcome = _read_json(spec["outcome_file"])
             if status == 0 and outcome is not None:
                 return outcome["results"]
             if not watch.reason:
                 raise _child_failure(status, outcome)
-            split = _read_json(spec["split_file"])
             if split is None:
                 raise cli.UsageError(
                     f"the training process reached --memory-limit {format_bytes(cap)} before "
@@ -536,12 +528,13 @@ def _supervise(config: FinetuneConfig, cap: int) -> dict:
                 raise cli.UsageError(
                     f"micro-batch 1 × {k} accumulation steps still reached --memory-limit "
                     f"{format_bytes(cap)} ({format_bytes(watch.highest)} held), and nothing "
-                    "smaller can be tried; "
-                    + _plan_under(config, cap, workdir))
+                    "smaller can be tried; " + _plan_under(config, attempt, cap, workdir))
             steps = k * micro // smaller
-            recoveries.append({"micro_batch_size": micro, "accumulation_steps": k,
-                               "held_bytes": watch.highest, "limit_bytes": cap,
-                               "to_micro_batch_size": smaller, "to_accumulation_steps": steps})
+            attempt = dataclasses.replace(attempt, accumulation_steps=steps, recoveries=(
+                *attempt.recoveries,
+                {"micro_batch_size": micro, "accumulation_steps": k,
+                 "held_bytes": watch.highest, "limit_bytes": cap,
+                 "to_micro_batch_size": smaller, "to_accumulation_steps": steps}))
             print(f"finetune: memory limit {format_bytes(cap)} reached at micro-batch {micro} × "
                   f"{k} accumulation step{'s' if k > 1 else ''} ({format_bytes(watch.highest)} "
                   f"held); resuming from the last resume point with micro-batch {smaller} × "
@@ -549,15 +542,11 @@ def _supervise(config: FinetuneConfig, cap: int) -> dict:
                   f"{config.global_batch_size}", flush=True)
 
 
-def _plan_under(config: FinetuneConfig, cap: int, workdir: str) -> str:
+def _plan_under(config: FinetuneConfig, attempt: _Attempt, cap: int, workdir: str) -> str:
     """What the plan for a budget of `cap` says fits (made in a dry-run process)."""
     planned = dataclasses.replace(config, dry_run=True, allow_over_budget=True)
-    spec = {"config": dataclasses.asdict(planned),
-            "accumulation_steps": "auto", "recoveries": [], "locked": True, "plan_budget": cap,
-            "split_file": os.path.join(workdir, "plan-split.json"),
-            "outcome_file": os.path.join(workdir, "plan-outcome.json")}
-    _attempt(spec, None, workdir)
-    split = _read_json(spec["split_file"])
+    _, _, _, split = _attempt(planned, dataclasses.replace(
+        attempt, accumulation_steps="auto", plan_budget=cap), None, workdir)
     if split and split["nothing_fits"]:
         return f"the plan for that budget: {split['nothing_fits']}"
     if split:
@@ -578,14 +567,19 @@ def _halved(micro_batch_size: int) -> int | None:
     return None
 
 
-def _attempt(spec: dict, cap: int | None, workdir: str):
+def _attempt(config: FinetuneConfig, attempt: _Attempt, cap: int | None, workdir: str):
     """Runs one training process under `cap` (None: watched, not limited); returns its exit
-    status and its watch."""
-    spec_path = os.path.join(workdir, "spec.json")
-    with open(spec_path, "w") as file:
-        json.dump(spec, file)
+    status, its watch, its outcome and the split it took (each None when it wrote none)."""
+    paths = {name: os.path.join(workdir, f"{name}.json") for name in ("spec", "outcome", "split")}
+    for path in paths.values():  # nothing of an earlier attempt is read as this one's
+        if os.path.exists(path):
+            os.remove(path)
+    attempt = dataclasses.replace(attempt, split_file=paths["split"])
+    with open(paths["spec"], "w") as file:
+        json.dump({"config": dataclasses.asdict(config), "attempt": dataclasses.asdict(attempt),
+                   "outcome_file": paths["outcome"]}, file)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    child = subprocess.Popen([sys.executable, "-m", "tfmem.finetune", spec_path], env=env,
+    child = subprocess.Popen([sys.executable, "-m", "tfmem.finetune", paths["spec"]], env=env,
                              preexec_fn=_die_with_parent)
     watch = memory_cap.MemoryWatch(child.pid, cap)
     watch.start()
@@ -597,7 +591,7 @@ def _attempt(spec: dict, cap: int | None, workdir: str):
         raise
     finally:
         watch.stop()
-    return status, watch
+    return status, watch, _read_json(paths["outcome"]), _read_json(paths["split"])
 
 
 def _die_with_parent() -> None:
@@ -642,8 +636,7 @@ def _child_main(spec_path: str) -> None:
     """A training process of `_supervise`: runs the attempt, reports its outcome in a file."""
     with open(spec_path) as file:
         spec = json.load(file)
-    attempt = _Attempt(spec["accumulation_steps"], tuple(spec["recoveries"]), spec["split_file"],
-                       spec["locked"], spec.get("plan_budget"))
+    attempt = _Attempt(**spec["attempt"])
     try:
         results = _run(FinetuneConfig(**spec["config"]), attempt)
     except BaseException as error:  # noqa: BLE001 - every failure goes back to the supervisor

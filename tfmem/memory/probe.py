@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from tfmem.runtime import memory_cap
 from tfmem.runtime.memory_cap import MemoryWatch
 from tfmem.memory import planner
 from tfmem.memory.memory_plan import MeasuredLine, MemoryPlan
@@ -300,14 +301,6 @@ def _last_error_line(stderr: str) -> str:
     return lines[-1][:300] if lines else ""
 
 
-def _read_status(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
 def _child_main(spec_path: str, result_path: str) -> None:
     """Entry point of a probe child: build, train a few steps, report the peak."""
     with open(spec_path, "rb") as spec_file:
@@ -324,10 +317,10 @@ def _child_main(spec_path: str, result_path: str) -> None:
     import keras
 
     keras.mixed_precision.set_global_policy(spec["precision"])
-    baseline = _read_status("VmRSS")
+    baseline = memory_cap.status_bytes()["VmRSS"]
     if spec["device"] == "cpu":
         # Kernel backstop against one huge allocation; the parent's watchdog enforces the limit.
-        data_now = _read_status("VmData")
+        data_now = memory_cap.status_bytes()["VmData"]
         cap = data_now + 2 * max(spec["memory_limit"] - baseline, 0)
         resource.setrlimit(resource.RLIMIT_DATA, (cap, resource.getrlimit(resource.RLIMIT_DATA)[1]))
     if "model_fn" in spec:
@@ -350,7 +343,7 @@ def _child_main(spec_path: str, result_path: str) -> None:
     if spec["device"] == "gpu":
         peak, baseline = tf.config.experimental.get_memory_info("GPU:0")["peak"], 0
     else:
-        peak = _read_status("VmHWM")
+        peak = memory_cap.status_bytes()["VmHWM"]
     with open(result_path, "w") as result_file:
         json.dump({"peak_bytes": int(peak), "baseline_bytes": int(baseline)}, result_file)
 

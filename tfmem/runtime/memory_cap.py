@@ -40,22 +40,28 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
+def status_bytes(pid: int | str = "self") -> dict[str, int] | None:
+    """The byte-sized fields of `/proc/<pid>/status` (`VmRSS`, `VmSwap`, `VmData`, `VmHWM`,
+    ...) in bytes; None when the process is gone or the system has no /proc."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            lines = [line.split() for line in status]
+    except OSError:
+        return None
+    return {fields[0].rstrip(":"): int(fields[1]) * 1024 for fields in lines
+            if len(fields) == 3 and fields[2] == "kB"}
+
+
 def process_memory(pid: int | str = "self") -> int | None:
     """Bytes a process holds in RAM and in swap (`VmRSS` + `VmSwap`); None when it is gone.
 
     Swap counts: a process pushed into swap frees RAM while the machine thrashes, which is
     what the cap is there to prevent.
     """
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            fields = dict(line.split(":", 1) for line in status if ":" in line)
-    except OSError:
+    fields = status_bytes(pid)
+    if fields is None:
         return devices.resident_bytes(pid)
-    try:
-        return sum(int(fields[name].split()[0]) * 1024 for name in ("VmRSS", "VmSwap")
-                   if name in fields) or None
-    except ValueError:
-        return None
+    return fields.get("VmRSS", 0) + fields.get("VmSwap", 0) or None
 
 
 def default_cap() -> int:
