@@ -177,6 +177,17 @@ def jax_train_function(model: keras.Model, step):
     return _attribute(model, "_make_function", "the JAX trainer's loop over steps")(step)
 
 
+def drop_jax_state(model: keras.Model) -> None:
+    """JAX trainer: forgets the state `fit` held between steps, after a step that failed.
+
+    The failed step was given that state as donated buffers, which are gone; the model's
+    variables are then assigned again (a resume point is loaded) before the next `fit`.
+    """
+    if hasattr(model, "_jax_state"):
+        model._jax_state = None
+        model._jax_state_synced = True
+
+
 def jax_state_shardings(model: keras.Model) -> tuple:
     """JAX trainer: the shardings of `(trainable, non_trainable, optimizer, metrics)` state."""
     return _attribute(model, "_get_state_sharding_spec",

@@ -43,7 +43,7 @@ from tfmem.memory import plan_report
 from tfmem.memory.plan_report import format_bytes
 from tfmem.runtime import memory_cap, precision as precision_lib, report
 from tfmem.runtime.runtime import Runtime
-from tfmem.training import run_directory
+from tfmem.training import recovery, run_directory
 from tfmem.training.accumulation import AccumModel
 from tfmem.training.progress import RunProgress
 from tfmem.training.resume import fit_resumable
@@ -458,6 +458,7 @@ def _train(config: FinetuneConfig, spec, runtime: Runtime, precision: str, outpu
                   if data.validation else None)
     progress = RunProgress(epochs=config.epochs, steps_per_epoch=steps_per_epoch,
                            global_batch_size=config.global_batch_size)
+    recoveries = list(attempt.recoveries)  # this run's stops at the limit, and those in-process
     start = time.perf_counter()
     history = fit_resumable(
         accum, make_dataset, epochs=config.epochs, steps_per_epoch=steps_per_epoch,
@@ -465,19 +466,22 @@ def _train(config: FinetuneConfig, spec, runtime: Runtime, precision: str, outpu
         save_every_steps=config.save_every_steps or max(steps_per_epoch // 4, 1),
         validation_data=validation,
         callbacks=[progress, keras.callbacks.TensorBoard(os.path.join(output, "logs"))],
-        verbose=0, check_memory=False)  # the guard above checked it
+        verbose=0, memory_recoveries=recoveries,
+        check_memory=False)  # the guard above checked it
     seconds = time.perf_counter() - start
     results = {
         "model": spec.name, "num_parameters": model.count_params(), "data": data.train,
         "num_examples": data.num_examples, "num_classes": data.num_classes,
         "epochs": config.epochs, "global_batch_size": config.global_batch_size,
-        "micro_batch_size": run_plan.micro_batch_size,
-        "accumulation_steps": run_plan.accumulation_steps,
+        # After running out of memory in a step, the run goes on with a larger k.
+        "micro_batch_size": config.global_batch_size // (run_plan.num_replicas
+                                                         * accum.accumulation_steps),
+        "accumulation_steps": accum.accumulation_steps,
         "num_replicas": run_plan.num_replicas, "device": runtime.device_name,
         "precision": precision, "planned_peak_bytes": run_plan.peak_bytes,
         "budget_bytes": run_plan.plan.budget_bytes if run_plan.plan else None,
         "history": history, "train_seconds_this_run": seconds,
-        "memory_recoveries": list(attempt.recoveries),
+        "memory_recoveries": recoveries,
     }
     if validation is not None:
         loss, accuracy = accum.evaluate(validation, verbose=0)
@@ -523,7 +527,7 @@ def _supervise(config: FinetuneConfig, cap: int, data: _Data) -> dict:
                     f"its first step ({watch.reason}): the framework and the model alone need "
                     "more; raise --memory-limit (or pass --memory-limit none)")
             micro, k = split["micro_batch_size"], split["accumulation_steps"]
-            smaller = _halved(micro)
+            smaller = recovery.halved(micro)
             if smaller is None:
                 raise cli.UsageError(
                     f"micro-batch 1 × {k} accumulation steps still reached --memory-limit "
@@ -556,15 +560,6 @@ def _plan_under(config: FinetuneConfig, attempt: _Attempt, cap: int, workdir: st
                 "--image-size or model, or raise --memory-limit")
     return ("use --precision mixed_bfloat16, --freeze-backbone, a smaller --image-size or "
             "model, or raise --memory-limit (scripts/plan.py shows what fits)")
-
-
-def _halved(micro_batch_size: int) -> int | None:
-    """The micro-batch after a stop: the largest divisor of `micro_batch_size` up to its half
-    (so replicas × micro-batch × k still make the global batch); None below 2."""
-    for size in range(micro_batch_size // 2, 0, -1):
-        if micro_batch_size % size == 0:
-            return size
-    return None
 
 
 def _attempt(config: FinetuneConfig, attempt: _Attempt, cap: int | None, workdir: str):

@@ -112,27 +112,28 @@ def test_run_killed_mid_epoch_resumes_to_the_uninterrupted_weights(tmp_path, str
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "tfmem: warning" not in resumed.stderr
     _assert_same_run(tmp_path, "resumed", straight)
-    # The newest point and the one before it are kept. Saves: epoch 1 at steps 5, 10 and its
-    # end (generations 0-2), epoch 2 at step 5 (3), killed; resumed: epoch 2 at step 10 and
-    # its end (4, 5), epoch 3 at steps 5, 10 and its end (6-8).
+    # The newest point and the one before it are kept. Saves: the start (generation 0, the
+    # point a step that runs out of memory goes back to), epoch 1 at steps 5, 10 and its end
+    # (1-3), epoch 2 at step 5 (4), killed; resumed: epoch 2 at step 10 and its end (5, 6),
+    # epoch 3 at steps 5, 10 and its end (7-9).
     assert sorted(os.listdir(tmp_path / "resumed")) == [
-        ".lock", "backup-7.json", "backup-7.weights.h5", "backup-8.json",
-        "backup-8.weights.h5"]
+        ".lock", "backup-8.json", "backup-8.weights.h5", "backup-9.json",
+        "backup-9.weights.h5"]
 
 
 @pytest.mark.parametrize("damage", ["truncated weights", "empty record"])
 def test_a_damaged_newest_point_falls_back_to_the_one_before(tmp_path, straight, damage):
-    killed = _run(tmp_path, "resumed", kill_at=30)  # epoch 3, step 6: points 6 (step 5), 5
+    killed = _run(tmp_path, "resumed", kill_at=30)  # epoch 3, step 6: points 7 (step 5), 6
     assert killed.returncode == -signal.SIGKILL
     directory = tmp_path / "resumed"
-    assert sorted(_points(directory)) == [5, 6]
+    assert sorted(_points(directory)) == [6, 7]
     if damage == "truncated weights":
-        weights = directory / "backup-6.weights.h5"
+        weights = directory / "backup-7.weights.h5"
         weights.write_bytes(weights.read_bytes()[:-100])
-        reason = "backup-6.weights.h5 has"
+        reason = "backup-7.weights.h5 has"
     else:
-        (directory / "backup-6.json").write_text("")
-        reason = "backup-6.json is damaged (JSONDecodeError"
+        (directory / "backup-7.json").write_text("")
+        reason = "backup-7.json is damaged (JSONDecodeError"
     resumed = _run(tmp_path, "resumed", kill_at=0)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     warning = [line for line in resumed.stderr.splitlines() if "tfmem: warning" in line]

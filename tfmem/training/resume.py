@@ -35,7 +35,8 @@ import numpy as np
 if TYPE_CHECKING:  # only in annotations: resuming needs no TensorFlow of its own
     import tensorflow as tf
 
-from tfmem.training import run_directory
+from tfmem import _keras_internals as internals
+from tfmem.training import recovery, run_directory
 
 _POINT = re.compile(r"^backup-(\d+)\.json$")
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -94,9 +95,11 @@ class _Saver(keras.callbacks.Callback):
 class _Backup:
     """The backup directory: `backup-<n>.weights.h5` + `backup-<n>.json`, the newest two."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, recoveries: list[dict] | None = None):
         self.directory = directory
         self.latest: dict[str, Any] | None = None
+        # The run's recoveries from out of memory, recorded with each point.
+        self.recoveries = [] if recoveries is None else recoveries
 
     def generations(self) -> list[int]:
         if not os.path.isdir(self.directory):
@@ -153,12 +156,25 @@ class _Backup:
                       f"damaged ({'; '.join(damaged)}); resuming from the one before it "
                       f"(epoch {state['epoch'] + 1}, step {state['step']})", file=sys.stderr)
             self.latest = state
+            self._adopt_recoveries(model, state)
             return state
         if damaged:
             raise ValueError(
                 f"no usable resume point in {self.directory}: {'; '.join(damaged)}; delete "
                 f"{self.directory} to start the run again from its beginning")
         return None
+
+    def _adopt_recoveries(self, model: keras.Model, state: dict[str, Any]) -> None:
+        """After running out of memory, a run keeps the smaller micro-batch it went on with."""
+        recorded = state.get("memory_recoveries") or []
+        self.recoveries.extend(entry for entry in recorded if entry not in self.recoveries)
+        steps = state.get("accumulation_steps")
+        if recorded and recovery.can_recover(model) and isinstance(steps, int) and (
+                steps > model.accumulation_steps):
+            print(f"tfmem: resuming with accumulation_steps={steps} (instead of "
+                  f"{model.accumulation_steps}), which this run took after running out of "
+                  "memory", file=sys.stderr)
+            _set_accumulation_steps(model, steps)
 
     def save(self, model: keras.Model, *, epoch: int, step: int, history=None) -> None:
         os.makedirs(self.directory, exist_ok=True)
@@ -179,6 +195,8 @@ class _Backup:
             "generation": generation, "weights": weights, "epoch": epoch, "step": step,
             "history": history if history is not None else (self.latest or {}).get(
                 "history", {}),
+            "accumulation_steps": getattr(model, "accumulation_steps", None),
+            "memory_recoveries": list(self.recoveries),
         }
         try:
             model.save_weights(temporary)
@@ -220,6 +238,32 @@ class _Backup:
                                      f"({detail}); {kept}; free some space and start again")
 
 
+def _set_accumulation_steps(model: keras.Model, steps: int) -> None:
+    model.accumulation_steps = steps  # the step functions are traced again
+    model._auto_accumulation = False  # `fit` keeps this k, it no longer picks one
+
+
+def _recover(model, backup, dataset, failure, epoch) -> None:
+    """After a step ran out of memory: the smaller split, said and recorded."""
+    from tfmem import backend
+
+    internals.drop_jax_state(model)
+    spec = keras.tree.flatten(dataset.element_spec)[0]
+    split = recovery.smaller_split(
+        model, spec.shape[0] if spec.shape.rank else None,
+        backend.current_runtime(model).num_replicas, failure)
+    split.update(epoch=epoch + 1, in_process=True)
+    _set_accumulation_steps(model, split["to_accumulation_steps"])
+    backup.recoveries.append(split)
+    point = backup.latest
+    print(f"tfmem: a train step of epoch {epoch + 1} ran out of memory at micro-batch "
+          f"{split['micro_batch_size']} × {split['accumulation_steps']} ({split['error']}); "
+          f"going on from the resume point of epoch {point['epoch'] + 1}, step "
+          f"{point['step']} with micro-batch {split['to_micro_batch_size']} × "
+          f"{split['to_accumulation_steps']}, the same global batch", file=sys.stderr,
+          flush=True)
+
+
 def _check_learning_rate(model: keras.Model) -> None:
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None:
@@ -243,6 +287,7 @@ def fit_resumable(
     callbacks: Sequence[keras.callbacks.Callback] = (),
     verbose: Any = "auto",
     run_config: Mapping[str, Any] | None = None,
+    memory_recoveries: list[dict] | None = None,
     **fit_kwargs: Any,
 ) -> dict[str, list[float]]:
     """Trains a compiled model for `epochs`, resuming from `backup_dir` if a run was killed.
@@ -263,6 +308,13 @@ def fit_resumable(
         verbose: as in `fit`.
         run_config: the settings that define the run (JSON values, e.g. the learning rate
             and batch size); recorded in `backup_dir` and compared on every restart.
+        memory_recoveries: a list to which each recovery of the run from out of memory is
+            appended, as a dict (those of earlier processes of the run, read from the resume
+            point, included). When a train step of an `AccumModel` runs out of memory (JAX on
+            any device, TensorFlow on a GPU), the step is dropped, the micro-batch halved and
+            `accumulation_steps` doubled (the same global batch), and training goes on from
+            the last resume point; one line on stderr says so. A run that starts with no
+            resume point saves one first, so that there is one to go back to.
         **fit_kwargs: further arguments of the model's `fit` (e.g. `AccumModel.fit`'s
             `check_memory=False` when the plan was already checked).
 
@@ -276,6 +328,8 @@ def fit_resumable(
             gave fewer than `steps_per_epoch` batches.
         OSError: no space left to save a resume point (`errno.ENOSPC`); the previous resume
             point is left intact.
+        tfmem.training.recovery.OutOfMemoryError: a step ran out of memory at micro-batch 1,
+            with what the memory plan says would fit.
 
     Example:
         >>> history = tfmem.fit_resumable(
@@ -288,7 +342,7 @@ def fit_resumable(
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
     _check_learning_rate(model)
-    backup = _Backup(os.fspath(backup_dir))
+    backup = _Backup(os.fspath(backup_dir), memory_recoveries)
     with run_directory.lock(backup.directory, "backup_dir"):
         if run_config is not None:
             run_directory.check_config(
@@ -307,33 +361,48 @@ def _train(model, make_dataset, backup, epochs, steps_per_epoch, save_every_step
     if state is not None:  # said whatever `verbose` is: a resumed run is never silent
         print(f"Resuming from {backup.directory}: epoch {epoch + 1}, step {step} "
               f"of {steps_per_epoch}.")
+    elif recovery.can_recover(model):  # the point a step that runs out of memory goes back to
+        if model.optimizer is not None and not model.optimizer.built:
+            model.optimizer.build(model.trainable_variables)
+        backup.save(model, epoch=0, step=0, history={})
     while epoch < epochs:
         if step >= steps_per_epoch:  # killed between the epoch's last update and its save
             epoch, step = epoch + 1, 0
             continue
         dataset = make_dataset(epoch).skip(step)
         saver = _Saver(backup, epoch, step, save_every_steps, steps_per_epoch)
-        result = model.fit(
-            dataset,
-            initial_epoch=epoch,
-            epochs=epoch + 1,
-            steps_per_epoch=steps_per_epoch - step,
-            validation_data=validation_data,
-            shuffle=False,  # each epoch's order comes from make_dataset(epoch)
-            callbacks=[saver, *callbacks],
-            verbose=verbose,
-            **fit_kwargs,
-        )
-        if model.stop_training:  # a callback stopped the run (e.g. TerminateOnNaN)
-            return history
-        if saver.updates < steps_per_epoch - step:
-            raise ValueError(
-                f"the data of epoch {epoch + 1} ran out after {step + saver.updates} of "
-                f"{steps_per_epoch} updates: steps_per_epoch (`num_examples // "
-                "global_batch_size`) is more than the data gives; pass the real number of "
-                "examples (`--num-examples`)")
-        for key, values in result.history.items():
-            history.setdefault(key, []).extend(float(value) for value in values)
+        # JAX reports an out-of-memory when a value is read, which may be after `fit` returns
+        # (the history, the resume point): all of the epoch is inside.
+        try:
+            result = model.fit(
+                dataset,
+                initial_epoch=epoch,
+                epochs=epoch + 1,
+                steps_per_epoch=steps_per_epoch - step,
+                validation_data=validation_data,
+                shuffle=False,  # each epoch's order comes from make_dataset(epoch)
+                callbacks=[saver, *callbacks],
+                verbose=verbose,
+                **fit_kwargs,
+            )
+            if model.stop_training:  # a callback stopped the run (e.g. TerminateOnNaN)
+                return history
+            if saver.updates < steps_per_epoch - step:
+                raise ValueError(
+                    f"the data of epoch {epoch + 1} ran out after {step + saver.updates} of "
+                    f"{steps_per_epoch} updates: steps_per_epoch (`num_examples // "
+                    "global_batch_size`) is more than the data gives; pass the real number of "
+                    "examples (`--num-examples`)")
+            for key, values in result.history.items():
+                history.setdefault(key, []).extend(float(value) for value in values)
+            backup.save(model, epoch=epoch + 1, step=0, history=history)
+        except Exception as error:
+            failure = recovery.out_of_memory(error)
+            if failure is None or not recovery.can_recover(model) or backup.latest is None:
+                raise
+            _recover(model, backup, dataset, failure, epoch)
+            state = backup.restore(model)
+            epoch, step, history = state["epoch"], state["step"], state["history"]
+            continue
         epoch, step = epoch + 1, 0
-        backup.save(model, epoch=epoch, step=0, history=history)
     return history

@@ -1,0 +1,84 @@
+"""A training process whose first micro-batch needs more memory than it can have.
+
+Usage: python out_of_memory_run.py BACKUP_DIR OUT_JSON ACCUMULATION_STEPS LIMIT [EPOCHS]
+
+The backend is KERAS_BACKEND's. The run is `fit_resumable` over EPOCHS (default 1) epochs of 3
+steps of a global batch of 64; the weights and what happened are written to OUT_JSON. LIMIT says how memory runs out:
+
+* a number of bytes: after the framework has started (before the first train step), the
+  address space of this process is capped at what it maps now plus that many bytes
+  (`RLIMIT_AS`), so a micro-batch whose activations need more fails for real, with the error
+  the framework raises (JAX; TensorFlow on a CPU crashes instead of raising);
+* "machine": no cap, but the model asks, in each micro-batch, for 2 ** (rows / 2 + 3) floats:
+  2 MB at 32 rows, 128 GiB at 64, which the kernel refuses (more than the machine has), and
+  TensorFlow raises its own out-of-memory error, as it does on a GPU;
+* "none": neither.
+"""
+
+import json
+import resource
+import sys
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tfmem
+
+backup_dir, out_path = sys.argv[1], sys.argv[2]
+accumulation_steps, limit = int(sys.argv[3]), sys.argv[4]
+epochs = int(sys.argv[5]) if len(sys.argv) > 5 else 1
+GLOBAL_BATCH, STEPS = 64, 3
+
+
+
+class AsksForMemory(keras.layers.Layer):
+    """Asks for 2 ** (rows / 2 + 3) floats; its output is its input."""
+
+    def call(self, x):
+        rows = tf.cast(tf.shape(x)[0], tf.float32)
+        size = tf.cast(2.0 ** (rows / 2 + 3), tf.int64)
+        asked = tf.fill(tf.reshape(size, [1]), x[0, 0, 0, 0])
+        return x + 0.0 * tf.reduce_mean(asked)
+
+
+keras.utils.set_random_seed(7)
+inputs = keras.Input((64, 64, 4))
+# A wide pointwise expansion: 8 MB of activation per sample, 512 MB at micro-batch 64.
+hidden = AsksForMemory()(inputs) if limit == "machine" else inputs
+hidden = keras.layers.Conv2D(512, 1, activation="relu")(hidden)
+hidden = keras.layers.Conv2D(4, 1)(hidden)
+hidden = keras.layers.BatchNormalization(momentum=0.5)(hidden)
+outputs = keras.layers.Dense(3)(keras.layers.GlobalAveragePooling2D()(hidden))
+model = tfmem.AccumModel(inputs, outputs, accumulation_steps=accumulation_steps)
+model.compile(keras.optimizers.SGD(0.1),
+              keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+rng = np.random.default_rng(0)
+images = rng.normal(size=(GLOBAL_BATCH * STEPS, 64, 64, 4)).astype("float32")
+labels = (images[:, :8, :8, 0].mean(axis=(1, 2)) > 0).astype("int32") + (
+    images[:, :8, :8, 1].mean(axis=(1, 2)) > 0).astype("int32")
+
+
+def make_dataset(epoch):
+    return tf.data.Dataset.from_tensor_slices((images, labels)).batch(GLOBAL_BATCH,
+                                                                      drop_remainder=True)
+
+
+# Start what the run will use before the cap: the framework's threads, the data pipeline.
+model.predict(images[:1], verbose=0)
+next(iter(make_dataset(0)))
+if limit not in ("machine", "none"):
+    with open("/proc/self/status") as status:
+        mapped = next(int(line.split()[1]) * 1024 for line in status
+                      if line.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + int(limit), resource.RLIM_INFINITY))
+
+recoveries = []
+history = tfmem.fit_resumable(model, make_dataset, epochs=epochs, steps_per_epoch=STEPS,
+                              backup_dir=backup_dir, verbose=0, check_memory=False,
+                              memory_recoveries=recoveries)
+with open(out_path, "w") as file:
+    json.dump({"weights": [w.tolist() for w in model.get_weights()],
+               "accumulation_steps": model.accumulation_steps,
+               "recoveries": recoveries, "loss": history["loss"]}, file)

@@ -1,0 +1,126 @@
+"""A train step that runs out of memory: `fit_resumable` goes on with a smaller micro-batch.
+
+Real out-of-memory errors in real processes (`out_of_memory_run.py`): on JAX under an address
+space cap, on TensorFlow from an allocation the kernel refuses (TensorFlow on a CPU crashes
+under a cap instead of raising). Each recovered run is compared with a run that used the
+final micro-batch from its start.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfmem import AccumModel
+from tfmem.training import recovery
+
+PROGRAM = os.path.join(os.path.dirname(__file__), "out_of_memory_run.py")
+GLOBAL_BATCH = 64
+
+
+def _run(tmp_path, name, backend, accumulation_steps, limit, epochs=1):
+    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
+    result = subprocess.run(
+        [sys.executable, PROGRAM, str(tmp_path / name), str(tmp_path / f"{name}.json"),
+         str(accumulation_steps), str(limit), str(epochs)],
+        capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads((tmp_path / f"{name}.json").read_text()), result.stderr
+
+
+def _assert_same_weights(actual, expected):
+    for a, b in zip(actual["weights"], expected["weights"], strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.linalg.norm(a - b) <= 1e-5 * max(np.linalg.norm(b), 1e-12)
+
+
+def _assert_recoveries(outcome, stderr):
+    recoveries = outcome["recoveries"]
+    assert recoveries and recoveries[0]["micro_batch_size"] == GLOBAL_BATCH
+    for before, after in zip(recoveries, recoveries[1:]):
+        assert after["micro_batch_size"] == before["to_micro_batch_size"]
+    for entry in recoveries:  # halved, and always the same global batch
+        assert entry["to_micro_batch_size"] * 2 == entry["micro_batch_size"]
+        assert entry["to_micro_batch_size"] * entry["to_accumulation_steps"] == GLOBAL_BATCH
+    assert outcome["accumulation_steps"] == recoveries[-1]["to_accumulation_steps"]
+    lines = [line for line in stderr.splitlines() if "ran out of memory" in line]
+    assert len(lines) == len(recoveries)
+    assert lines[0].startswith("tfmem: a train step of epoch 1 ran out of memory at "
+                               f"micro-batch {GLOBAL_BATCH} × 1 (")
+    assert lines[-1].endswith(
+        f"with micro-batch {recoveries[-1]['to_micro_batch_size']} × "
+        f"{recoveries[-1]['to_accumulation_steps']}, the same global batch")
+
+
+def test_jax_step_over_an_address_space_cap_goes_on_with_a_smaller_micro_batch(tmp_path):
+    # Micro-batch 64 needs ~1.6 GB of activations and their gradients; 700 MB are allowed.
+    recovered, stderr = _run(tmp_path, "recovered", "jax", 1, 700_000_000)
+    _assert_recoveries(recovered, stderr)
+    assert "Out of memory allocating" in recovered["recoveries"][0]["error"]
+    straight, _ = _run(tmp_path, "straight", "jax", recovered["accumulation_steps"], "none")
+    _assert_same_weights(recovered, straight)
+    assert recovered["loss"] == pytest.approx(straight["loss"], rel=1e-6)
+
+
+def test_tensorflow_out_of_memory_error_goes_on_and_a_restart_keeps_the_micro_batch(tmp_path):
+    recovered, stderr = _run(tmp_path, "run", "tensorflow", 1, "machine")
+    _assert_recoveries(recovered, stderr)
+    assert recovered["accumulation_steps"] == 2
+    assert recovered["recoveries"][0]["error"].startswith("OOM when allocating tensor")
+    # Started again for a second epoch with the same k=1: the run keeps micro-batch 32.
+    again, stderr = _run(tmp_path, "run", "tensorflow", 1, "machine", epochs=2)
+    assert "tfmem: resuming with accumulation_steps=2 (instead of 1)" in stderr
+    assert "ran out of memory" not in stderr
+    assert again["recoveries"] == recovered["recoveries"]
+    straight, _ = _run(tmp_path, "straight", "tensorflow", 2, "none", epochs=2)
+    _assert_same_weights(again, straight)
+
+
+@pytest.fixture(scope="module")
+def tensorflow_out_of_memory_error():
+    """The error TensorFlow raises for an allocation the kernel refuses (128 GiB); TensorFlow
+    retries the allocation for 10 s before it raises, so it is made once."""
+    try:
+        tf.fill([1 << 35], 0.0)
+    except tf.errors.ResourceExhaustedError as error:
+        return error
+    pytest.fail("an allocation of 128 GiB succeeded")
+
+
+def test_micro_batch_one_out_of_memory_is_one_error_with_the_plan(
+        tensorflow_out_of_memory_error):
+    error = tensorflow_out_of_memory_error
+    inputs = keras.Input((4,))
+    model = AccumModel(inputs, keras.layers.Dense(2)(inputs), accumulation_steps=8)
+    model.compile("sgd", "mse")
+    split = recovery.smaller_split(model, 16, 1, error)  # micro-batch 2 → 1
+    assert (split["to_micro_batch_size"], split["to_accumulation_steps"]) == (1, 16)
+    model.accumulation_steps = 16
+    with pytest.raises(recovery.OutOfMemoryError) as raised:
+        recovery.smaller_split(model, 16, 1, error)
+    message = str(raised.value)
+    assert message.startswith("out of memory in a train step at micro-batch 1 × 16 "
+                              "accumulation steps (OOM when allocating tensor with shape[")
+    # This model fits this machine, so the plan's estimate is named as the one that is low.
+    assert "and nothing smaller can be tried; the plan for this device picks micro-batch 16 × 1" \
+        in message
+
+
+def test_what_is_out_of_memory(tensorflow_out_of_memory_error):
+    error = tensorflow_out_of_memory_error
+    assert recovery.out_of_memory(error) is error
+    try:  # raised while handling it, as JAX's trainer does when its donated state is gone
+        try:
+            raise error
+        except tf.errors.ResourceExhaustedError:
+            raise RuntimeError("Array has been deleted")
+    except RuntimeError as second:
+        assert recovery.out_of_memory(second) is error
+    assert recovery.out_of_memory(ValueError("Out of memory")) is None  # not a framework's
+    assert recovery.out_of_memory(tf.errors.InternalError(None, None, "failed")) is None
+    assert [recovery.halved(n) for n in (64, 6, 9, 7, 2, 1)] == [32, 3, 3, 1, 1, None]

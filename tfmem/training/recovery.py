@@ -1,0 +1,123 @@
+"""Out of memory inside a train step: the same global batch, in smaller micro-batches.
+
+Where the framework raises when memory runs out (JAX on any device, TensorFlow on a GPU),
+`fit_resumable` catches the error, drops the failed step, halves the micro-batch and doubles
+`accumulation_steps` (the global batch, and so the training, stay the same), and goes on from
+its last resume point. AccumModel is exact for any `k` and resuming is exact, so the run ends
+with the weights of a run that used the smaller micro-batch from its start. This module holds
+the decisions; `tfmem.training.resume` does the restart.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+
+# How each framework says it: TensorFlow's `tf.errors.ResourceExhaustedError` (by class name:
+# no TensorFlow import on the JAX backend); JAX's runtime errors with XLA's status code, or
+# with the allocator's words (a failure found when an asynchronously dispatched step's result
+# is read is reported as INTERNAL: "Error dispatching computation: Out of memory allocating").
+_ERROR_CLASSES = ("ResourceExhaustedError",)
+_RUNTIME_ERROR_CLASSES = ("JaxRuntimeError", "XlaRuntimeError")
+_RUNTIME_ERROR_MARKS = ("RESOURCE_EXHAUSTED", "Out of memory")
+_SAYS_WHAT = ("OOM when allocating", *_RUNTIME_ERROR_MARKS)
+
+
+class OutOfMemoryError(RuntimeError):
+    """A train step ran out of memory at micro-batch 1: nothing smaller can be tried."""
+
+
+def out_of_memory(error: BaseException) -> BaseException | None:
+    """The framework's out-of-memory error in `error` or in what it was raised from, or None.
+
+    JAX's trainer can raise a second error while cleaning up after the first (its donated
+    state is gone), so the causes and contexts are searched too.
+    """
+    pending, seen = [error], set()
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        name = type(current).__name__
+        if name in _ERROR_CLASSES or (name in _RUNTIME_ERROR_CLASSES and any(
+                mark in str(current) for mark in _RUNTIME_ERROR_MARKS)):
+            return current
+        pending += [current.__cause__, current.__context__]
+    return None
+
+
+def what_it_said(error: BaseException) -> str:
+    """What could not be allocated, from the error's words (at most 160 characters)."""
+    text = str(error)
+    found = [text.find(mark) for mark in _SAYS_WHAT if mark in text]
+    said = (text[min(found):] if found else text).strip()
+    said = said.splitlines()[0] if said else type(error).__name__
+    return said if len(said) <= 160 else said[:157] + "..."
+
+
+def halved(micro_batch_size: int) -> int | None:
+    """The micro-batch after running out of memory: the largest divisor of `micro_batch_size`
+    up to its half (so replicas × micro-batch × k still make the global batch); None below 2."""
+    for size in range(micro_batch_size // 2, 0, -1):
+        if micro_batch_size % size == 0:
+            return size
+    return None
+
+
+def can_recover(model: keras.Model) -> bool:
+    """Whether `model` splits its batch into micro-batches (an AccumModel with a set `k`)."""
+    return isinstance(getattr(model, "accumulation_steps", None), int) and hasattr(
+        model, "plan_memory")
+
+
+def smaller_split(model: keras.Model, global_batch_size: int | None, num_replicas: int,
+                  error: BaseException) -> dict[str, Any]:
+    """The next split of the global batch after `error`: `{"micro_batch_size", ...}`.
+
+    Raises:
+        OutOfMemoryError: the micro-batch is already 1, with what the plan says would fit.
+    """
+    k = model.accumulation_steps
+    said = what_it_said(error)
+    if global_batch_size is None:
+        raise OutOfMemoryError(
+            f"out of memory in a train step with accumulation_steps={k} ({said}); the data "
+            "has no static batch size, so the micro-batch cannot be halved: batch it with "
+            "drop_remainder=True")
+    micro = global_batch_size // (num_replicas * k)
+    smaller = halved(micro)
+    if smaller is None:
+        raise OutOfMemoryError(
+            f"out of memory in a train step at micro-batch 1 × {k} accumulation steps "
+            f"({said}), and nothing smaller can be tried; "
+            + what_would_fit(model, global_batch_size))
+    return {"micro_batch_size": micro, "accumulation_steps": k,
+            "to_micro_batch_size": smaller, "to_accumulation_steps": k * micro // smaller,
+            "error": said}
+
+
+def what_would_fit(model: keras.Model, global_batch_size: int) -> str:
+    """What the memory plan of this device says about the run (shapes only, no allocation)."""
+    from tfmem import backend
+    from tfmem.memory import guard, plan_report  # the planner is needed only here
+
+    advice = ("use mixed precision, freeze part of the model, or a smaller input or model "
+              "(tfmem.plan shows what fits)")
+    precision = model.dtype_policy.name
+    try:
+        run = guard.guard(model, global_batch_size=global_batch_size,
+                          accumulation_steps="auto", allow_over_budget=True,
+                          runtime=backend.current_runtime(model), optimizer=model.optimizer,
+                          precision=precision if precision.startswith("mixed_") else "float32")
+    except Exception as error:  # noqa: BLE001 - the out-of-memory error is the one to report
+        return f"{advice}; the plan could not be made ({type(error).__name__}: {error})"
+    plan = run.plan
+    if plan is None:
+        return advice
+    if not plan.fits:
+        return f"the plan for this device: {plan_report.format_nothing_fits(plan)}"
+    return (f"the plan for this device picks micro-batch {run.micro_batch_size} × "
+            f"{run.accumulation_steps}, which ran out of memory here (its estimate is low for "
+            f"this run): {advice}")
