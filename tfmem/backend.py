@@ -20,12 +20,12 @@ NAME = keras.backend.backend()
 if NAME == "jax":
     from tfmem.memory.gradient_trace import trace_call_jax as trace_call
     from tfmem.metrics import traced_jax as metric_checks
-    from tfmem.runtime.distribute_jax import current_runtime, detect
+    from tfmem.runtime.distribute_jax import current_runtime, detect, processes
     from tfmem.training.accumulation_jax import AccumTrainer
 elif NAME == "tensorflow":
     from tfmem.memory.gradient_trace import trace_call_tensorflow as trace_call
     from tfmem.metrics import traced_tf as metric_checks
-    from tfmem.runtime.distribute import current_runtime, detect
+    from tfmem.runtime.distribute import current_runtime, detect, processes
     from tfmem.training.accumulation_tf import AccumTrainer
 else:
     raise ImportError(
@@ -33,4 +33,5 @@ else:
         "Set KERAS_BACKEND=tensorflow or KERAS_BACKEND=jax before importing keras."
     )
 
-__all__ = ["NAME", "AccumTrainer", "current_runtime", "detect", "metric_checks", "trace_call"]
+__all__ = ["NAME", "AccumTrainer", "current_runtime", "detect", "metric_checks", "processes",
+           "trace_call"]

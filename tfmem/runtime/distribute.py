@@ -44,6 +44,21 @@ def choose_layout(prefer: str | None, hardware: Hardware) -> tuple[str, str]:
     return kind, "cpu_only" if hardware.gpus else "default"
 
 
+class OneProcess:
+    """The processes `fit_resumable` coordinates on TensorFlow: only this one."""
+
+    index, count = 0, 1
+
+    def barrier(self, name: str) -> None:
+        pass
+
+    def gather(self, values: list[int]) -> list[list[int]]:
+        return [list(values)]
+
+
+processes = OneProcess()
+
+
 def detect(
     prefer: str | None = None,
     *,

@@ -16,12 +16,21 @@ arithmetic and everything downstream (planner, AccumModel, scripts) do not chang
   TensorFlow path's `nvidia-smi` total, because that is all a JAX process can get — else the
   `tfmem.runtime.devices` table entry for its `device_kind`; on CPU the host's available RAM divided
   by this process's CPU devices, since forced host devices
-  (`--xla_force_host_platform_device_count`) share one RAM.
+  (`--xla_force_host_platform_device_count`) share one RAM;
+- processes: when the environment asks for several (`JAX_COORDINATOR_ADDRESS`,
+  `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`, or a multi-host TPU pod slice), `detect()` starts
+  JAX's distributed runtime first (`jax.distributed.initialize`), with a time limit; the mesh
+  then spans every process's devices (docs/multi-host.md).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import sys
+import time
+from collections.abc import Mapping
 
 import jax
 import keras
@@ -31,19 +40,149 @@ from tfmem.runtime import devices as devices_lib
 from tfmem.runtime.runtime import KINDS, Runtime, UnavailableDeviceError
 
 
-def detect(prefer: str | None = None) -> Runtime:
+# What asks for several processes: JAX's own variable for the coordinator, and two more that
+# tfmem reads for the count and the rank (JAX finds those itself on SLURM, Open MPI, GKE, and
+# Cloud TPU pod slices, whose hosts are in TPU_WORKER_HOSTNAMES).
+COORDINATOR = "JAX_COORDINATOR_ADDRESS"
+NUM_PROCESSES = "JAX_NUM_PROCESSES"
+PROCESS_ID = "JAX_PROCESS_ID"
+TPU_HOSTS = "TPU_WORKER_HOSTNAMES"
+
+
+def process_settings(environ: Mapping[str, str]) -> dict | None:
+    """The `jax.distributed.initialize` arguments the environment asks for; None: one process.
+
+    Raises:
+        ValueError: a count or rank that is not a number, a rank outside the count, or a
+            count and rank without the coordinator's address.
+    """
+    address = environ.get(COORDINATOR, "").strip()
+    count, rank = environ.get(NUM_PROCESSES, "").strip(), environ.get(PROCESS_ID, "").strip()
+    if count or rank:
+        missing = [name for name, value in ((COORDINATOR, address), (NUM_PROCESSES, count),
+                                            (PROCESS_ID, rank)) if not value]
+        if missing:
+            raise ValueError(
+                f"several JAX processes need {COORDINATOR}, {NUM_PROCESSES} and {PROCESS_ID} "
+                f"together; {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not "
+                "set: set it in every process (process 0's host:port as the address)")
+        try:
+            num_processes, process_id = int(count), int(rank)
+        except ValueError:
+            raise ValueError(f"{NUM_PROCESSES}={count!r} and {PROCESS_ID}={rank!r} must be "
+                             "whole numbers") from None
+        if num_processes < 1 or not 0 <= process_id < num_processes:
+            raise ValueError(f"{PROCESS_ID}={process_id} must be from 0 to "
+                             f"{NUM_PROCESSES} - 1 = {num_processes - 1}")
+        if num_processes == 1:
+            return None
+        return {"coordinator_address": address, "num_processes": num_processes,
+                "process_id": process_id}
+    if address:  # the count and rank come from the cluster (SLURM, Open MPI, ...)
+        return {"coordinator_address": address}
+    if len([host for host in environ.get(TPU_HOSTS, "").split(",") if host.strip()]) > 1:
+        return {}  # a TPU pod slice: JAX finds the coordinator, count and rank itself
+    return None
+
+
+def _start_processes(timeout: float) -> None:
+    """Starts JAX's distributed runtime when the environment asks for it and it is not on."""
+    if jax.distributed.is_initialized():
+        return
+    settings = process_settings(os.environ)
+    if settings is None:
+        return
+    rank = settings.get("process_id")
+    address = settings.get("coordinator_address")
+    if rank and address:  # process 0 serves the coordinator; the others first wait for it
+        _wait_for(address, timeout, rank)
+    print(f"tfmem: starting JAX's distributed runtime (process "
+          f"{'?' if rank is None else rank} of {settings.get('num_processes', '?')}, "
+          f"coordinator {address or 'found by JAX'}); every process must start within "
+          f"{timeout:g} s", file=sys.stderr, flush=True)
+    try:
+        jax.distributed.initialize(**settings, initialization_timeout=int(timeout))
+    except RuntimeError as error:
+        if "before" in str(error):
+            raise RuntimeError(
+                "JAX's distributed runtime must start before any JAX computation: call "
+                "tfmem.detect() first, before building a model or creating arrays") from None
+        raise
+
+
+def _wait_for(address: str, timeout: float, rank: int) -> None:
+    """Waits until the coordinator at `address` accepts connections, at most `timeout` s."""
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=5):
+                return
+        except OSError as error:
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"process {rank}: the coordinator {address} did not answer within "
+                    f"{timeout:g} s ({error.strerror or error}); start process 0 "
+                    f"({PROCESS_ID}=0) with the same {COORDINATOR}, on the host that address "
+                    "names") from None
+            time.sleep(0.5)
+
+
+class Processes:
+    """This process among those of the run (JAX's distributed runtime): what `fit_resumable`
+    needs to let one of them write and all of them read the same resume point."""
+
+    @property
+    def index(self) -> int:
+        return jax.process_index()
+
+    @property
+    def count(self) -> int:
+        return jax.process_count()
+
+    def barrier(self, name: str) -> None:
+        """Returns when every process has reached the barrier of this name."""
+        if self.count > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(name)
+
+    def gather(self, values: list[int]) -> list[list[int]]:
+        """Every process's `values`, by process index."""
+        if self.count == 1:
+            return [list(values)]
+        import numpy as np
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(
+            np.asarray(values, dtype=np.int32))).reshape(self.count, -1).tolist()
+
+
+processes = Processes()
+
+
+def detect(prefer: str | None = None, *, timeout: float = 300) -> Runtime:
     """Finds JAX's accelerators, installs data parallelism over them, returns a `Runtime`.
+
+    With several processes (hosts), the environment says so (`JAX_COORDINATOR_ADDRESS`,
+    `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`, or a TPU pod slice's own) and `detect()` starts
+    JAX's distributed runtime before anything else; or call `jax.distributed.initialize`
+    yourself before `detect()`.
 
     Args:
         prefer: `"tpu"`, `"gpu"` or `"cpu"` to use that kind of device; `None` takes JAX's
             default backend (TPU, then GPU, then CPU).
+        timeout: seconds every process has to start, with several processes.
 
     Returns:
         A `Runtime` whose `strategy` is the installed `keras.distribution.DataParallel`.
 
     Raises:
-        ValueError: `prefer` is not one of the kinds.
+        ValueError: `prefer` is not one of the kinds; the processes' variables are partial or
+            not numbers.
         tfmem.runtime.UnavailableDeviceError: no device of the preferred kind is present.
+        RuntimeError: the coordinator did not answer in time; JAX had already computed
+            before `detect()` started its distributed runtime.
 
     Example:
         >>> import os; os.environ["KERAS_BACKEND"] = "jax"  # before importing keras
@@ -53,6 +192,7 @@ def detect(prefer: str | None = None) -> Runtime:
     """
     if prefer not in (None, *KINDS):
         raise ValueError(f"`prefer` must be None, 'tpu', 'gpu' or 'cpu', got {prefer!r}.")
+    _start_processes(timeout)
     try:
         found = jax.devices(prefer)
     except RuntimeError as error:
@@ -66,10 +206,11 @@ def detect(prefer: str | None = None) -> Runtime:
     keras.distribution.set_distribution(distribution)
     runtime = _describe(found, distribution, num_replicas=len(found))
     logging.info(
-        "tfmem: JAX backend, %d × %s (%s), DataParallel installed.",
+        "tfmem: JAX backend, %d × %s (%s) over %d process(es), DataParallel installed.",
         runtime.num_replicas,
         runtime.device_name,
         runtime.kind,
+        runtime.num_workers,
     )
     return runtime
 

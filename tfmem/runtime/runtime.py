@@ -63,6 +63,11 @@ class Runtime:
         check_count("num_replicas", self.num_replicas)
         check_count("num_workers", self.num_workers)
 
+    @property
+    def local_replicas(self) -> int:
+        """Replicas of this process (host): `num_replicas ÷ num_workers`."""
+        return max(self.num_replicas // self.num_workers, 1)
+
     def scope(self):
         """The strategy's scope: create the model and optimizer inside it."""
         if self.strategy is None:

@@ -18,6 +18,7 @@ damaged newest one falls back to the previous one with a warning.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -26,6 +27,7 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -95,8 +97,11 @@ class _Saver(keras.callbacks.Callback):
 class _Backup:
     """The backup directory: `backup-<n>.weights.h5` + `backup-<n>.json`, the newest two."""
 
-    def __init__(self, directory: str, recoveries: list[dict] | None = None):
+    def __init__(self, directory: str, recoveries: list[dict] | None = None,
+                 writer: bool = True):
         self.directory = directory
+        # With several processes, one writes the points and every one reads them.
+        self.writer = writer
         self.latest: dict[str, Any] | None = None
         # The run's recoveries from out of memory, recorded with each point.
         self.recoveries = [] if recoveries is None else recoveries
@@ -177,6 +182,12 @@ class _Backup:
             _set_accumulation_steps(model, steps)
 
     def save(self, model: keras.Model, *, epoch: int, step: int, history=None) -> None:
+        if not self.writer:
+            # Saving takes part in collectives (Keras makes variables while it saves), so every
+            # process saves; only the writer's file is kept.
+            with tempfile.TemporaryDirectory(prefix="tfmem-resume-") as scratch:
+                model.save_weights(os.path.join(scratch, "point.weights.h5"))
+            return
         os.makedirs(self.directory, exist_ok=True)
         for name in os.listdir(self.directory):  # leftovers of a save that was killed
             if name.startswith(".tmp-"):
@@ -236,6 +247,33 @@ class _Backup:
                 "no resume point was written yet")
         return OSError(errno.ENOSPC, f"no space to save a resume point in {self.directory} "
                                      f"({detail}); {kept}; free some space and start again")
+
+
+def _one_process() -> bool:
+    from tfmem.backend import processes
+
+    return processes.count == 1
+
+
+def _check_same_point(backup: _Backup, state: dict[str, Any] | None) -> None:
+    """With several processes: each must have found the same resume point."""
+    from tfmem.backend import processes
+
+    if processes.count == 1:
+        return
+    found = processes.gather([-1, 0, 0] if state is None else
+                             [state["generation"], state["epoch"], state["step"]])
+    if any(point != found[0] for point in found):
+        where = "; ".join(
+            f"process {index}: " + ("none" if point[0] < 0 else
+                                    f"epoch {point[1] + 1}, step {point[2]}")
+            for index, point in enumerate(found))
+        raise ValueError(
+            f"the processes found different resume points in {backup.directory} ({where}): "
+            "backup_dir must be one directory that every process sees (a shared file system, "
+            "e.g. NFS or a mounted bucket), not a local one on each host")
+    # Every process has read the point before the first one writes the next.
+    processes.barrier("tfmem.fit_resumable.restored")
 
 
 def _set_accumulation_steps(model: keras.Model, steps: int) -> None:
@@ -342,9 +380,12 @@ def fit_resumable(
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
     _check_learning_rate(model)
-    backup = _Backup(os.fspath(backup_dir), memory_recoveries)
-    with run_directory.lock(backup.directory, "backup_dir"):
-        if run_config is not None:
+    from tfmem.backend import processes
+
+    backup = _Backup(os.fspath(backup_dir), memory_recoveries, writer=processes.index == 0)
+    with (run_directory.lock(backup.directory, "backup_dir") if backup.writer
+          else contextlib.nullcontext()):
+        if run_config is not None and backup.writer:
             run_directory.check_config(
                 backup.directory, run_config, holds_run=bool(backup.generations()),
                 how_to_fix=f"use another backup_dir, or delete {backup.directory} to start "
@@ -356,12 +397,14 @@ def fit_resumable(
 def _train(model, make_dataset, backup, epochs, steps_per_epoch, save_every_steps,
            validation_data, callbacks, verbose, fit_kwargs) -> dict[str, list[float]]:
     state = backup.restore(model)
+    _check_same_point(backup, state)
     epoch, step = (0, 0) if state is None else (state["epoch"], state["step"])
     history: dict[str, list[float]] = {} if state is None else state["history"]
     if state is not None:  # said whatever `verbose` is: a resumed run is never silent
         print(f"Resuming from {backup.directory}: epoch {epoch + 1}, step {step} "
               f"of {steps_per_epoch}.")
-    elif recovery.can_recover(model):  # the point a step that runs out of memory goes back to
+    elif recovery.can_recover(model) and backup.writer and _one_process():
+        # The point a step that runs out of memory goes back to.
         if model.optimizer is not None and not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
         backup.save(model, epoch=0, step=0, history={})
@@ -398,7 +441,8 @@ def _train(model, make_dataset, backup, epochs, steps_per_epoch, save_every_step
             backup.save(model, epoch=epoch + 1, step=0, history=history)
         except Exception as error:
             failure = recovery.out_of_memory(error)
-            if failure is None or not recovery.can_recover(model) or backup.latest is None:
+            if (failure is None or not recovery.can_recover(model) or backup.latest is None
+                    or not _one_process()):
                 raise
             _recover(model, backup, dataset, failure, epoch)
             state = backup.restore(model)

@@ -1,0 +1,77 @@
+"""One process of a JAX run over several processes, or the one-process reference.
+
+Usage: python multihost_run.py MODE OUT_JSON [BACKUP_DIR KILL_AT]
+
+MODE "accum": this process is one of several (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
+JAX_PROCESS_ID are set by the caller), each with 2 CPU devices; `tfmem.detect()` starts JAX's
+distributed runtime and an AccumModel (k = 2) trains on global batches of 16 with `fit`.
+MODE "resumable": the same with `fit_resumable(BACKUP_DIR)`, 2 epochs, a resume point after
+every update; process 1 SIGKILLs itself after KILL_AT updates (0: never).
+MODE "plain": one process, one device, a plain `keras.Model` trained with `fit` on the same
+global batches (3 per epoch; EPOCHS from KILL_AT's place: 1 or 2).
+Each process writes its weights and its runtime to OUT_JSON (with its process index).
+"""
+
+import json
+import os
+import signal
+import sys
+
+os.environ["KERAS_BACKEND"] = "jax"
+mode, out_path = sys.argv[1], sys.argv[2]
+if mode != "plain":
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tfmem  # noqa: E402
+
+GLOBAL_BATCH, STEPS = 16, 3
+runtime = tfmem.detect(timeout=60) if mode != "plain" else None
+
+keras.utils.set_random_seed(0)
+inputs = keras.Input((6,))
+outputs = keras.layers.Dense(3)(keras.layers.Dense(8, activation="tanh")(inputs))
+if mode == "plain":
+    model = keras.Model(inputs, outputs)
+else:
+    model = tfmem.AccumModel(inputs, outputs, accumulation_steps=2)
+model.compile(keras.optimizers.SGD(0.1),
+              keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+rng = np.random.default_rng(0)
+x = rng.normal(size=(GLOBAL_BATCH * STEPS, 6)).astype("float32")
+y = (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0).astype("int32")
+
+
+def make_dataset(epoch):
+    # Each process builds the same global batches; Keras gives each process its rows.
+    order = np.random.default_rng(epoch).permutation(len(x))
+    return tf.data.Dataset.from_tensor_slices((x[order], y[order])).batch(
+        GLOBAL_BATCH, drop_remainder=True)
+
+
+class Kill(keras.callbacks.Callback):
+    updates = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        Kill.updates += 1
+        if Kill.updates == int(sys.argv[4]) and os.environ["JAX_PROCESS_ID"] == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+if mode == "resumable":
+    tfmem.fit_resumable(model, make_dataset, epochs=2, steps_per_epoch=STEPS,
+                        backup_dir=sys.argv[3], save_every_steps=1, callbacks=[Kill()],
+                        verbose=0)
+else:
+    epochs = int(sys.argv[4]) if len(sys.argv) > 4 else 1
+    for epoch in range(epochs):
+        model.fit(make_dataset(epoch), epochs=1, verbose=0)
+with open(out_path, "w") as file:
+    json.dump({"weights": [w.tolist() for w in model.get_weights()],
+               "process": (runtime.num_workers if runtime else 1,
+                           int(os.environ.get("JAX_PROCESS_ID", 0))),
+               "replicas": (runtime.num_replicas, runtime.local_replicas) if runtime else None,
+               "iterations": int(model.optimizer.iterations)}, file)

@@ -1,0 +1,152 @@
+"""JAX past one process: 2 real processes on localhost (gloo collectives), 2 CPU devices each.
+
+The commands are those of docs/multi-host.md ("Try it on one machine"): each process gets
+JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID, and `tfmem.detect()` starts JAX's
+distributed runtime. The reference is one process training a plain `keras.Model` on the same
+global batches.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tfmem.runtime import distribute_jax
+
+PROGRAM = os.path.join(os.path.dirname(__file__), "multihost_run.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("localhost", 0))
+        return probe.getsockname()[1]
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    return dict(env, TF_CPP_MIN_LOG_LEVEL="3", **extra)
+
+
+def _start(tmp_path, mode, name, *args):
+    """Starts the 2 processes; returns them with their output files."""
+    port = _free_port()
+    started = []
+    for rank in range(2):
+        out = tmp_path / f"{name}-{rank}.json"
+        env = _env(JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2",
+                   JAX_PROCESS_ID=str(rank))
+        started.append((subprocess.Popen(
+            [sys.executable, PROGRAM, mode, str(out), *map(str, args)], env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), out))
+    return started
+
+
+def _finish(started, timeout=300):
+    results = []
+    for process, out in started:
+        stdout, stderr = process.communicate(timeout=timeout)
+        results.append((process.returncode, stdout + stderr, out))
+    return results
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """Weights of one process, one device, plain `fit`: after 1 epoch and after 2."""
+    directory = tmp_path_factory.mktemp("plain")
+    found = {}
+    for epochs in (1, 2):
+        out = directory / f"plain-{epochs}.json"
+        result = subprocess.run([sys.executable, PROGRAM, "plain", str(out), "-", str(epochs)],
+                                env=_env(), capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        found[epochs] = json.loads(out.read_text())
+    return found
+
+
+def _assert_close(actual, expected):
+    for a, b in zip(actual["weights"], expected["weights"], strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b)
+
+
+def test_two_processes_train_as_one_big_batch(tmp_path, plain):
+    results = _finish(_start(tmp_path, "accum", "accum"))
+    for rank, (status, output, out) in enumerate(results):
+        assert status == 0, output[-3000:]
+        assert (f"tfmem: starting JAX's distributed runtime (process {rank} of 2, coordinator "
+                "localhost:") in output
+        outcome = json.loads(out.read_text())
+        assert outcome["process"] == [2, rank]
+        assert outcome["replicas"] == [4, 2]  # global and local
+        assert outcome["iterations"] == 3
+        _assert_close(outcome, plain[1])
+
+
+def test_a_killed_process_and_a_restart_resume_every_process_from_one_point(tmp_path, plain):
+    backup = tmp_path / "backup"
+    started = _start(tmp_path, "resumable", "run", backup, 4)  # process 1 dies after 4 updates
+    killed, _ = started[1]
+    killed.wait(timeout=300)
+    assert killed.returncode == -signal.SIGKILL
+    started[0][0].kill()  # the job goes down with it, as a scheduler tears it down
+    _finish(started)
+    points = sorted(name for name in os.listdir(backup) if name.endswith(".json"))
+    assert points and all(name.startswith("backup-") for name in points)
+
+    results = _finish(_start(tmp_path, "resumable", "run", backup, 0))
+    positions = set()
+    for status, output, out in results:
+        assert status == 0, output[-3000:]
+        resumed = [line for line in output.splitlines() if line.startswith("Resuming from")]
+        assert len(resumed) == 1, output[-3000:]
+        positions.add(resumed[0])
+        outcome = json.loads(out.read_text())
+        assert outcome["iterations"] == 6
+        _assert_close(outcome, plain[2])
+    assert len(positions) == 1  # one resume point, read by both
+
+
+@pytest.mark.parametrize("environ, expected", [
+    ({}, None),
+    ({"JAX_COORDINATOR_ADDRESS": "10.0.0.2:1234", "JAX_NUM_PROCESSES": "4",
+      "JAX_PROCESS_ID": "3"},
+     {"coordinator_address": "10.0.0.2:1234", "num_processes": 4, "process_id": 3}),
+    ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "1", "JAX_PROCESS_ID": "0"}, None),
+    ({"JAX_COORDINATOR_ADDRESS": "h:1"}, {"coordinator_address": "h:1"}),  # SLURM, MPI: JAX
+    ({"TPU_WORKER_HOSTNAMES": "t1k-w-0,t1k-w-1,t1k-w-2,t1k-w-3"}, {}),  # a v4-32 pod slice
+    ({"TPU_WORKER_HOSTNAMES": "localhost"}, None),  # one TPU VM
+])
+def test_what_the_environment_asks_for(environ, expected):
+    assert distribute_jax.process_settings(environ) == expected
+
+
+@pytest.mark.parametrize("environ, message", [
+    ({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}, "JAX_COORDINATOR_ADDRESS is not set"),
+    ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_PROCESS_ID": "1"}, "JAX_NUM_PROCESSES is not set"),
+    ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2"},
+     "JAX_PROCESS_ID=2 must be from 0 to JAX_NUM_PROCESSES - 1 = 1"),
+    ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "two", "JAX_PROCESS_ID": "0"},
+     "must be whole numbers"),
+])
+def test_a_partial_or_wrong_environment_is_one_error(environ, message):
+    with pytest.raises(ValueError, match=message):
+        distribute_jax.process_settings(environ)
+
+
+def test_without_process_zero_the_others_stop_at_the_time_limit(tmp_path):
+    env = _env(JAX_COORDINATOR_ADDRESS=f"localhost:{_free_port()}", JAX_NUM_PROCESSES="2",
+               JAX_PROCESS_ID="1")
+    program = ("import os; os.environ['KERAS_BACKEND'] = 'jax'\n"
+               "import tfmem\n"
+               "tfmem.detect(timeout=2)\n")
+    result = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "RuntimeError: process 1: the coordinator localhost:")
+    assert "did not answer within 2 s" in result.stderr
