@@ -3,6 +3,7 @@
 import pytest
 
 from tfmem.runtime import devices
+from tfmem.runtime.runtime import Runtime
 
 
 @pytest.mark.parametrize(
@@ -28,7 +29,9 @@ from tfmem.runtime import devices
         ("v4-8", "tpu-v4-8"),
         ("v5litepod-1", "tpu-v5e-1"),
         ("v5litepod-8", "tpu-v5e-8"),
-        ("v5litepod-4", "tpu-v5e-8"),  # an unlisted size: same memory per chip
+        ("v5litepod-4", "tpu-v5e-4"),  # an unlisted size: its version's chip, its own count
+        ("v4-32", "tpu-v4-32"),
+        ("tpu-v4-64", "tpu-v4-64"),
         ("v5p-8", "tpu-v5p-8"),
         ("v6e-1", "tpu-v6e-1"),
         ("V6E-8", "tpu-v6e-8"),
@@ -52,6 +55,19 @@ def test_tpu_accelerator_types_give_memory_per_replica():
     assert devices.lookup("v5p-8").memory_per_replica == 95 * 2**30
     with pytest.raises(ValueError, match="Unknown accelerator 'v9-8'"):
         devices.lookup("v9-8")
+
+
+@pytest.mark.parametrize("name, replicas, hosts", [
+    ("tpu-v4-8", 4, 1), ("tpu-v4-32", 16, 4), ("v4-64", 32, 8), ("v3-32", 32, 4),
+    ("tpu-v5e-8", 8, 1), ("tpu-v5e-16", 16, 4), ("v5litepod-4", 4, 1), ("v5p-16", 8, 2),
+    ("v6e-16", 16, 4),
+])
+def test_tpu_slices_know_their_chips_and_hosts(name, replicas, hosts):
+    accelerator = devices.lookup(name)
+    assert (accelerator.num_replicas, accelerator.num_hosts) == (replicas, hosts)
+    runtime = Runtime.of_device(name)
+    assert (runtime.num_replicas, runtime.num_workers, runtime.local_replicas) == (
+        replicas, hosts, replicas // hosts)
 
 
 def test_unknown_name_lists_the_valid_ones():

@@ -9,6 +9,8 @@ MODE "resumable": the same with `fit_resumable(BACKUP_DIR)`, 2 epochs, a resume 
 every update; process 1 SIGKILLs itself after KILL_AT updates (0: never).
 MODE "plain": one process, one device, a plain `keras.Model` trained with `fit` on the same
 global batches (3 per epoch; EPOCHS from KILL_AT's place: 1 or 2).
+MODES "images" (several processes, AccumModel) and "plain-images" (one process, plain model):
+the global batches come from `tfmem.image_dataset(DATA_DIR, seed=epoch)` (BACKUP_DIR's place).
 Each process writes its weights and its runtime to OUT_JSON (with its process index).
 """
 
@@ -19,7 +21,8 @@ import sys
 
 os.environ["KERAS_BACKEND"] = "jax"
 mode, out_path = sys.argv[1], sys.argv[2]
-if mode != "plain":
+single = mode.startswith("plain")
+if not single:
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 
 import keras  # noqa: E402
@@ -29,12 +32,20 @@ import tensorflow as tf  # noqa: E402
 import tfmem  # noqa: E402
 
 GLOBAL_BATCH, STEPS = 16, 3
-runtime = tfmem.detect(timeout=60) if mode != "plain" else None
+runtime = None if single else tfmem.detect(timeout=60)
+images = mode.endswith("images")
+if mode == "plain-images":  # one process keeps the order the several processes keep
+    tf.config.experimental.enable_op_determinism()
 
 keras.utils.set_random_seed(0)
-inputs = keras.Input((6,))
-outputs = keras.layers.Dense(3)(keras.layers.Dense(8, activation="tanh")(inputs))
-if mode == "plain":
+if images:
+    inputs = keras.Input((16, 16, 3))
+    hidden = keras.layers.GlobalAveragePooling2D()(keras.layers.Conv2D(4, 3)(inputs))
+    outputs = keras.layers.Dense(4)(hidden)
+else:
+    inputs = keras.Input((6,))
+    outputs = keras.layers.Dense(3)(keras.layers.Dense(8, activation="tanh")(inputs))
+if single:
     model = keras.Model(inputs, outputs)
 else:
     model = tfmem.AccumModel(inputs, outputs, accumulation_steps=2)
@@ -47,6 +58,9 @@ y = (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0).astype("int32")
 
 def make_dataset(epoch):
     # Each process builds the same global batches; Keras gives each process its rows.
+    if images:
+        return tfmem.image_dataset(sys.argv[3], image_size=(16, 16), batch_size=GLOBAL_BATCH,
+                                   training=True, augment=False, seed=epoch)
     order = np.random.default_rng(epoch).permutation(len(x))
     return tf.data.Dataset.from_tensor_slices((x[order], y[order])).batch(
         GLOBAL_BATCH, drop_remainder=True)
@@ -69,8 +83,15 @@ else:
     epochs = int(sys.argv[4]) if len(sys.argv) > 4 else 1
     for epoch in range(epochs):
         model.fit(make_dataset(epoch), epochs=1, verbose=0)
+unseeded = None
+if mode == "images":  # an unseeded shuffle would differ from process to process
+    try:
+        tfmem.image_dataset(sys.argv[3], image_size=(16, 16), batch_size=GLOBAL_BATCH,
+                            training=True)
+    except ValueError as error:
+        unseeded = str(error)
 with open(out_path, "w") as file:
-    json.dump({"weights": [w.tolist() for w in model.get_weights()],
+    json.dump({"unseeded": unseeded, "weights": [w.tolist() for w in model.get_weights()],
                "process": (runtime.num_workers if runtime else 1,
                            int(os.environ.get("JAX_PROCESS_ID", 0))),
                "replicas": (runtime.num_replicas, runtime.local_replicas) if runtime else None,

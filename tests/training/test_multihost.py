@@ -68,6 +68,24 @@ def plain(tmp_path_factory):
     return found
 
 
+def test_two_processes_read_the_global_batches_of_image_dataset(tmp_path):
+    data = tmp_path / "data"
+    subprocess.run([sys.executable, "-c", "import sys, tfmem; tfmem.make_demo_dataset("
+                    "sys.argv[1], num_examples=48, image_size=16, shard_size_mb=0.01)",
+                    str(data)], env=_env(), check=True, capture_output=True, timeout=120)
+    reference = tmp_path / "plain.json"
+    result = subprocess.run([sys.executable, PROGRAM, "plain-images", str(reference), str(data),
+                             "2"], env=_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for status, output, out in _finish(_start(tmp_path, "images", "images", data, 2)):
+        assert status == 0, output[-3000:]
+        outcome = json.loads(out.read_text())
+        _assert_close(outcome, json.loads(reference.read_text()))
+        assert outcome["unseeded"].startswith(
+            "with 2 processes, each keeps its rows of the same global batches, so every "
+            "process must shuffle alike: pass the same `seed` in every process")
+
+
 def _assert_close(actual, expected):
     for a, b in zip(actual["weights"], expected["weights"], strict=True):
         a, b = np.asarray(a), np.asarray(b)

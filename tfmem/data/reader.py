@@ -198,7 +198,9 @@ def image_dataset(
     `TFRecordDataset`s, each shard checked → shuffle buffer of encoded records (training) →
     parse, decode, resize, label check (parallel) → optional flip → batch → prefetch. Order is
     deterministic for evaluation and not when training (faster: whichever file is ready first
-    is read). Memory does not grow with the set: it is set by `prefetch_batches`,
+    is read), except with several JAX processes: each keeps its rows of the same global
+    batches (`keras.distribution` splits them), so all read them in one order, from one
+    `seed`. Memory does not grow with the set: it is set by `prefetch_batches`,
     `shuffle_buffer_size` and `num_parallel_reads`.
 
     Args:
@@ -276,7 +278,7 @@ def image_dataset(
             f, shard, size, count, bool(skip_corrupt), skipped),
         cycle_length=min(options.num_parallel_reads, num_files),
         num_parallel_calls=tf.data.AUTOTUNE,
-        deterministic=not options.training,
+        deterministic=pipeline.in_order(options),
     )
     workers = options.num_workers or num_workers_from_environment()
     if integrity.UNKNOWN not in counts and not skip_corrupt and (context or workers == 1):

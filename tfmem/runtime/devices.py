@@ -27,6 +27,7 @@ class Accelerator:
         num_replicas: replicas in this configuration (8 for a TPU v3-8, 1 for one GPU).
         description: what the table entry stands for, for printing.
         compute_capability: a GPU's CUDA compute capability (NVIDIA's table), None for TPUs.
+        num_hosts: hosts (one process each) the replicas are spread over: 4 for a TPU v4-32.
     """
 
     name: str
@@ -35,6 +36,7 @@ class Accelerator:
     num_replicas: int
     description: str
     compute_capability: tuple[int, int] | None = None
+    num_hosts: int = 1
 
 
 def _gpu(name: str, mib: int, capability: tuple[int, int], description: str) -> Accelerator:
@@ -42,7 +44,23 @@ def _gpu(name: str, mib: int, capability: tuple[int, int], description: str) -> 
 
 
 def _tpu(name: str, gib_per_replica: int, num_replicas: int, description: str) -> Accelerator:
-    return Accelerator(name, "tpu", gib_per_replica * _GIB, num_replicas, description)
+    family = name.rsplit("-", 1)[0]
+    return Accelerator(name, "tpu", gib_per_replica * _GIB, num_replicas, description,
+                       num_hosts=_tpu_hosts(family, num_replicas))
+
+
+# Per Cloud TPU version: replicas per unit of the type's size (v2-v4 and v5p count TensorCores,
+# a replica is a core on v2/v3 and a chip of 2 cores on v4/v5p; v5e/v6e count chips), replicas
+# per host in a slice of several hosts, and the most replicas one host carries.
+_TPU_FAMILIES: dict[str, tuple[float, int, int]] = {
+    "tpu-v2": (1, 8, 8), "tpu-v3": (1, 8, 8), "tpu-v4": (0.5, 4, 4), "tpu-v5p": (0.5, 4, 4),
+    "tpu-v5e": (1, 4, 8), "tpu-v6e": (1, 4, 8),
+}
+
+
+def _tpu_hosts(family: str, num_replicas: int) -> int:
+    _, per_host, one_host = _TPU_FAMILIES[family]
+    return 1 if num_replicas <= one_host else -(-num_replicas // per_host)
 
 
 ACCELERATORS: dict[str, Accelerator] = {
@@ -61,8 +79,10 @@ ACCELERATORS: dict[str, Accelerator] = {
         _tpu("tpu-v2-8", 8, 8, "TPU v2-8: 8 cores × 8 GiB HBM (Colab's legacy TPU)"),
         _tpu("tpu-v3-8", 16, 8, "TPU v3-8: 8 cores × 16 GiB HBM (Kaggle 'TPU v3-8')"),
         _tpu("tpu-v4-8", 32, 4, "TPU v4-8: 4 chips × 32 GiB HBM"),
+        _tpu("tpu-v4-32", 32, 16, "TPU v4-32: 16 chips × 32 GiB HBM on 4 hosts"),
         _tpu("tpu-v5e-1", 16, 1, "TPU v5e-1: 1 chip × 16 GiB HBM (Colab 'v5e-1')"),
         _tpu("tpu-v5e-8", 16, 8, "TPU v5e-8: 8 chips × 16 GiB HBM (Kaggle 'TPU v5e-8')"),
+        _tpu("tpu-v5e-16", 16, 16, "TPU v5e-16: 16 chips × 16 GiB HBM on 4 hosts"),
         _tpu("tpu-v5p-8", 95, 4, "TPU v5p-8: 4 chips × 95 GiB HBM"),
         _tpu("tpu-v6e-1", 32, 1, "TPU v6e-1: 1 chip × 32 GiB HBM (Colab 'v6e-1')"),
         _tpu("tpu-v6e-8", 32, 8, "TPU v6e-8: 8 chips × 32 GiB HBM"),
@@ -95,23 +115,35 @@ _DEVICE_KIND_PATTERNS: list[tuple[str, str]] = [
 # Cloud TPU accelerator types, as TPU VMs put them in `TPU_ACCELERATOR_TYPE` ("v3-8",
 # "v5litepod-8", "v6e-1"): version, an optional variant, and the TensorCore (v2-v4, v5p) or
 # chip (v5e, v6e) count. Memory per replica is the same for every size of one version, so an
-# unlisted size ("v5litepod-4") maps to the listed entry of its version.
+# unlisted size ("v5litepod-4", "tpu-v4-64") is its version's entry with its own replicas and
+# hosts.
 _TPU_ACCELERATOR_TYPE = re.compile(
-    r"^v(?P<version>[2-6])(?P<variant>litepod|lite|e|p)?-(?P<size>\d+)$"
+    r"^(tpu-)?v(?P<version>[2-6])(?P<variant>litepod|lite|e|p)?-(?P<size>\d+)$"
 )
 _TPU_VARIANTS = {None: "", "p": "p", "e": "e", "lite": "e", "litepod": "e"}
 
 
-def _from_tpu_accelerator_type(key: str) -> str | None:
+def _from_tpu_accelerator_type(key: str) -> Accelerator | None:
     match = _TPU_ACCELERATOR_TYPE.match(key)
     if match is None:
         return None
     family = f"tpu-v{match['version']}{_TPU_VARIANTS[match['variant']]}"
     exact = f"{family}-{match['size']}"
     if exact in ACCELERATORS:
-        return exact
-    same_family = [name for name in ACCELERATORS if name.rsplit("-", 1)[0] == family]
-    return same_family[-1] if same_family else None
+        return ACCELERATORS[exact]
+    same_family = [a for a in ACCELERATORS.values() if a.name.rsplit("-", 1)[0] == family]
+    if not same_family or family not in _TPU_FAMILIES:
+        return None
+    replicas = int(int(match["size"]) * _TPU_FAMILIES[family][0])
+    if replicas < 1:
+        return None
+    base = same_family[0]
+    hosts = _tpu_hosts(family, replicas)
+    return dataclasses.replace(
+        base, name=exact, num_replicas=replicas, num_hosts=hosts,
+        description=f"{exact.upper().replace('TPU-', 'TPU ')}: {replicas} × "
+                    f"{base.memory_per_replica // _GIB} GiB HBM"
+                    + (f" on {hosts} hosts" if hosts > 1 else ""))
 
 
 def lookup(name: str) -> Accelerator:
@@ -134,7 +166,7 @@ def lookup(name: str) -> Accelerator:
         return ACCELERATORS[key]
     accelerator_type = _from_tpu_accelerator_type(key)
     if accelerator_type is not None:
-        return ACCELERATORS[accelerator_type]
+        return accelerator_type
     for pattern, table_name in _DEVICE_KIND_PATTERNS:
         if re.search(pattern, key):
             return ACCELERATORS[table_name]

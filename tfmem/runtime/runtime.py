@@ -144,6 +144,7 @@ class Runtime:
         """
         accelerator = devices.lookup(name)
         return cls(kind=accelerator.kind, strategy=None, num_replicas=accelerator.num_replicas,
+                   num_workers=accelerator.num_hosts,
                    memory_per_replica=accelerator.memory_per_replica,
                    device_name=accelerator.name,
                    compute_capability=accelerator.compute_capability)
