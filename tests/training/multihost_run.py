@@ -11,6 +11,8 @@ MODE "plain": one process, one device, a plain `keras.Model` trained with `fit` 
 global batches (3 per epoch; EPOCHS from KILL_AT's place: 1 or 2).
 MODES "images" (several processes, AccumModel) and "plain-images" (one process, plain model):
 the global batches come from `tfmem.image_dataset(DATA_DIR, seed=epoch)` (BACKUP_DIR's place).
+MODES "read" and "plain-read": no training; the SHA-1 of each image of each batch of one epoch
+of that dataset, as this process reads it.
 Each process writes its weights and its runtime to OUT_JSON (with its process index).
 """
 
@@ -34,8 +36,19 @@ import tfmem  # noqa: E402
 GLOBAL_BATCH, STEPS = 16, 3
 runtime = None if single else tfmem.detect(timeout=60)
 images = mode.endswith("images")
-if mode == "plain-images":  # one process keeps the order the several processes keep
+if mode.startswith("plain-"):  # one process keeps the order the several processes keep
     tf.config.experimental.enable_op_determinism()
+
+if mode.endswith("read"):
+    import hashlib
+
+    read = tfmem.image_dataset(sys.argv[3], image_size=(16, 16), batch_size=GLOBAL_BATCH,
+                               training=True, augment=False, seed=0)
+    batches = [[hashlib.sha1(image.tobytes()).hexdigest() for image in batch.numpy()]
+               for batch, _ in read]
+    with open(out_path, "w") as file:
+        json.dump({"batches": batches}, file)
+    sys.exit(0)
 
 keras.utils.set_random_seed(0)
 if images:

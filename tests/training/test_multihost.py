@@ -16,6 +16,7 @@ import sys
 import numpy as np
 import pytest
 
+import tfmem
 from tfmem.runtime import distribute_jax
 
 PROGRAM = os.path.join(os.path.dirname(__file__), "multihost_run.py")
@@ -68,22 +69,52 @@ def plain(tmp_path_factory):
     return found
 
 
-def test_two_processes_read_the_global_batches_of_image_dataset(tmp_path):
-    data = tmp_path / "data"
-    subprocess.run([sys.executable, "-c", "import sys, tfmem; tfmem.make_demo_dataset("
-                    "sys.argv[1], num_examples=48, image_size=16, shard_size_mb=0.01)",
-                    str(data)], env=_env(), check=True, capture_output=True, timeout=120)
-    reference = tmp_path / "plain.json"
-    result = subprocess.run([sys.executable, PROGRAM, "plain-images", str(reference), str(data),
-                             "2"], env=_env(), capture_output=True, text=True, timeout=300)
+def _demo_set(directory, shard_size_mb):
+    shards = tfmem.make_demo_dataset(directory, num_examples=48, image_size=16,
+                                     shard_size_mb=shard_size_mb).shards
+    return directory, [shard.num_examples for shard in shards]
+
+
+def _one_process(tmp_path, mode, data, *args):
+    out = tmp_path / f"{mode}.json"
+    result = subprocess.run([sys.executable, PROGRAM, mode, str(out), str(data), *args],
+                            env=_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_two_processes_train_on_image_dataset_as_one(tmp_path):
+    # One shard, fewer than the processes: each reads every record and keeps its rows.
+    data, counts = _demo_set(tmp_path / "data", shard_size_mb=1)
+    assert counts == [48]
+    reference = _one_process(tmp_path, "plain-images", data, "2")
     for status, output, out in _finish(_start(tmp_path, "images", "images", data, 2)):
         assert status == 0, output[-3000:]
         outcome = json.loads(out.read_text())
-        _assert_close(outcome, json.loads(reference.read_text()))
+        _assert_close(outcome, reference)
         assert outcome["unseeded"].startswith(
             "with 2 processes, each keeps its rows of the same global batches, so every "
             "process must shuffle alike: pass the same `seed` in every process")
+
+
+@pytest.mark.parametrize("shard_size_mb, by", [(1, "record"), (0.005, "shard")])
+def test_each_process_reads_its_part_of_every_global_batch(tmp_path, shard_size_mb, by):
+    data, counts = _demo_set(tmp_path / "data", shard_size_mb)
+    # By shard needs each process's shards to hold the epoch's 3 steps × 8 rows.
+    assert counts == ([48] if by == "record" else [6] * 8)
+    one = _one_process(tmp_path, "plain-read", data)["batches"]
+    parts = []
+    for status, output, out in _finish(_start(tmp_path, "read", "read", data)):
+        assert status == 0, output[-3000:]
+        parts.append(json.loads(out.read_text())["batches"])
+    assert [len(part) for part in parts] == [len(one)] * 2 == [3, 3]
+    assert all(len(batch) == 8 for part in parts for batch in part)  # 16 ÷ 2 processes
+    if by == "record":  # the global batches of one process, split as Keras splits them
+        assert [a + b for a, b in zip(*parts)] == one
+    else:  # each process its own shards: no image twice, as many as one process reads
+        seen = [image for part in parts for batch in part for image in batch]
+        assert len(set(seen)) == len(seen) == 48
+        assert set(parts[0][0]).isdisjoint(image for batch in parts[1] for image in batch)
 
 
 def _assert_close(actual, expected):

@@ -143,15 +143,42 @@ def check_processes(options: ReaderOptions) -> None:
             "seed=epoch)")
 
 
+def process_split() -> tuple[int, int] | None:
+    """`(processes, this process's index)` when each process should read only its part of
+    the data: several JAX processes under `tfmem.detect()`'s distribution, which takes such a
+    dataset as it is; None otherwise (Keras then gives each process its rows)."""
+    if num_processes() == 1:
+        return None
+    from tfmem.runtime import distribute_jax  # several processes: JAX is running
+
+    return distribute_jax.process_split()
+
+
+def own_rows(elements: tf.data.Dataset, processes: int, index: int,
+             global_batch_size: int) -> tf.data.Dataset:
+    """This process's rows of each global batch of a stream every process reads alike: the
+    j-th element is row `j % global_batch_size` of its batch, and process `index` keeps rows
+    `[index, index + 1) × global_batch_size / processes`, as Keras splits a global batch."""
+    part = global_batch_size // processes
+    return elements.enumerate().filter(
+        lambda j, element: (j % global_batch_size) // part == index).map(
+        lambda j, element: element)
+
+
 def batched(elements: tf.data.Dataset, decode_batch, options: ReaderOptions,
-            skip_corrupt: bool) -> tf.data.Dataset:
+            skip_corrupt: bool, rows: tuple[int, int] | None = None) -> tf.data.Dataset:
     """Shuffle (training) → batch → decode (`decode_batch`) → augment → prefetch.
 
     `elements` are `(payload, *locator)`, still encoded; `decode_batch` is from `decode_fn`.
     Memory: `prefetch_batches` decoded batches, plus `BATCHES_IN_FLIGHT` being decoded.
+    `rows` = `(processes, index)`: the elements are every process's, and this process keeps
+    its rows of each global batch (`options.batch_size` is then the per-process batch).
     """
     training, seed, batch_size = options.training, options.seed, options.batch_size
     check_processes(options)
+
+    def mine(stream):
+        return stream if rows is None else own_rows(stream, *rows, batch_size * rows[0])
 
     def decode(batches):
         return batches.map(decode_batch, num_parallel_calls=BATCHES_IN_FLIGHT,
@@ -161,10 +188,11 @@ def batched(elements: tf.data.Dataset, decode_batch, options: ReaderOptions,
         dataset = decode(elements.batch(batch_size)).unbatch().cache()
         if training:
             dataset = dataset.shuffle(options.shuffle_buffer_size, seed=seed)
-        dataset = dataset.batch(batch_size, drop_remainder=options.drop_remainder)
+        dataset = mine(dataset).batch(batch_size, drop_remainder=options.drop_remainder)
     else:
         if training:  # shuffle encoded records: ~10x smaller than decoded images
             elements = elements.shuffle(options.shuffle_buffer_size, seed=seed)
+        elements = mine(elements)
         # drop_remainder=True keeps the batch dimension static (TPUs need it) and every step
         # full; a batch that lost skipped records is topped up from the next one.
         dataset = decode(elements.batch(
@@ -199,14 +227,15 @@ def num_workers_from_environment() -> int:
     return workers_in_tf_config(os.environ.get("TF_CONFIG"))
 
 
-def dataset_options(options: ReaderOptions, num_files: int) -> tf.data.Options:
+def dataset_options(options: ReaderOptions, num_files: int,
+                    split: bool = False) -> tf.data.Options:
     """Determinism and auto-shard policy, shared by `image_dataset` and `tfds_image_dataset`."""
     result = tf.data.Options()
     # Evaluation keeps the order (ids line up with predictions); training takes whichever
     # element is ready first, which is faster.
     result.deterministic = in_order(options)
     distribute = result.experimental_distribute
-    if options.input_context is not None:  # already split by the input pipeline
+    if options.input_context is not None or split:  # already split by pipeline or process
         distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
     else:
         workers = options.num_workers or num_workers_from_environment()

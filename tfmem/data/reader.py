@@ -198,9 +198,10 @@ def image_dataset(
     `TFRecordDataset`s, each shard checked → shuffle buffer of encoded records (training) →
     parse, decode, resize, label check (parallel) → optional flip → batch → prefetch. Order is
     deterministic for evaluation and not when training (faster: whichever file is ready first
-    is read), except with several JAX processes: each keeps its rows of the same global
-    batches (`keras.distribution` splits them), so all read them in one order, from one
-    `seed`. Memory does not grow with the set: it is set by `prefetch_batches`,
+    is read), except with several JAX processes: then, when training under `tfmem.detect()`,
+    each process reads only its part of every global batch (`batch_size ÷ processes` rows),
+    by shard when each process's shards hold an epoch, by record otherwise (all read one
+    order from one `seed`, and each decodes its rows); docs/multi-host.md. Memory does not grow with the set: it is set by `prefetch_batches`,
     `shuffle_buffer_size` and `num_parallel_reads`.
 
     Args:
@@ -265,6 +266,21 @@ def image_dataset(
             counts = counts[index::pipelines]
         else:
             shard_records = True
+    # Training only: evaluation reads every global batch in each process, and Keras splits it.
+    split = None if context is not None or not options.training else pipeline.process_split()
+    rows = None
+    if split is not None:  # several JAX processes: each reads its part of every global batch
+        processes, index = split
+        if batch_size % processes:
+            raise ValueError(
+                f"batch_size={batch_size} does not split over {processes} processes; use a "
+                f"multiple of {processes}")
+        batch_size //= processes
+        if _enough_in_each(counts, processes, batch_size):
+            files = files.shard(processes, index)  # by shard: each reads only its files
+            counts = counts[index::processes]
+        else:  # by record: each reads every record and decodes only its rows
+            rows = split
     if options.training:
         # Seeded even when `seed` is None: every worker must see the same file order for FILE
         # sharding to split it; the per-epoch reshuffle still changes it every epoch.
@@ -297,5 +313,20 @@ def image_dataset(
         skip_corrupt=bool(skip_corrupt), log=skipped)
     dataset = pipeline.batched(records, decode_batch,
                                dataclasses.replace(options, batch_size=batch_size),
-                               bool(skip_corrupt))
-    return dataset.with_options(pipeline.dataset_options(options, num_files))
+                               bool(skip_corrupt), rows=rows)
+    if split is not None and integrity.UNKNOWN not in source.counts:
+        # Every process takes the same number of steps (one more alone would wait forever).
+        dataset = dataset.take(sum(source.counts) // options.batch_size)
+    return dataset.with_options(pipeline.dataset_options(options, num_files,
+                                                         split=split is not None))
+
+
+def _enough_in_each(counts: list[int], processes: int, per_process_batch: int) -> bool:
+    """Whether sharding the files by process leaves each process the batches of a full epoch
+    (`total // global batch`): a process that ran out first would leave the others waiting.
+    Unknown counts, or fewer files than processes, split by record instead."""
+    if len(counts) < processes or integrity.UNKNOWN in counts:
+        return False
+    steps = sum(counts) // (per_process_batch * processes)
+    return all(sum(counts[index::processes]) >= steps * per_process_batch
+               for index in range(processes))

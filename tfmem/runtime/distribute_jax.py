@@ -128,6 +128,43 @@ def _wait_for(address: str, timeout: float, rank: int) -> None:
             time.sleep(0.5)
 
 
+class ProcessDataParallel(keras.distribution.DataParallel):
+    """Keras's `DataParallel`, which also takes a dataset already split by process as it is.
+
+    With several processes Keras gives each process its rows of every global batch, so every
+    process reads all the data. A dataset whose tf.data auto-shard policy is OFF (as
+    `tfmem.image_dataset` makes them under this distribution) already holds this process's
+    part, batched by `global batch ÷ processes`: it is used as it is, as `tf.distribute` uses
+    such a dataset.
+    """
+
+    def distribute_dataset(self, dataset):
+        if split_by_process(dataset):
+            return dataset
+        return super().distribute_dataset(dataset)
+
+
+def split_by_process(dataset) -> bool:
+    """Whether `dataset` holds only this process's part of each global batch."""
+    if jax.process_count() == 1 or not isinstance(keras.distribution.distribution(),
+                                                  ProcessDataParallel):
+        return False
+    options = getattr(dataset, "options", None)
+    tf = sys.modules.get("tensorflow")
+    if options is None or tf is None:
+        return False
+    policy = options().experimental_distribute.auto_shard_policy
+    return policy == tf.data.experimental.AutoShardPolicy.OFF
+
+
+def process_split() -> tuple[int, int] | None:
+    """`(processes, index)` when a dataset made now may hold only this process's part."""
+    if jax.process_count() == 1 or not isinstance(keras.distribution.distribution(),
+                                                  ProcessDataParallel):
+        return None
+    return jax.process_count(), jax.process_index()
+
+
 class Processes:
     """This process among those of the run (JAX's distributed runtime): what `fit_resumable`
     needs to let one of them write and all of them read the same resume point."""
@@ -156,6 +193,10 @@ class Processes:
 
         return np.asarray(multihost_utils.process_allgather(
             np.asarray(values, dtype=np.int32))).reshape(self.count, -1).tolist()
+
+    def global_batch(self, batch_size: int, dataset) -> int:
+        """The global batch of a dataset's batches of `batch_size` rows."""
+        return batch_size * self.count if split_by_process(dataset) else batch_size
 
 
 processes = Processes()
@@ -202,7 +243,7 @@ def detect(prefer: str | None = None, *, timeout: float = 300) -> Runtime:
             "(`pip install 'jax[tpu]'` on a TPU VM, `pip install 'jax[cuda12]'` for NVIDIA "
             "GPUs), or call detect() without `prefer`."
         ) from None
-    distribution = keras.distribution.DataParallel(devices=found)
+    distribution = ProcessDataParallel(devices=found)
     keras.distribution.set_distribution(distribution)
     runtime = _describe(found, distribution, num_replicas=len(found))
     logging.info(

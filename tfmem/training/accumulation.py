@@ -352,7 +352,9 @@ def _global_batch_size(x, batch_size) -> int | None:
     element_spec = getattr(x, "element_spec", None)  # a tf.data.Dataset
     if element_spec is not None:
         spec = keras.tree.flatten(element_spec)[0]
-        return spec.shape[0] if spec.shape.rank else None
+        rows = spec.shape[0] if spec.shape.rank else None
+        # A dataset split by process holds this process's part of each global batch.
+        return None if rows is None else backend.processes.global_batch(rows, x)
     arrays = keras.tree.flatten(x)
     if not arrays or not hasattr(arrays[0], "shape"):
         return None  # a generator or PyDataset: batched by the user, size unknown here
