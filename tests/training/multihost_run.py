@@ -96,15 +96,17 @@ else:
     epochs = int(sys.argv[4]) if len(sys.argv) > 4 else 1
     for epoch in range(epochs):
         model.fit(make_dataset(epoch), epochs=1, verbose=0)
-unseeded = None
-if mode == "images":  # an unseeded shuffle would differ from process to process
+unseeded = planned = None
+if mode == "images":
+    run = model.plan_memory(make_dataset(0))  # the guard counts every process's rows
+    planned = [run.global_batch_size, run.micro_batch_size, run.accumulation_steps]  # an unseeded shuffle would differ from process to process
     try:
         tfmem.image_dataset(sys.argv[3], image_size=(16, 16), batch_size=GLOBAL_BATCH,
                             training=True)
     except ValueError as error:
         unseeded = str(error)
 with open(out_path, "w") as file:
-    json.dump({"unseeded": unseeded, "weights": [w.tolist() for w in model.get_weights()],
+    json.dump({"unseeded": unseeded, "planned": planned, "weights": [w.tolist() for w in model.get_weights()],
                "process": (runtime.num_workers if runtime else 1,
                            int(os.environ.get("JAX_PROCESS_ID", 0))),
                "replicas": (runtime.num_replicas, runtime.local_replicas) if runtime else None,

@@ -92,6 +92,7 @@ def test_two_processes_train_on_image_dataset_as_one(tmp_path):
         assert status == 0, output[-3000:]
         outcome = json.loads(out.read_text())
         _assert_close(outcome, reference)
+        assert outcome["planned"] == [16, 2, 2]  # 8 rows here × 2 processes = 2 × 2 × 4
         assert outcome["unseeded"].startswith(
             "with 2 processes, each keeps its rows of the same global batches, so every "
             "process must shuffle alike: pass the same `seed` in every process")
