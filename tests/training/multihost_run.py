@@ -12,7 +12,7 @@ global batches (3 per epoch; EPOCHS from KILL_AT's place: 1 or 2).
 MODES "images" (several processes, AccumModel) and "plain-images" (one process, plain model):
 the global batches come from `tfmem.image_dataset(DATA_DIR, seed=epoch)` (BACKUP_DIR's place).
 MODES "read" and "plain-read": no training; the SHA-1 of each image of each batch of one epoch
-of that dataset, as this process reads it.
+of that dataset, as this process reads it (which the image modes record too).
 Each process writes its weights and its runtime to OUT_JSON (with its process index).
 """
 
@@ -39,15 +39,21 @@ images = mode.endswith("images")
 if mode.startswith("plain-"):  # one process keeps the order the several processes keep
     tf.config.experimental.enable_op_determinism()
 
-if mode.endswith("read"):
+
+
+def images_read():
+    """The SHA-1 of each image of each batch of epoch 0, as this process reads them."""
     import hashlib
 
     read = tfmem.image_dataset(sys.argv[3], image_size=(16, 16), batch_size=GLOBAL_BATCH,
                                training=True, augment=False, seed=0)
-    batches = [[hashlib.sha1(image.tobytes()).hexdigest() for image in batch.numpy()]
-               for batch, _ in read]
+    return [[hashlib.sha1(image.tobytes()).hexdigest() for image in batch.numpy()]
+            for batch, _ in read]
+
+
+if mode.endswith("read"):
     with open(out_path, "w") as file:
-        json.dump({"batches": batches}, file)
+        json.dump({"batches": images_read()}, file)
     sys.exit(0)
 
 keras.utils.set_random_seed(0)
@@ -106,7 +112,8 @@ if mode == "images":
     except ValueError as error:
         unseeded = str(error)
 with open(out_path, "w") as file:
-    json.dump({"unseeded": unseeded, "planned": planned, "weights": [w.tolist() for w in model.get_weights()],
+    json.dump({"unseeded": unseeded, "planned": planned,
+               "batches": images_read() if images else None, "weights": [w.tolist() for w in model.get_weights()],
                "process": (runtime.num_workers if runtime else 1,
                            int(os.environ.get("JAX_PROCESS_ID", 0))),
                "replicas": (runtime.num_replicas, runtime.local_replicas) if runtime else None,

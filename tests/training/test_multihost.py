@@ -6,6 +6,7 @@ distributed runtime. The reference is one process training a plain `keras.Model`
 global batches.
 """
 
+import hashlib
 import json
 import os
 import signal
@@ -75,6 +76,13 @@ def _demo_set(directory, shard_size_mb):
     return directory, [shard.num_examples for shard in shards]
 
 
+def _images_of(path):
+    """The SHA-1 of each image of one shard, decoded as the training reader decodes it."""
+    read = tfmem.image_dataset(str(path), image_size=(16, 16), batch_size=1, training=False)
+    return {hashlib.sha1(image.tobytes()).hexdigest() for batch, _ in read
+            for image in batch.numpy()}
+
+
 def _one_process(tmp_path, mode, data, *args):
     out = tmp_path / f"{mode}.json"
     result = subprocess.run([sys.executable, PROGRAM, mode, str(out), str(data), *args],
@@ -84,10 +92,12 @@ def _one_process(tmp_path, mode, data, *args):
 
 
 def test_two_processes_train_on_image_dataset_as_one(tmp_path):
-    # One shard, fewer than the processes: each reads every record and keeps its rows.
+    # One shard, fewer than the processes: each reads every record and keeps its rows, so the
+    # global batches are exactly those of one process.
     data, counts = _demo_set(tmp_path / "data", shard_size_mb=1)
     assert counts == [48]
     reference = _one_process(tmp_path, "plain-images", data, "2")
+    parts = []
     for status, output, out in _finish(_start(tmp_path, "images", "images", data, 2)):
         assert status == 0, output[-3000:]
         outcome = json.loads(out.read_text())
@@ -96,26 +106,27 @@ def test_two_processes_train_on_image_dataset_as_one(tmp_path):
         assert outcome["unseeded"].startswith(
             "with 2 processes, each keeps its rows of the same global batches, so every "
             "process must shuffle alike: pass the same `seed` in every process")
+        parts.append(outcome["batches"])
+    assert all(len(batch) == 8 for part in parts for batch in part)  # 16 ÷ 2 processes
+    assert [a + b for a, b in zip(*parts, strict=True)] == reference["batches"]
 
 
-@pytest.mark.parametrize("shard_size_mb, by", [(1, "record"), (0.005, "shard")])
-def test_each_process_reads_its_part_of_every_global_batch(tmp_path, shard_size_mb, by):
-    data, counts = _demo_set(tmp_path / "data", shard_size_mb)
-    # By shard needs each process's shards to hold the epoch's 3 steps × 8 rows.
-    assert counts == ([48] if by == "record" else [6] * 8)
-    one = _one_process(tmp_path, "plain-read", data)["batches"]
+def test_with_enough_shards_each_process_reads_only_its_own(tmp_path):
+    data, counts = _demo_set(tmp_path / "data", shard_size_mb=0.005)
+    assert counts == [6] * 8  # each process's 4 shards hold the epoch's 3 steps × 8 rows
     parts = []
     for status, output, out in _finish(_start(tmp_path, "read", "read", data)):
         assert status == 0, output[-3000:]
         parts.append(json.loads(out.read_text())["batches"])
-    assert [len(part) for part in parts] == [len(one)] * 2 == [3, 3]
-    assert all(len(batch) == 8 for part in parts for batch in part)  # 16 ÷ 2 processes
-    if by == "record":  # the global batches of one process, split as Keras splits them
-        assert [a + b for a, b in zip(*parts)] == one
-    else:  # each process its own shards: no image twice, as many as one process reads
-        seen = [image for part in parts for batch in part for image in batch]
-        assert len(set(seen)) == len(seen) == 48
-        assert set(parts[0][0]).isdisjoint(image for batch in parts[1] for image in batch)
+    assert [len(part) for part in parts] == [3, 3]  # the same steps in each process
+    assert all(len(batch) == 8 for part in parts for batch in part)
+    # No image twice, all 48 read, and each process read the images of its own shards.
+    seen = [image for part in parts for batch in part for image in batch]
+    assert len(set(seen)) == len(seen) == 48
+    shards = [_images_of(data / shard.name) for shard in tfmem.read_manifest(data).shards]
+    for index, part in enumerate(parts):
+        assert {image for batch in part for image in batch} == set().union(
+            *shards[index::2])
 
 
 def _assert_close(actual, expected):
