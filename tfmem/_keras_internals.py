@@ -177,6 +177,28 @@ def jax_train_function(model: keras.Model, step):
     return _attribute(model, "_make_function", "the JAX trainer's loop over steps")(step)
 
 
+def call_training() -> bool | None:
+    """The `training` value of the layer call now running (Keras's call context), if any."""
+    context = _module_attribute("keras.src.backend.common.global_state",
+                                "get_global_attribute", "Keras's global state")("current_call_ctx")
+    return None if context is None else context.training
+
+
+def stateless_scope(state_mapping):
+    """Keras's `StatelessScope` over `(variable, value)` pairs: reads see the values, and
+    assignments are recorded in the scope instead of the variables."""
+    scope = _module_attribute("keras.src.backend.common.stateless_scope", "StatelessScope",
+                              "Keras's stateless scope")
+    return scope(state_mapping=state_mapping)
+
+
+def any_symbolic(args, kwargs) -> bool:
+    """Whether a call's arguments hold symbolic tensors (a functional model being built)."""
+    check = _module_attribute("keras.src.backend.common.keras_tensor", "any_symbolic_tensors",
+                              "Keras's symbolic tensor check")
+    return check(args, kwargs)
+
+
 def drop_jax_state(model: keras.Model) -> None:
     """JAX trainer: forgets the state `fit` held between steps, after a step that failed.
 

@@ -22,11 +22,13 @@ if NAME == "jax":
     from tfmem.metrics import traced_jax as metric_checks
     from tfmem.runtime.distribute_jax import current_runtime, detect, processes
     from tfmem.training.accumulation_jax import AccumTrainer
+    from tfmem.training.remat_jax import rematerialized_call
 elif NAME == "tensorflow":
     from tfmem.memory.gradient_trace import trace_call_tensorflow as trace_call
     from tfmem.metrics import traced_tf as metric_checks
     from tfmem.runtime.distribute import current_runtime, detect, processes
     from tfmem.training.accumulation_tf import AccumTrainer
+    from tfmem.training.remat_tf import rematerialized_call
 else:
     raise ImportError(
         f"tfmem runs on Keras's TensorFlow or JAX backend, and KERAS_BACKEND is {NAME!r}. "
@@ -34,4 +36,4 @@ else:
     )
 
 __all__ = ["NAME", "AccumTrainer", "current_runtime", "detect", "metric_checks", "processes",
-           "trace_call"]
+           "rematerialized_call", "trace_call"]

@@ -16,6 +16,7 @@ from tfmem import backend
 from tfmem.memory import guard
 from tfmem.memory.guard import RunPlan
 from tfmem.runtime.cluster import check_accumulation_steps
+from tfmem.training import remat
 
 # Reductions for which "mean of the k micro-batch losses" == "big-batch loss".
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
@@ -50,10 +51,16 @@ class AccumModel(backend.AccumTrainer, keras.Model):
             replica's memory (`tfmem.plan`). None (the default) means 1, except
             for the copy `keras.models.clone_model` makes of an `AccumModel`,
             which keeps the original's.
+        rematerialize: None, or names of layers (blocks, nested models, any layer at any
+            depth) whose activations are recomputed in the backward pass instead of kept:
+            less memory per sample for about one more forward pass of those layers. Exact:
+            BatchNormalization statistics are updated once and Dropout draws the same masks
+            (docs/rematerialization.md). Applied when `fit` starts.
         **kwargs: Forwarded to `keras.Model` (`name`, ...).
 
     Raises:
-        ValueError: If `accumulation_steps` is not an integer >= 1 or "auto".
+        ValueError: If `accumulation_steps` is not an integer >= 1 or "auto"; if
+            `rematerialize` is not a list of names (or, at `fit`, names no layer).
 
     Example:
 
@@ -85,12 +92,19 @@ class AccumModel(backend.AccumTrainer, keras.Model):
             cls = _functional_form(cls)
         return super().__new__(cls, *args, **kwargs)
 
-    def __init__(self, *args, accumulation_steps: int | str | None = None, **kwargs):
+    def __init__(self, *args, accumulation_steps: int | str | None = None,
+                 rematerialize=None, **kwargs):
         if accumulation_steps is None:
             accumulation_steps = _replayed_accumulation_steps(args, kwargs)
         super().__init__(*args, **kwargs)
         self.accumulation_steps = accumulation_steps
         self._auto_accumulation = accumulation_steps == "auto"
+        self._rematerialize = remat.check_setting(rematerialize)
+
+    @property
+    def rematerialize(self) -> tuple[str, ...] | None:
+        """Names of the layers recomputed in the backward pass (None: none)."""
+        return self._rematerialize
 
     @property
     def accumulation_steps(self) -> int | str:
@@ -119,6 +133,8 @@ class AccumModel(backend.AccumTrainer, keras.Model):
             tfmem.MemoryPlanError: the global batch's micro-batches do not fit,
                 with the breakdown and the `accumulation_steps` that would.
         """
+        if self._rematerialize:
+            remat.apply(self, self._rematerialize)
         self.plan_memory(x, batch_size, check_memory=check_memory, memory_budget=memory_budget)
         return super().fit(x, y, batch_size, *args, **kwargs)
 
@@ -169,7 +185,8 @@ class AccumModel(backend.AccumTrainer, keras.Model):
         return run
 
     @classmethod
-    def wrap(cls, model: keras.Model, accumulation_steps: int = 1) -> "AccumModel":
+    def wrap(cls, model: keras.Model, accumulation_steps: int = 1,
+             rematerialize=None) -> "AccumModel":
         """Wraps a functional or `Sequential` model, sharing its layers and weights.
 
         The returned model is not compiled (compile it as usual). Layers are
@@ -179,6 +196,8 @@ class AccumModel(backend.AccumTrainer, keras.Model):
             model: A built functional or `Sequential` model, e.g. from
                 `keras.applications`.
             accumulation_steps: Number of micro-batches per global batch.
+            rematerialize: as in `AccumModel`: names of layers recomputed in the backward
+                pass.
 
         Returns:
             An `AccumModel` with the same inputs, outputs and name.
@@ -212,11 +231,14 @@ class AccumModel(backend.AccumTrainer, keras.Model):
         # Keep the original nesting: a single-input model takes a tensor, not a list.
         if internals.is_graph_network(model):
             inputs, outputs = internals.functional_structs(model)
-        return cls(inputs, outputs, accumulation_steps=accumulation_steps, name=model.name)
+        return cls(inputs, outputs, accumulation_steps=accumulation_steps,
+                   rematerialize=rematerialize, name=model.name)
 
     def get_config(self) -> dict:
         config = super().get_config()
         config["accumulation_steps"] = self._configured_steps()
+        if self._rematerialize:
+            config["rematerialize"] = list(self._rematerialize)
         return config
 
     def _configured_steps(self) -> int | str:

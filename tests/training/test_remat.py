@@ -1,0 +1,59 @@
+"""Rematerialized layers train to the weights of the same model without it (both backends)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import pytest
+
+import tfmem
+from tests.training import remat_cases
+
+CASES = os.path.join(os.path.dirname(__file__), "remat_cases.py")
+
+
+def test_rematerialized_block_ends_with_the_same_weights_and_statistics():
+    differences = remat_cases.relative_differences(["block"])
+    # Kernels, biases, BatchNorm's gamma/beta and moving mean/variance, all after 3 steps.
+    assert len(differences) == 10
+    assert max(differences) <= 1e-6, differences
+
+
+def test_the_block_runs_forward_again_in_the_backward_pass():
+    # TensorFlow traces the train step's micro-step once (the plan traces the model too);
+    # rematerialized, the block's forward is traced once more, for the gradient.
+    _, plain = remat_cases.trained(None)
+    _, recomputed = remat_cases.trained(["block"])
+    assert recomputed == plain + 1
+
+
+def test_names_that_are_no_layer_and_bad_settings_are_one_error():
+    accum = remat_cases.model(["block", "nope"])
+    x, y = remat_cases.data()
+    with pytest.raises(ValueError, match=r"rematerialize: 'nope' is not a layer of "
+                                         r"'functional\w*'; its layers: .*block"):
+        accum.fit(x, y, batch_size=16, verbose=0)
+    for bad in ("block", [], [3]):
+        with pytest.raises(ValueError, match="must be None or a list of layer names"):
+            remat_cases.model(bad)
+
+
+def test_the_setting_is_saved_with_the_model(tmp_path):
+    accum = remat_cases.model(["block"])
+    accum.save(tmp_path / "model.keras")
+    loaded = keras.saving.load_model(tmp_path / "model.keras")
+    assert isinstance(loaded, tfmem.AccumModel) and loaded.rematerialize == ("block",)
+
+
+def test_on_the_jax_backend_too():
+    env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3",
+               PYTHONPATH=os.pathsep.join([os.getcwd(), *sys.path]))
+    result = subprocess.run([sys.executable, CASES], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    assert found["backend"] == "jax"
+    assert all(found["changed"])  # every weight and statistic moved in training
+    assert max(found["block"]) <= 1e-6 and max(found["layers"]) <= 1e-6, found

@@ -1,0 +1,39 @@
+"""Rematerialization on JAX: `jax.checkpoint` over a stateless call of the layer.
+
+Keras's `keras.remat` lets BatchNormalization's state update escape `jax.checkpoint`
+(`UnexpectedTracerError`). Here the layer's variables go in and its updated state comes out
+as values, so the recomputation sees the forward pass's state, and the updates are assigned
+once, after it.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from tfmem import _keras_internals as internals
+from tfmem.training import remat
+
+
+def rematerialized_call(layer, original):
+    """The `call` of `layer` that `jax.checkpoint` runs again in the backward pass."""
+
+    def call(*args, **kwargs):
+        if internals.any_symbolic(args, kwargs) or not remat.is_training_call():
+            return original(*args, **kwargs)
+        variables = list(layer.trainable_variables) + list(layer.non_trainable_variables)
+        values = [variable.value for variable in variables]
+
+        def pure(values, args):  # kwargs (training, mask) stay Python values
+            with internals.stateless_scope(list(zip(variables, values))) as scope:
+                outputs = original(*args, **kwargs)
+            updated = [scope.get_current_value(variable) for variable in variables]
+            return outputs, [new if new is not None else old
+                             for new, old in zip(updated, values)]
+
+        outputs, updated = jax.checkpoint(pure)(values, args)
+        for variable, old, new in zip(variables, values, updated):
+            if new is not old:
+                variable.assign(new)
+        return outputs
+
+    return call
