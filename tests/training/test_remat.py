@@ -57,3 +57,29 @@ def test_on_the_jax_backend_too():
     assert found["backend"] == "jax"
     assert all(found["changed"])  # every weight and statistic moved in training
     assert max(found["block"]) <= 1e-6 and max(found["layers"]) <= 1e-6, found
+
+
+def _two_blocks(rematerialize):
+    inputs = keras.Input((64,))
+    x = inputs
+    for name in ("block_a", "block_b"):
+        block_in = keras.Input((64,))
+        hidden = keras.layers.Dense(512, activation="relu")(block_in)
+        x = keras.Model(block_in, keras.layers.Dense(64)(hidden), name=name)(x)
+    return tfmem.AccumModel(inputs, keras.layers.Dense(3)(x), rematerialize=rematerialize)
+
+
+def test_the_plan_counts_what_rematerialization_keeps():
+    # Per sample, in float32 values: each block keeps its input (64) and its hidden layer
+    # (512, for the ReLU and the second Dense); the head keeps its input (64).
+    # Without: 64 + 512 + 64 + 512 + 64 = 1216. Rematerialized: the blocks' inputs and the
+    # head's (3 × 64) stay, and one block's 64 + 512 is held again while it is recomputed.
+    def activations(rematerialize):
+        return tfmem.plan(_two_blocks(rematerialize), global_batch_size=8,
+                          memory_budget=2**30)
+    plain, recomputed = activations(None), activations(["block_a", "block_b"])
+    assert plain.activation_bytes_per_sample == 1216 * 4
+    assert recomputed.activation_bytes_per_sample == (3 * 64 + 64 + 512) * 4
+    assert ("rematerialized, recomputed in the backward pass one at a time (the largest "
+            "counted in activations): block_a 2.2 KiB/sample, block_b 2.2 KiB/sample") in (
+        recomputed.table())

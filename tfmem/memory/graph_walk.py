@@ -41,7 +41,7 @@ class Walker:
     """Collects the kept tensors of one model, keyed so that a tensor counts once."""
 
     def __init__(self, compute_dtype: str | None, frozen: Collection[int],
-                 trace_call: Callable):
+                 trace_call: Callable, recomputed: Collection[int] = ()):
         self.override = compute_dtype  # the plan's compute dtype for a float32-built model
         self.frozen = frozenset(frozen)  # ids of layers the plan treats as not trainable
         self.trace_call = trace_call  # the backend's half of gradient_trace
@@ -55,6 +55,8 @@ class Walker:
         self.fallbacks: set[str] = set()
         self.traced: set[str] = set()
         self.loops: set[str] = set()
+        self.recomputed = frozenset(recomputed)  # ids of layers rematerialized
+        self.segments: list[tuple[str, int]] = []  # (name, bytes it keeps inside) per one
 
     # -- keys and dtypes --------------------------------------------------------------------
     def key(self, tensor):
@@ -109,6 +111,20 @@ class Walker:
                 self.call(node)
 
     def call(self, node) -> None:
+        operation = node.operation
+        if id(operation) not in self.recomputed:
+            self._call(node)
+            return
+        # Rematerialized: what it keeps inside is recomputed in the backward pass, one such
+        # layer at a time; only its inputs are kept across the passes.
+        before = set(self.sizes)
+        self._call(node)
+        inside = sum(self.sizes.pop(key) for key in set(self.sizes) - before)
+        for tensor in node.input_tensors:
+            self.keep(tensor)
+        self.segments.append((operation.name, inside))
+
+    def _call(self, node) -> None:
         operation, inputs, outputs = node.operation, node.input_tensors, node.outputs
         if internals.is_graph_network(operation) or isinstance(operation, keras.Sequential):
             self.nested(node)

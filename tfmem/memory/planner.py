@@ -34,6 +34,7 @@ from tfmem import _keras_internals as internals
 from tfmem.memory import levers
 from tfmem.memory.memory_plan import MemoryPlan, MemoryPlanError, choose
 from tfmem.memory.optimizer_state import optimizer_slot_bytes
+from tfmem.memory.plan_report import format_bytes
 from tfmem.memory.plan_settings import PlanSettings
 from tfmem.memory.saved_tensors import saved_tensors
 from tfmem.runtime import precision as precision_lib
@@ -159,10 +160,12 @@ def estimate(model: keras.Model, settings: PlanSettings,
         # Built in float32, planned mixed: its float32 activations are counted in 2 bytes.
         override = "float16" if precision == "mixed_float16" else "bfloat16"
     analyses = {} if analyses is None else analyses
-    key = (id(model), override, frozenset(frozen))
+    recomputed = _rematerialized(model)
+    key = (id(model), override, frozenset(frozen), recomputed)
     if key not in analyses:
         analyses[key] = saved_tensors(model, compute_dtype=override, frozen=frozen,
-                                      input_shapes=settings.input_shape)
+                                      input_shapes=settings.input_shape,
+                                      recomputed=recomputed)
     saved = analyses[key]
     trainable = [v for v in model.trainable_variables if id(v) not in frozen]
     num_trainable = sum(math.prod(v.shape) for v in trainable)
@@ -191,6 +194,11 @@ def estimate(model: keras.Model, settings: PlanSettings,
                      "bound): " + "; ".join(saved.fallback_calls))
     if saved.loop_calls:
         notes.append("loop intermediates not counted in: " + ", ".join(saved.loop_calls))
+    if saved.segments:
+        notes.append("rematerialized, recomputed in the backward pass one at a time (the "
+                     "largest counted in activations): " + ", ".join(
+                         f"{name} {_per_sample(nbytes)}/sample" for name, nbytes in
+                         saved.segments))
     return MemoryPlan(
         model_name=model.name,
         num_parameters=int(model.count_params()),
@@ -218,13 +226,24 @@ def estimate(model: keras.Model, settings: PlanSettings,
                        + _CPU_BYTES_PER_VARIABLE * len(model.variables)
                        if budget.kind == "cpu" else 0),
         input_bytes_per_sample=saved.input_bytes,
-        activation_bytes_per_sample=saved.saved_bytes,
+        activation_bytes_per_sample=saved.saved_bytes + saved.recomputed_bytes,
         # The backward pass of the largest op holds its output gradient and input gradient
         # next to the kept tensors (or a grouped convolution its patch matrix).
         workspace_bytes_per_sample=saved.workspace_bytes,
         input_batches_in_flight=settings.input_batches_in_flight,
         notes=tuple(notes),
     )
+
+
+def _per_sample(nbytes: int) -> str:
+    return format_bytes(nbytes) if nbytes >= 2**20 else f"{nbytes / 1024:.1f} KiB"
+
+
+def _rematerialized(model: keras.Model) -> tuple[int, ...]:
+    """Ids of the layers an `AccumModel` rematerializes (its `rematerialize` names)."""
+    names = set(getattr(model, "rematerialize", None) or ())
+    return tuple(sorted(id(layer) for layer in internals.flatten_layers(model)
+                        if layer is not model and layer.name in names))
 
 
 def plan(

@@ -38,6 +38,9 @@ class SavedTensors:
             each with the reason the general path failed on it.
         traced_calls: class names of the calls measured by the general path (`gradient_trace`).
         loop_calls: class names of traced calls with loops whose intermediates are not counted.
+        segments: `(name, bytes per sample it keeps inside)` of each rematerialized layer;
+            those bytes are not in `saved_bytes`: one such layer at a time holds them again,
+            while it is recomputed in the backward pass.
     """
 
     saved_bytes: int
@@ -47,10 +50,17 @@ class SavedTensors:
     fallback_calls: tuple[str, ...] = ()
     traced_calls: tuple[str, ...] = ()
     loop_calls: tuple[str, ...] = ()
+    segments: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def recomputed_bytes(self) -> int:
+        """What the largest rematerialized layer keeps inside while it is recomputed."""
+        return max((nbytes for _, nbytes in self.segments), default=0)
 
 
 def saved_tensors(model: keras.Model, *, compute_dtype: str | None = None,
-                  frozen: Collection[int] = (), input_shapes=None) -> SavedTensors:
+                  frozen: Collection[int] = (), input_shapes=None,
+                  recomputed: Collection[int] = ()) -> SavedTensors:
     """Per-sample bytes the backward pass of `model` keeps.
 
     Args:
@@ -60,6 +70,8 @@ def saved_tensors(model: keras.Model, *, compute_dtype: str | None = None,
         frozen: ids of layers and variables to treat as not trainable (a frozen backbone).
         input_shapes: for a subclassed model, the shape of one sample of each input (no
             batch axis); default: the shapes it was built with.
+        recomputed: ids of rematerialized layers (`AccumModel(rematerialize=...)`) of a
+            functional model.
 
     Raises:
         ValueError: a tensor has an unknown non-batch dimension, or a subclassed model was
@@ -72,7 +84,7 @@ def saved_tensors(model: keras.Model, *, compute_dtype: str | None = None,
     if not internals.is_graph_network(graph):
         return traced_saved_tensors(model, compute_dtype=compute_dtype, frozen=frozen,
                                     input_shapes=input_shapes)
-    walker = _walker(compute_dtype, frozen)
+    walker = _walker(compute_dtype, frozen, recomputed)
     walker.model_inputs = {walker.key(t) for t in graph.inputs}
     walker.walk(graph)
     return _result(walker, graph.inputs)
@@ -119,10 +131,10 @@ def traced_saved_tensors(model: keras.Model, *, compute_dtype: str | None = None
     return _result(walker, inputs)
 
 
-def _walker(compute_dtype, frozen) -> Walker:
+def _walker(compute_dtype, frozen, recomputed=()) -> Walker:
     from tfmem import backend  # chosen once there; imported here so the planner stays TF-free
 
-    return Walker(compute_dtype, frozen, backend.trace_call)
+    return Walker(compute_dtype, frozen, backend.trace_call, recomputed)
 
 
 def _result(walker: Walker, inputs) -> SavedTensors:
@@ -134,6 +146,7 @@ def _result(walker: Walker, inputs) -> SavedTensors:
         fallback_calls=tuple(sorted(walker.fallbacks)),
         traced_calls=tuple(sorted(walker.traced)),
         loop_calls=tuple(sorted(walker.loops)),
+        segments=tuple(walker.segments),
     )
 
 
