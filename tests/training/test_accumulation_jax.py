@@ -179,7 +179,8 @@ def test_detect_reports_eight_replicas(data_parallel):
     assert runtime["kind"] == "cpu"
     assert runtime["num_replicas"] == 8
     assert runtime["num_workers"] == 1
-    assert runtime["strategy"] == "DataParallel" and runtime["installed"]
+    # Keras's DataParallel (tfmem's subclass also takes datasets split by process).
+    assert "DataParallel" in runtime["strategy"] and runtime["installed"]
     # 8 host devices share one RAM: each is given an eighth of what was available.
     expected = runtime["host_available_per_device"]
     assert runtime["memory_per_replica"] == pytest.approx(expected, rel=0.2)

@@ -53,7 +53,7 @@ results = {
         "device_name": runtime.device_name,
         "global_batch_size_4_2": runtime.global_batch_size(4, accumulation_steps=K),
         "split_64_2": runtime.split_global_batch(GLOBAL_BATCH, K),
-        "strategy": type(runtime.strategy).__name__,
+        "strategy": [cls.__name__ for cls in type(runtime.strategy).__mro__],
         "installed": keras.distribution.distribution() is runtime.strategy,
         "errors": errors,
         # What AccumModel.fit plans with: the installed distribution, as detect() reported it.
