@@ -92,6 +92,10 @@ flags.DEFINE_string(
     "(80% of the RAM available at the start), 'none', or a size such as 3GB. Reaching it stops "
     "that process; training resumes from its last resume point with half the micro-batch and "
     "twice the accumulation steps (the same global batch).")
+flags.DEFINE_string(
+    "rematerialize", None, "Comma-separated names of layers (blocks) whose activations are "
+    "recomputed in the backward pass instead of kept: less memory per sample for about one "
+    "more forward pass of them; exact (docs/rematerialization.md).")
 flags.register_validator(
     "learning_rate", lambda value: math.isfinite(value) and value > 0,
     "the learning rate must be a finite number > 0, e.g. --learning-rate=1e-3")

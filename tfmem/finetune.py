@@ -84,6 +84,8 @@ class FinetuneConfig:
         deterministic: deterministic ops (a resumed run ends bit-identical).
         memory_limit: "auto" (80% of the RAM available at the start), "none", or a size
             ("3GB", "2.5GiB") this run's training process may hold in RAM and swap.
+        rematerialize: comma-separated names of layers recomputed in the backward pass
+            instead of keeping their activations (docs/rematerialization.md).
     """
 
     model: str = "small-cnn"
@@ -111,6 +113,7 @@ class FinetuneConfig:
     seed: int = 0
     deterministic: bool = False
     memory_limit: str = "auto"
+    rematerialize: str | None = None
 
     def __post_init__(self):
         if not (isinstance(self.learning_rate, (int, float)) and math.isfinite(self.learning_rate)
@@ -399,6 +402,11 @@ def _build_and_plan(config: FinetuneConfig, spec, runtime: Runtime, precision: s
                                  freeze_backbone=config.freeze_backbone)
         optimizer = keras.optimizers.get({"class_name": config.optimizer,
                                           "config": {"learning_rate": config.learning_rate}})
+    planned = model
+    if config.rematerialize:  # the plan counts what the named layers keep
+        with runtime.scope(), cli.usage_errors():  # a name that is no layer of the model
+            planned = AccumModel.wrap(model,
+                                      rematerialize=_layer_names(config.rematerialize))
     # --device plans for that device (its replicas and, with precision "auto", its policy).
     where = (dict(device=config.device, precision=config.precision) if config.device
              else dict(runtime=runtime, precision=precision))
@@ -407,7 +415,7 @@ def _build_and_plan(config: FinetuneConfig, spec, runtime: Runtime, precision: s
                      precision=precision)
     with cli.usage_errors():  # a batch that does not split, a plan over the budget, "auto"
         run_plan = guard.guard(
-            model, global_batch_size=config.global_batch_size,
+            planned, global_batch_size=config.global_batch_size,
             accumulation_steps=attempt.accumulation_steps,
             allow_over_budget=config.allow_over_budget, optimizer=optimizer,
             smaller_variants=levers.registry_variants(
@@ -439,7 +447,8 @@ def _train(config: FinetuneConfig, spec, runtime: Runtime, precision: str, outpu
             f"--global-batch-size {config.global_batch_size} is larger than the "
             f"{data.num_examples} training examples; use at most {data.num_examples}")
     with runtime.scope():
-        accum = AccumModel.wrap(model, accumulation_steps=run_plan.accumulation_steps)
+        accum = AccumModel.wrap(model, accumulation_steps=run_plan.accumulation_steps,
+                                rematerialize=_layer_names(config.rematerialize))
         accum.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(),
                       metrics=["accuracy"])
     skipped = SkippedRecords() if config.skip_corrupt else None
@@ -492,6 +501,12 @@ def _train(config: FinetuneConfig, spec, runtime: Runtime, precision: str, outpu
         results["skipped"] = skipped.summary()
     _save_results(accum, results, output)
     return results
+
+
+def _layer_names(names: str | None) -> list[str] | None:
+    """`--rematerialize down0_dense,down1_dense` → the names; None when not given."""
+    found = [name.strip() for name in (names or "").split(",") if name.strip()]
+    return found or None
 
 
 def memory_limit_bytes(memory_limit: str | None) -> int | None:

@@ -212,6 +212,15 @@ def test_dry_run_prints_parameters_and_plan_and_trains_nothing(finetune_main, tm
     assert os.listdir(tmp_path) == []  # a dry run writes nothing: no data, no run directory
 
 
+def test_a_dry_run_plans_the_rematerialized_layers(finetune_main, tmp_path, capsys):
+    finetune_main("--dry-run", "--device", "t4", "--rematerialize", "block1_conv, block2_conv",
+                  "--output", str(tmp_path))
+    notes = [line for line in capsys.readouterr().out.splitlines() if "rematerialized" in line]
+    assert len(notes) == 1 and notes[0].strip().startswith(
+        "note: rematerialized, recomputed in the backward pass one at a time")
+    assert "block1_conv " in notes[0] and "block2_conv " in notes[0]
+
+
 @pytest.mark.parametrize("data", [None, "{missing}/train-*.tfrec", "gs://a-bucket/train-*.tfrec"])
 def test_a_dry_run_for_another_device_plans_without_the_data(finetune_main, tmp_path, capsys,
                                                             data):
@@ -299,6 +308,8 @@ def written_sets(tmp_path_factory):
     (["--accumulation-steps", "3", "--dry-run"],
      r"must be divisible by replicas × accumulation_steps \(1 × 3 = 3\)\. Try 63 or 66"),
     (["--device", "t4"], r"--device t4 plans for another machine; it only goes with --dry-run"),
+    (["--rematerialize", "block1_conv,nope", "--dry-run"],
+     r"rematerialize: 'nope' is not a layer of '[^']+'; its layers: .*block1_conv"),
     (["--model", "efficientnetv2-b0", "--image-size", "224", "--dry-run", "--device", "t4",
       "--global-batch-size", "1024", "--accumulation-steps", "1"],
      r"global batch 1024 = micro-batch 1024 × 1 accumulation step × 1 replica needs [\d.]+ "

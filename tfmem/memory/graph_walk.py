@@ -48,6 +48,7 @@ class Walker:
         self.context: tuple = ()  # the nested-model calls the walk is inside
         self.alias: dict = {}  # key -> key of the tensor whose buffer it shares
         self.sizes: dict = {}  # kept key -> bytes per sample
+        self.new_tensors = 0  # tensors kept that have no key of their own so far
         self.needs_grad: set = set()
         self.model_inputs: set = set()
         self.largest = 0
@@ -98,7 +99,8 @@ class Walker:
         self.largest = max(self.largest, sample_bytes(shape, dtype))
 
     def keep_bytes(self, nbytes: int) -> None:
-        self.sizes[("new", len(self.sizes))] = int(nbytes)
+        self.new_tensors += 1  # a count, not len(sizes): rematerialized layers remove keys
+        self.sizes[("new", self.new_tensors)] = int(nbytes)
 
     # -- the walk ---------------------------------------------------------------------------
     def walk(self, model) -> None:

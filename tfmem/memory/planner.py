@@ -34,7 +34,6 @@ from tfmem import _keras_internals as internals
 from tfmem.memory import levers
 from tfmem.memory.memory_plan import MemoryPlan, MemoryPlanError, choose
 from tfmem.memory.optimizer_state import optimizer_slot_bytes
-from tfmem.memory.plan_report import format_bytes
 from tfmem.memory.plan_settings import PlanSettings
 from tfmem.memory.saved_tensors import saved_tensors
 from tfmem.runtime import precision as precision_lib
@@ -236,7 +235,8 @@ def estimate(model: keras.Model, settings: PlanSettings,
 
 
 def _per_sample(nbytes: int) -> str:
-    return format_bytes(nbytes) if nbytes >= 2**20 else f"{nbytes / 1024:.1f} KiB"
+    """Bytes per sample in a plan's note (the report's own formatting is not imported here)."""
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 1024:.1f} KiB"
 
 
 def _rematerialized(model: keras.Model) -> tuple[int, ...]:

@@ -21,6 +21,7 @@ import keras
 
 from tfmem import _keras_internals as internals
 from tfmem.memory.graph_walk import Walker, itemsize, sample_bytes
+from tfmem.training import remat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +87,8 @@ def saved_tensors(model: keras.Model, *, compute_dtype: str | None = None,
                                     input_shapes=input_shapes)
     walker = _walker(compute_dtype, frozen, recomputed)
     walker.model_inputs = {walker.key(t) for t in graph.inputs}
-    walker.walk(graph)
+    with remat.as_written():  # what each layer keeps inside; the walk counts the recompute
+        walker.walk(graph)
     return _result(walker, graph.inputs)
 
 
@@ -115,8 +117,9 @@ def traced_saved_tensors(model: keras.Model, *, compute_dtype: str | None = None
     def call(xs):
         return model(xs[0] if len(xs) == 1 else list(xs), training=True)
 
-    result = walker.trace(model, call, inputs, [False] * len(inputs),
-                          walker.has_trainable(model))
+    with remat.as_written():  # planned as if not rematerialized (no graph to cut)
+        result = walker.trace(model, call, inputs, [False] * len(inputs),
+                              walker.has_trainable(model))
     if result is None:
         raise ValueError(
             f"{type(model).__name__} could not be traced to find what its backward pass "

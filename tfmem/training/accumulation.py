@@ -55,7 +55,9 @@ class AccumModel(backend.AccumTrainer, keras.Model):
             depth) whose activations are recomputed in the backward pass instead of kept:
             less memory per sample for about one more forward pass of those layers. Exact:
             BatchNormalization statistics are updated once and Dropout draws the same masks
-            (docs/rematerialization.md). Applied when `fit` starts.
+            (docs/rematerialization.md). Applied to the layers themselves, so a model that
+            shares them (`wrap`) recomputes them too; for a subclassed model, when `fit`
+            starts.
         **kwargs: Forwarded to `keras.Model` (`name`, ...).
 
     Raises:
@@ -100,6 +102,8 @@ class AccumModel(backend.AccumTrainer, keras.Model):
         self.accumulation_steps = accumulation_steps
         self._auto_accumulation = accumulation_steps == "auto"
         self._rematerialize = remat.check_setting(rematerialize)
+        if self._rematerialize and internals.is_graph_network(self):
+            remat.apply(self, self._rematerialize)  # a subclassed model's layers: at `fit`
 
     @property
     def rematerialize(self) -> tuple[str, ...] | None:

@@ -15,6 +15,7 @@ stateless call) is chosen in `tfmem.backend`. Only training calls are rematerial
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import keras
@@ -61,6 +62,21 @@ def apply(model: keras.Model, names: Sequence[str]) -> list[keras.layers.Layer]:
     return chosen
 
 
+_AS_WRITTEN = []  # non-empty while the planner measures layers without rematerialization
+
+
+@contextlib.contextmanager
+def as_written():
+    """Inside, rematerialized layers run as written: the planner measures what each keeps
+    inside, and counts the rematerialization itself."""
+    _AS_WRITTEN.append(True)
+    try:
+        yield
+    finally:
+        _AS_WRITTEN.pop()
+
+
 def is_training_call() -> bool:
-    """Whether the layer call now running is a training one (Keras's call context)."""
-    return bool(internals.call_training())
+    """Whether the layer call now running is a training one to rematerialize (Keras's call
+    context), and not one the planner measures as written."""
+    return not _AS_WRITTEN and bool(internals.call_training())
