@@ -1,7 +1,8 @@
 """The models and the run the rematerialization tests compare, on the backend Keras runs on.
 
 `python remat_cases.py` (with KERAS_BACKEND set) prints, as JSON, how far a rematerialized
-AccumModel's weights and BatchNorm statistics end from the same model trained without it.
+AccumModel's weights and BatchNorm statistics end from the same model trained without it (on
+JAX, also under `tfmem.detect()`'s DataParallel over every device).
 """
 
 import json
@@ -66,10 +67,14 @@ def relative_differences(rematerialize):
 if __name__ == "__main__":
     initial = model().get_weights()
     plain, _ = trained(None)
-    print(json.dumps({
+    found = {
         "backend": keras.backend.backend(),
         "block": relative_differences(["block"]),
         "layers": relative_differences(["pointwise", "block"]),
         "changed": [bool(np.any(a != b)) for a, b in zip(initial, plain)],
-    }))
+    }
+    if keras.backend.backend() == "jax":  # then over every device (XLA_FLAGS may add some)
+        found["replicas"] = tfmem.detect().num_replicas
+        found["data_parallel"] = relative_differences(["block"])
+    print(json.dumps(found))
     sys.exit(0)

@@ -6,7 +6,9 @@ import subprocess
 import sys
 
 import keras
+import numpy as np
 import pytest
+import tensorflow as tf
 
 import tfmem
 from tests.training import remat_cases
@@ -19,6 +21,20 @@ def test_rematerialized_block_ends_with_the_same_weights_and_statistics():
     # Kernels, biases, BatchNorm's gamma/beta and moving mean/variance, all after 3 steps.
     assert len(differences) == 10
     assert max(differences) <= 1e-6, differences
+
+
+def test_under_mirrored_strategy_on_two_cpus(two_cpu_strategy):
+    def trained(rematerialize):
+        with two_cpu_strategy.scope():
+            accum = remat_cases.model(rematerialize)
+        x, y = remat_cases.data()
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+        accum.fit(dataset, epochs=1, verbose=0)
+        return accum.get_weights()
+
+    plain, recomputed = trained(None), trained(["block"])
+    for a, b in zip(plain, recomputed, strict=True):
+        assert np.linalg.norm(a - b) <= 1e-6 * max(np.linalg.norm(a), 1e-12)
 
 
 def test_the_block_runs_forward_again_in_the_backward_pass():
@@ -47,6 +63,7 @@ def test_the_setting_is_saved_with_the_model(tmp_path):
 
 def test_on_the_jax_backend_too():
     env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3",
+               XLA_FLAGS="--xla_force_host_platform_device_count=8",
                PYTHONPATH=os.pathsep.join([os.getcwd(), *sys.path]))
     result = subprocess.run([sys.executable, CASES], env=env, capture_output=True, text=True,
                             timeout=300)
@@ -55,6 +72,8 @@ def test_on_the_jax_backend_too():
     assert found["backend"] == "jax"
     assert all(found["changed"])  # every weight and statistic moved in training
     assert max(found["block"]) <= 1e-6 and max(found["layers"]) <= 1e-6, found
+    # The same under a DataParallel over 8 host devices (tfmem.detect()).
+    assert found["replicas"] == 8 and max(found["data_parallel"]) <= 1e-6, found
 
 
 def _two_blocks(rematerialize):
