@@ -18,6 +18,7 @@ import tfmem
 from tfmem import cli, models
 from tfmem.runtime import devices
 from tfmem.memory import levers, plan_report
+from tfmem.training import remat
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, f"Model name: {', '.join(models.MODELS)}.")
@@ -78,7 +79,7 @@ def main(argv):
     with models.shapes_only():
         model = models.build(FLAGS.model, num_classes=FLAGS.num_classes,
                              image_size=FLAGS.image_size)
-    names = [name.strip() for name in (FLAGS.rematerialize or "").split(",") if name.strip()]
+    names = remat.names_of(FLAGS.rematerialize)
     if names:  # the plan counts what the named layers keep
         model = tfmem.AccumModel.wrap(model, rematerialize=names)
     plan = tfmem.plan(model, global_batch_size=FLAGS.global_batch_size,

@@ -42,8 +42,9 @@ from tfmem.memory import guard, levers
 from tfmem.memory import plan_report
 from tfmem.memory.plan_report import format_bytes
 from tfmem.runtime import memory_cap, precision as precision_lib, report
+from tfmem.runtime.cluster import split_batch
 from tfmem.runtime.runtime import Runtime
-from tfmem.training import recovery, run_directory
+from tfmem.training import recovery, remat, run_directory
 from tfmem.training.accumulation import AccumModel
 from tfmem.training.progress import RunProgress
 from tfmem.training.resume import fit_resumable
@@ -406,7 +407,7 @@ def _build_and_plan(config: FinetuneConfig, spec, runtime: Runtime, precision: s
     if config.rematerialize:  # the plan counts what the named layers keep
         with runtime.scope(), cli.usage_errors():  # a name that is no layer of the model
             planned = AccumModel.wrap(model,
-                                      rematerialize=_layer_names(config.rematerialize))
+                                      rematerialize=remat.names_of(config.rematerialize))
     # --device plans for that device (its replicas and, with precision "auto", its policy).
     where = (dict(device=config.device, precision=config.precision) if config.device
              else dict(runtime=runtime, precision=precision))
@@ -448,7 +449,7 @@ def _train(config: FinetuneConfig, spec, runtime: Runtime, precision: str, outpu
             f"{data.num_examples} training examples; use at most {data.num_examples}")
     with runtime.scope():
         accum = AccumModel.wrap(model, accumulation_steps=run_plan.accumulation_steps,
-                                rematerialize=_layer_names(config.rematerialize))
+                                rematerialize=remat.names_of(config.rematerialize))
         accum.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(),
                       metrics=["accuracy"])
     skipped = SkippedRecords() if config.skip_corrupt else None
@@ -483,8 +484,8 @@ def _train(config: FinetuneConfig, spec, runtime: Runtime, precision: str, outpu
         "num_examples": data.num_examples, "num_classes": data.num_classes,
         "epochs": config.epochs, "global_batch_size": config.global_batch_size,
         # After running out of memory in a step, the run goes on with a larger k.
-        "micro_batch_size": config.global_batch_size // (run_plan.num_replicas
-                                                         * accum.accumulation_steps),
+        "micro_batch_size": split_batch(config.global_batch_size, run_plan.num_replicas,
+                                        accum.accumulation_steps),
         "accumulation_steps": accum.accumulation_steps,
         "num_replicas": run_plan.num_replicas, "device": runtime.device_name,
         "precision": precision, "planned_peak_bytes": run_plan.peak_bytes,
@@ -501,12 +502,6 @@ def _train(config: FinetuneConfig, spec, runtime: Runtime, precision: str, outpu
         results["skipped"] = skipped.summary()
     _save_results(accum, results, output)
     return results
-
-
-def _layer_names(names: str | None) -> list[str] | None:
-    """`--rematerialize down0_dense,down1_dense` → the names; None when not given."""
-    found = [name.strip() for name in (names or "").split(",") if name.strip()]
-    return found or None
 
 
 def memory_limit_bytes(memory_limit: str | None) -> int | None:

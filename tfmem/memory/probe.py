@@ -317,11 +317,11 @@ def _child_main(spec_path: str, result_path: str) -> None:
     import keras
 
     keras.mixed_precision.set_global_policy(spec["precision"])
-    baseline = memory_cap.status_bytes()["VmRSS"]
+    status = memory_cap.status_bytes()
+    baseline = status["VmRSS"]
     if spec["device"] == "cpu":
         # Kernel backstop against one huge allocation; the parent's watchdog enforces the limit.
-        data_now = memory_cap.status_bytes()["VmData"]
-        cap = data_now + 2 * max(spec["memory_limit"] - baseline, 0)
+        cap = status["VmData"] + 2 * max(spec["memory_limit"] - baseline, 0)
         resource.setrlimit(resource.RLIMIT_DATA, (cap, resource.getrlimit(resource.RLIMIT_DATA)[1]))
     if "model_fn" in spec:
         model = spec["model_fn"]()

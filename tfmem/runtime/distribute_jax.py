@@ -144,10 +144,15 @@ class ProcessDataParallel(keras.distribution.DataParallel):
         return super().distribute_dataset(dataset)
 
 
+def _splits_by_process() -> bool:
+    """Several processes, under the distribution that takes datasets split by process."""
+    return jax.process_count() > 1 and isinstance(keras.distribution.distribution(),
+                                                  ProcessDataParallel)
+
+
 def split_by_process(dataset) -> bool:
     """Whether `dataset` holds only this process's part of each global batch."""
-    if jax.process_count() == 1 or not isinstance(keras.distribution.distribution(),
-                                                  ProcessDataParallel):
+    if not _splits_by_process():
         return False
     options = getattr(dataset, "options", None)
     tf = sys.modules.get("tensorflow")
@@ -159,10 +164,7 @@ def split_by_process(dataset) -> bool:
 
 def process_split() -> tuple[int, int] | None:
     """`(processes, index)` when a dataset made now may hold only this process's part."""
-    if jax.process_count() == 1 or not isinstance(keras.distribution.distribution(),
-                                                  ProcessDataParallel):
-        return None
-    return jax.process_count(), jax.process_index()
+    return (jax.process_count(), jax.process_index()) if _splits_by_process() else None
 
 
 class Processes:

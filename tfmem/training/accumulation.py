@@ -167,7 +167,7 @@ class AccumModel(backend.AccumTrainer, keras.Model):
         auto = self._auto_accumulation
         if not (check_memory or auto):
             return None
-        global_batch = _global_batch_size(x, batch_size)
+        global_batch = global_batch_size(x, batch_size)
         if global_batch is None:
             guard.unplanned(self, "the data has no static batch size (batch it with "
                             "drop_remainder=True to check)", auto=auto)
@@ -175,13 +175,12 @@ class AccumModel(backend.AccumTrainer, keras.Model):
         runtime = backend.current_runtime(self)
         where = (dict(runtime=runtime) if memory_budget is None
                  else dict(memory_budget=memory_budget, num_replicas=runtime.num_replicas))
-        precision = self.dtype_policy.name
         run = guard.guard(
             self, global_batch_size=global_batch,
             accumulation_steps="auto" if auto else self.accumulation_steps,
             allow_over_budget=not check_memory and not auto, batch_of_the_data=True, **where,
             optimizer=self.optimizer,
-            precision=precision if precision.startswith("mixed_") else "float32",
+            precision=plan_precision(self),
             # A subclassed model Keras has not built yet is planned at the data's shapes.
             input_shape=None if self.built else _sample_shapes(x))
         if auto:
@@ -373,7 +372,13 @@ def _sample_shapes(x) -> list[tuple] | None:
     return [tuple(shape)[1:] for shape in shapes]
 
 
-def _global_batch_size(x, batch_size) -> int | None:
+def plan_precision(model: keras.Model) -> str:
+    """The precision a model's run is planned in: its mixed policy, else float32."""
+    policy = model.dtype_policy.name
+    return policy if policy.startswith("mixed_") else "float32"
+
+
+def global_batch_size(x, batch_size=None) -> int | None:
     """Rows per step of `fit(x, batch_size=...)` over all replicas, if static."""
     element_spec = getattr(x, "element_spec", None)  # a tf.data.Dataset
     if element_spec is not None:

@@ -14,6 +14,8 @@ from typing import Any
 
 import keras
 
+from tfmem.runtime.cluster import split_batch
+
 # How each framework says it: TensorFlow's `tf.errors.ResourceExhaustedError` (by class name:
 # no TensorFlow import on the JAX backend); JAX's runtime errors with XLA's status code, or
 # with the allocator's words (a failure found when an asynchronously dispatched step's result
@@ -86,7 +88,7 @@ def smaller_split(model: keras.Model, global_batch_size: int | None, num_replica
             f"out of memory in a train step with accumulation_steps={k} ({said}); the data "
             "has no static batch size, so the micro-batch cannot be halved: batch it with "
             "drop_remainder=True")
-    micro = global_batch_size // (num_replicas * k)
+    micro = split_batch(global_batch_size, num_replicas, k)
     smaller = halved(micro)
     if smaller is None:
         raise OutOfMemoryError(
@@ -102,15 +104,15 @@ def what_would_fit(model: keras.Model, global_batch_size: int) -> str:
     """What the memory plan of this device says about the run (shapes only, no allocation)."""
     from tfmem import backend
     from tfmem.memory import guard, plan_report  # the planner is needed only here
+    from tfmem.training.accumulation import plan_precision
 
     advice = ("use mixed precision, freeze part of the model, or a smaller input or model "
               "(tfmem.plan shows what fits)")
-    precision = model.dtype_policy.name
     try:
         run = guard.guard(model, global_batch_size=global_batch_size,
                           accumulation_steps="auto", allow_over_budget=True,
                           runtime=backend.current_runtime(model), optimizer=model.optimizer,
-                          precision=precision if precision.startswith("mixed_") else "float32")
+                          precision=plan_precision(model))
     except Exception as error:  # noqa: BLE001 - the out-of-memory error is the one to report
         return f"{advice}; the plan could not be made ({type(error).__name__}: {error})"
     plan = run.plan

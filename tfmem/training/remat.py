@@ -37,6 +37,12 @@ def check_setting(value) -> tuple[str, ...] | None:
     return tuple(value)
 
 
+def names_of(flag: str | None) -> list[str] | None:
+    """`--rematerialize down0_dense, down1_dense` → the names; None when none are given."""
+    names = [name.strip() for name in (flag or "").split(",") if name.strip()]
+    return names or None
+
+
 def apply(model: keras.Model, names: Sequence[str]) -> list[keras.layers.Layer]:
     """Rematerializes the layers of `model` named `names` (found at any depth); returns them.
 

@@ -259,7 +259,7 @@ def _check_same_point(backup: _Backup, state: dict[str, Any] | None) -> None:
     """With several processes: each must have found the same resume point."""
     from tfmem.backend import processes
 
-    if processes.count == 1:
+    if _one_process():
         return
     found = processes.gather([-1, 0, 0] if state is None else
                              [state["generation"], state["epoch"], state["step"]])
@@ -284,12 +284,11 @@ def _set_accumulation_steps(model: keras.Model, steps: int) -> None:
 def _recover(model, backup, dataset, failure, epoch) -> None:
     """After a step ran out of memory: the smaller split, said and recorded."""
     from tfmem import backend
+    from tfmem.training.accumulation import global_batch_size
 
     internals.drop_jax_state(model)
-    spec = keras.tree.flatten(dataset.element_spec)[0]
-    split = recovery.smaller_split(
-        model, spec.shape[0] if spec.shape.rank else None,
-        backend.current_runtime(model).num_replicas, failure)
+    split = recovery.smaller_split(model, global_batch_size(dataset),
+                                   backend.current_runtime(model).num_replicas, failure)
     split.update(epoch=epoch + 1, in_process=True)
     _set_accumulation_steps(model, split["to_accumulation_steps"])
     backup.recoveries.append(split)
