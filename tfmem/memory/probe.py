@@ -220,7 +220,12 @@ def probe(
             raise ProbeError(f"The probe run at micro-batch {size} did not finish: "
                              f"{result.reason}. Nothing else was run.")
         results.append(result)
-    slope, intercept = np.polyfit(sizes, [r.peak_bytes for r in results], 1)
+    # The line is fit on each run's growth above its own baseline (the resident set after
+    # importing TensorFlow moves by tens of MiB between processes on a loaded machine), then
+    # lifted by the runs' median baseline.
+    growths = [r.peak_bytes - r.baseline_bytes for r in results]
+    slope, intercept = np.polyfit(sizes, growths, 1)
+    intercept += float(np.median([r.baseline_bytes for r in results]))
     if slope <= 0:
         raise ProbeError(
             f"Measured peaks {[r.peak_bytes for r in results]} at micro-batches {sizes} do not "
