@@ -2,10 +2,14 @@
 
     python benchmarks/rematerialization.py                           # tiramisu-56 at 64 px
     python benchmarks/rematerialization.py --model tiramisu-103 --image-size 128 --batches 2,8
+    python benchmarks/rematerialization.py --model efficientnetv2-s --image-size 384 \
+        --batches 1,4 --settings none,full
+    python benchmarks/rematerialization.py --model vit-s16 --image-size 224 --settings none,full
 
-For one model of the registry whose blocks are layers (FC-DenseNet's dense blocks, named
-`*_dense`), trained as an `AccumModel` (k = 1, Adam, float32, TensorFlow) with and without
-`rematerialize=[every block]`, side by side in one run:
+For one model of the registry (or `vit-s16`: ViT-S/16 built from Keras layers, keras-hub's
+shapes), trained as an `AccumModel` (k = 1, Adam, float32, TensorFlow)
+without rematerialization and with each of `--settings` (`blocks`: every layer named `*_dense`,
+FC-DenseNet's dense blocks; `full`: `rematerialize="full"`), side by side in one run:
 
 - the peak resident set of a fresh process running 2 training steps (`tfmem.memory.probe.
   measure`), above its baseline after importing TensorFlow, at two micro-batches; from them
@@ -36,12 +40,34 @@ from tfmem.memory.probe import measure  # noqa: E402
 GIB, MIB = 2**30, 2**20
 
 
-def build(name: str, image_size: int, blocks: bool) -> tfmem.AccumModel:
+def vit_s16(image_size: int) -> keras.Model:
+    """ViT-S/16 from Keras layers (keras-hub's ViT-S/16 shapes): 16×16 patches, width 384,
+    12 pre-norm blocks of 6-head attention and a 1536-wide GELU MLP, a 4-class head."""
+    tokens = (image_size // 16) ** 2
+    inputs = keras.Input((image_size, image_size, 3))
+    patches = keras.layers.Conv2D(384, 16, strides=16, name="patches")(inputs)
+    x = keras.layers.Reshape((tokens, 384))(patches)
+    x = x + keras.layers.Embedding(tokens, 384, name="positions")(keras.ops.arange(tokens))
+    for i in range(12):
+        h = keras.layers.LayerNormalization(epsilon=1e-6, name=f"block{i}_norm1")(x)
+        h = keras.layers.MultiHeadAttention(6, 64, name=f"block{i}_attention")(h, h)
+        x = keras.layers.Add(name=f"block{i}_add1")([x, h])
+        h = keras.layers.LayerNormalization(epsilon=1e-6, name=f"block{i}_norm2")(x)
+        h = keras.layers.Dense(1536, activation="gelu", name=f"block{i}_mlp1")(h)
+        h = keras.layers.Dense(384, name=f"block{i}_mlp2")(h)
+        x = keras.layers.Add(name=f"block{i}_add2")([x, h])
+    x = keras.layers.LayerNormalization(epsilon=1e-6, name="norm")(x)
+    x = keras.layers.GlobalAveragePooling1D(name="pool")(x)
+    return keras.Model(inputs, keras.layers.Dense(4, name="head")(x), name="vit-s16")
+
+
+def build(name: str, image_size: int, setting: str | None) -> tfmem.AccumModel:
     keras.utils.set_random_seed(0)
-    base = models.build(name, num_classes=4, image_size=image_size)
-    names = [layer.name for layer in base.layers if layer.name.endswith("_dense")]
-    return tfmem.AccumModel.wrap(base, accumulation_steps=1,
-                                 rematerialize=names if blocks else None)
+    base = (vit_s16(image_size) if name == "vit-s16"
+            else models.build(name, num_classes=4, image_size=image_size))
+    if setting == "blocks":
+        setting = [layer.name for layer in base.layers if layer.name.endswith("_dense")]
+    return tfmem.AccumModel.wrap(base, accumulation_steps=1, rematerialize=setting)
 
 
 def seconds_per_sample(accum, image_size: int, batch: int, steps: int) -> float:
@@ -57,9 +83,9 @@ def seconds_per_sample(accum, image_size: int, batch: int, steps: int) -> float:
     return (time.perf_counter() - start) / (steps * batch)
 
 
-def row(name: str, image_size: int, blocks: bool, batches: tuple[int, int], steps: int,
+def row(name: str, image_size: int, setting: str | None, batches: tuple[int, int], steps: int,
         budget: float) -> dict:
-    accum = build(name, image_size, blocks)
+    accum = build(name, image_size, setting)
     growth = {}
     for batch in batches:
         result = measure(accum, micro_batch_size=batch, input_shape=(image_size, image_size, 3),
@@ -71,7 +97,9 @@ def row(name: str, image_size: int, blocks: bool, batches: tuple[int, int], step
     per_sample = (growth[large] - growth[small]) / (large - small)
     fixed = growth[small] - per_sample * small
     plan = tfmem.plan(accum, global_batch_size=small, memory_budget=int(20 * GIB))
-    return dict(blocks=len(accum.rematerialize or ()), growth=growth, per_sample=per_sample,
+    return dict(setting=setting or "none",
+                segments=sum(len(ranges) for _, ranges in plan.rematerialized),
+                growth=growth, per_sample=per_sample,
                 fits=int((budget * GIB - fixed) // per_sample),
                 planned=plan.activation_bytes_per_sample + plan.workspace_bytes_per_sample,
                 seconds=seconds_per_sample(accum, image_size, small, steps))
@@ -84,26 +112,31 @@ def main(argv=None):
     parser.add_argument("--batches", default="2,8", help="two micro-batches: small,large")
     parser.add_argument("--budget", type=float, default=8.0, help="GiB of growth allowed")
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--settings", default="none,blocks,full",
+                        help="rematerialize settings compared (none, blocks, full)")
     args = parser.parse_args(argv)
     batches = tuple(int(b) for b in args.batches.split(","))
     print(f"{args.model} at {args.image_size} px, Adam, float32, TensorFlow on "
           f"{os.cpu_count()} CPU cores; budget {args.budget:g} GiB of growth")
-    rows = [row(args.model, args.image_size, blocks, batches, args.steps, args.budget)
-            for blocks in (False, True)]
+    rows = [row(args.model, args.image_size, None if setting == "none" else setting, batches,
+                args.steps, args.budget) for setting in args.settings.split(",")]
     small, large = batches
-    print(f"| rematerialized | RAM growth @{small} | RAM growth @{large} | per sample, "
-          f"measured | per sample, planned | largest micro-batch in budget | s per sample |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print(f"| rematerialize | segments | RAM growth @{small} | RAM growth @{large} | per "
+          f"sample, measured | per sample, planned | largest micro-batch in budget | "
+          f"s per sample |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {str(r['blocks']) + ' blocks' if r['blocks'] else 'none'} | "
+        print(f"| {r['setting']} | {r['segments']} | "
               f"{r['growth'][small] / GIB:.2f} GiB | {r['growth'][large] / GIB:.2f} GiB | "
               f"{r['per_sample'] / MIB:.0f} MiB | {r['planned'] / MIB:.0f} MiB | {r['fits']} | "
               f"{r['seconds']:.3f} |")
-    plain, recomputed = rows
-    print(f"ratios (rematerialized / not): micro-batch {recomputed['fits'] / plain['fits']:.2f}×, "
-          f"time per sample {recomputed['seconds'] / plain['seconds']:.2f}×, "
-          f"planned / measured per sample {recomputed['planned'] / recomputed['per_sample']:.2f} "
-          f"(without: {plain['planned'] / plain['per_sample']:.2f})")
+    plain = rows[0]
+    for r in rows[1:]:
+        print(f"{r['setting']} / {plain['setting']}: micro-batch "
+              f"{r['fits'] / plain['fits']:.2f}×, time per sample "
+              f"{r['seconds'] / plain['seconds']:.2f}×, planned / measured per sample "
+              f"{r['planned'] / r['per_sample']:.2f} (without: "
+              f"{plain['planned'] / plain['per_sample']:.2f})")
 
 
 if __name__ == "__main__":

@@ -32,8 +32,9 @@ flags.DEFINE_enum("precision", "auto", ["auto", "float32", "mixed_float16", "mix
                   "GPUs of compute capability >= 7, float32 on CPU).")
 flags.DEFINE_float("safety", 0.8, "Fraction of the device memory to plan for.")
 flags.DEFINE_string("plot", None, "Write memory vs micro-batch to this PNG file.")
-flags.DEFINE_string("rematerialize", None, "Comma-separated names of layers (blocks) "
-                    "recomputed in the backward pass instead of keeping their activations.")
+flags.DEFINE_string("rematerialize", None, "Recompute activations in the backward pass: "
+                    "'full', 'auto' (as much as the micro-batch needs to fit), or "
+                    "comma-separated layer names and first:last layer ranges.")
 flags.mark_flags_as_required(["model", "global_batch_size"])
 for _name in ("global_batch_size", "image_size", "num_classes"):
     flags.register_validator(_name, lambda value: value is None or value >= 1,
@@ -79,9 +80,9 @@ def main(argv):
     with models.shapes_only():
         model = models.build(FLAGS.model, num_classes=FLAGS.num_classes,
                              image_size=FLAGS.image_size)
-    names = remat.names_of(FLAGS.rematerialize)
-    if names:  # the plan counts what the named layers keep
-        model = tfmem.AccumModel.wrap(model, rematerialize=names)
+    setting = remat.names_of(FLAGS.rematerialize)
+    if setting:  # the plan counts what is recomputed
+        model = tfmem.AccumModel.wrap(model, rematerialize=setting)
     plan = tfmem.plan(model, global_batch_size=FLAGS.global_batch_size,
                       optimizer=FLAGS.optimizer, precision=FLAGS.precision,
                       device=FLAGS.device, safety=FLAGS.safety,

@@ -73,6 +73,18 @@ def functional_structs(model: keras.Model) -> tuple:
     )
 
 
+def graph_runner(graph: keras.Model):
+    """The method a functional model's `call` runs its nodes with:
+    `(inputs, operation_fn, call_fn) → outputs`."""
+    return _attribute(graph, "_run_through_graph", "how a functional model runs its nodes")
+
+
+def replace_graph_runner(graph: keras.Model, runner) -> None:
+    """Makes `graph`'s `call` (this instance only) run its nodes with `runner`."""
+    graph_runner(graph)  # the attribute must exist to be replaced
+    graph._run_through_graph = runner
+
+
 def call_has_training_arg(layer: keras.layers.Layer) -> bool:
     """Whether `layer.call` takes a `training` argument."""
     return bool(_attribute(layer, "_call_has_training_arg", "whether call() takes `training`"))
@@ -112,6 +124,13 @@ def flatten_layers(model: keras.layers.Layer) -> list[keras.layers.Layer]:
 def own_trainable_variables(layer: keras.layers.Layer) -> list:
     """The trainable variables a layer creates itself (not those of layers inside it)."""
     return list(_attribute(layer, "_trainable_variables", "a layer's own trainable weights"))
+
+
+def own_weights(layer: keras.layers.Layer) -> list:
+    """Every variable a layer creates itself (trainable or not; not its sub-layers')."""
+    return (list(_attribute(layer, "_trainable_variables", "a layer's own trainable weights"))
+            + list(_attribute(layer, "_non_trainable_variables",
+                              "a layer's own non-trainable weights")))
 
 
 def functional_of(model: keras.Model) -> keras.Model | None:

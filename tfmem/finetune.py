@@ -38,7 +38,7 @@ import keras
 from tfmem import backend, cli, models
 from tfmem.data import demo, manifest as manifest_lib, reader
 from tfmem.data.integrity import SkippedRecords
-from tfmem.memory import guard, levers
+from tfmem.memory import guard, levers, segments
 from tfmem.memory import plan_report
 from tfmem.memory.plan_report import format_bytes
 from tfmem.runtime import memory_cap, precision as precision_lib, report
@@ -85,8 +85,9 @@ class FinetuneConfig:
         deterministic: deterministic ops (a resumed run ends bit-identical).
         memory_limit: "auto" (80% of the RAM available at the start), "none", or a size
             ("3GB", "2.5GiB") this run's training process may hold in RAM and swap.
-        rematerialize: comma-separated names of layers recomputed in the backward pass
-            instead of keeping their activations (docs/rematerialization.md).
+        rematerialize: what is recomputed in the backward pass instead of kept: "full",
+            "auto" (as much as the micro-batch needs to fit), or comma-separated layer names
+            and `first:last` ranges (docs/rematerialization.md).
     """
 
     model: str = "small-cnn"
@@ -231,13 +232,14 @@ def _output(config: FinetuneConfig, spec) -> str:
 
 
 def _spec(config: FinetuneConfig):
-    """The registry entry of `config.model`, an image classifier."""
+    """The registry entry of `config.model`: an image classifier, or a segmentation network
+    that classifies from its pooled last features."""
     with cli.usage_errors():  # unknown name → the list of valid ones
         spec = models.spec(config.model)
-    if spec.task != "classification":
+    if spec.task != "classification" and config.weights:
         raise cli.UsageError(
-            f"{spec.name} is a {spec.task} model; finetune.py trains image classifiers. "
-            f"Size it with: python scripts/plan.py --model {spec.name} ...")
+            f"--weights: {spec.name} is a {spec.task} network, trained here as a classifier "
+            "of its pooled last features from scratch; leave --weights out")
     return spec
 
 
@@ -398,13 +400,16 @@ def _build_and_plan(config: FinetuneConfig, spec, runtime: Runtime, precision: s
     deferred = config.dry_run and not config.weights
     with runtime.scope(), cli.usage_errors():  # e.g. an image size the model cannot take
         with models.shapes_only() if deferred else contextlib.nullcontext():
-            model = models.build(spec.name, num_classes=data.num_classes,
-                                 image_size=data.image_size, weights=config.weights,
-                                 freeze_backbone=config.freeze_backbone)
+            if spec.task == "classification":
+                model = models.build(spec.name, num_classes=data.num_classes,
+                                     image_size=data.image_size, weights=config.weights,
+                                     freeze_backbone=config.freeze_backbone)
+            else:
+                model = _pooled_classifier(spec, data, config.freeze_backbone)
         optimizer = keras.optimizers.get({"class_name": config.optimizer,
                                           "config": {"learning_rate": config.learning_rate}})
     planned = model
-    if config.rematerialize:  # the plan counts what the named layers keep
+    if config.rematerialize:  # the plan counts what is recomputed
         with runtime.scope(), cli.usage_errors():  # a name that is no layer of the model
             planned = AccumModel.wrap(model,
                                       rematerialize=remat.names_of(config.rematerialize))
@@ -437,6 +442,19 @@ def _build_and_plan(config: FinetuneConfig, spec, runtime: Runtime, precision: s
     return model, optimizer, run_plan
 
 
+def _pooled_classifier(spec, data: _Data, freeze_backbone: bool) -> keras.Model:
+    """A segmentation network (FC-DenseNet, U-Net) as an image classifier: its last feature
+    maps (per pixel), averaged over the image, then a softmax layer."""
+    features = models.build(spec.name, num_classes=None, image_size=data.image_size,
+                            include_top=False, freeze_backbone=freeze_backbone)
+    pooled = keras.layers.GlobalAveragePooling2D(name="pool")(features.output)
+    outputs = keras.layers.Dense(data.num_classes, activation="softmax", dtype="float32",
+                                 name="predictions")(pooled)
+    print(f"{spec.name} is a {spec.task} network: its last feature maps are averaged into a "
+          f"{data.num_classes}-class classifier")
+    return keras.Model(features.input, outputs, name=spec.name)
+
+
 def _train(config: FinetuneConfig, spec, runtime: Runtime, precision: str, output: str,
            data: _Data, attempt: _Attempt) -> dict:
     """Builds, plans, trains and evaluates; returns metrics.json's dict."""
@@ -447,9 +465,14 @@ def _train(config: FinetuneConfig, spec, runtime: Runtime, precision: str, outpu
         raise cli.UsageError(
             f"--global-batch-size {config.global_batch_size} is larger than the "
             f"{data.num_examples} training examples; use at most {data.num_examples}")
+    setting = remat.names_of(config.rematerialize)
+    if setting in ("full", "auto") and run_plan.plan is not None:
+        # The segments the plan chose: the run cuts the same ones.
+        spec = run_plan.plan.rematerialized
+        setting = segments.Ranges(spec) if spec else None
     with runtime.scope():
         accum = AccumModel.wrap(model, accumulation_steps=run_plan.accumulation_steps,
-                                rematerialize=remat.names_of(config.rematerialize))
+                                rematerialize=setting)
         accum.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(),
                       metrics=["accuracy"])
     skipped = SkippedRecords() if config.skip_corrupt else None

@@ -221,6 +221,21 @@ def test_a_dry_run_plans_the_rematerialized_layers(finetune_main, tmp_path, caps
     assert "block1_conv " in notes[0] and "block2_conv " in notes[0]
 
 
+def test_a_dry_run_of_a_segmentation_network_plans_auto_rematerialization(finetune_main,
+                                                                         tmp_path, capsys):
+    finetune_main("--model", "tiramisu-103", "--image-size", "224", "--dry-run", "--device",
+                  "t4", "--precision", "float32", "--rematerialize", "auto",
+                  "--output", str(tmp_path))
+    out = capsys.readouterr().out
+    assert ("tiramisu-103 is a segmentation network: its last feature maps are averaged into a "
+            "4-class classifier") in out
+    note = next(line.strip() for line in out.splitlines() if "rematerialize auto" in line)
+    # 64 = 16 × 4 is the target; without rematerialization only a smaller micro-batch fits.
+    assert re.fullmatch(r"note: rematerialize auto: micro-batch [1248] × \d+ without it; with "
+                        r"\d+ of \d+ segments recomputed, micro-batch 16 × 4 at ≈ \+\d+% "
+                        r"compute", note), note
+
+
 @pytest.mark.parametrize("data", [None, "{missing}/train-*.tfrec", "gs://a-bucket/train-*.tfrec"])
 def test_a_dry_run_for_another_device_plans_without_the_data(finetune_main, tmp_path, capsys,
                                                             data):
@@ -304,12 +319,17 @@ def written_sets(tmp_path_factory):
     (["--model", "efficientnet-b9"], r"Unknown model 'efficientnet-b9'.*Valid names: "
                                      r".*efficientnetv2-xl"),
     (["--model", "small-cnn", "--image-size", "16"], r"at least 32×32 pixels"),
-    (["--model", "tiramisu"], r"tiramisu is a segmentation model"),
+    (["--model", "tiramisu", "--weights", "{demo}/manifest.json"],
+     r"--weights: tiramisu is a segmentation network, trained here as a classifier of its "
+     r"pooled last features from scratch; leave --weights out"),
     (["--accumulation-steps", "3", "--dry-run"],
      r"must be divisible by replicas × accumulation_steps \(1 × 3 = 3\)\. Try 63 or 66"),
     (["--device", "t4"], r"--device t4 plans for another machine; it only goes with --dry-run"),
     (["--rematerialize", "block1_conv,nope", "--dry-run"],
      r"rematerialize: 'nope' is not a layer of '[^']+'; its layers: .*block1_conv"),
+    (["--rematerialize", "avg_pool:small_cnn", "--dry-run"],
+     r"rematerialize: \('avg_pool', 'small_cnn'\): 'avg_pool' runs after 'small_cnn'; give "
+     r"the pair in the order the model runs them"),
     (["--model", "efficientnetv2-b0", "--image-size", "224", "--dry-run", "--device", "t4",
       "--global-batch-size", "1024", "--accumulation-steps", "1"],
      r"global batch 1024 = micro-batch 1024 × 1 accumulation step × 1 replica needs [\d.]+ "

@@ -12,6 +12,9 @@ import tensorflow as tf
 
 import tfmem
 from tests.training import remat_cases
+from tfmem.memory import segments
+from tfmem.memory.graph_walk import node_order
+from tfmem.training import remat
 
 CASES = os.path.join(os.path.dirname(__file__), "remat_cases.py")
 
@@ -49,8 +52,9 @@ def test_names_that_are_no_layer_and_bad_settings_are_one_error():
     with pytest.raises(ValueError, match=r"rematerialize: 'nope' is not a layer of "
                                          r"'functional\w*'; its layers: .*block"):
         remat_cases.model(["block", "nope"])
-    for bad in ("block", [], [3]):
-        with pytest.raises(ValueError, match="must be None or a list of layer names"):
+    for bad in ("block", [], [3], [("a", "b", "c")]):
+        with pytest.raises(ValueError, match='must be None, "full", "auto", or a list of '
+                                             'layer names and \\(first, last\\) layer pairs'):
             remat_cases.model(bad)
 
 
@@ -59,6 +63,11 @@ def test_the_setting_is_saved_with_the_model(tmp_path):
     accum.save(tmp_path / "model.keras")
     loaded = keras.saving.load_model(tmp_path / "model.keras")
     assert isinstance(loaded, tfmem.AccumModel) and loaded.rematerialize == ("block",)
+    # Segments a plan chose (what finetune.py trains with) are saved as they are.
+    chosen = segments.Ranges((("", ((0, 3), (4, 7))), ("dense", ((0, 9),))))
+    saved = remat_cases.dense(chosen).get_config()["rematerialize"]
+    assert saved == {"segments": [["", [[0, 3], [4, 7]]], ["dense", [[0, 9]]]]}
+    assert remat.check_setting(saved) == chosen
 
 
 def test_on_the_jax_backend_too():
@@ -72,8 +81,14 @@ def test_on_the_jax_backend_too():
     assert found["backend"] == "jax"
     assert all(found["changed"])  # every weight and statistic moved in training
     assert max(found["block"]) <= 1e-6 and max(found["layers"]) <= 1e-6, found
+    # Segments of the graph, and inside a subclassed block, under JAX's host loop of
+    # jitted micro-steps (k = 2 on a CPU).
+    for case in ("chain full", "dense full"):
+        assert max(found[case]["differences"]) <= 1e-6 and found[case]["segments"], found
+    assert found["dense full"]["segments"][0][0] == "dense"
     # The same under a DataParallel over 8 host devices (tfmem.detect()).
     assert found["replicas"] == 8 and max(found["data_parallel"]) <= 1e-6, found
+    assert max(found["data_parallel full"]) <= 1e-6, found
 
 
 def _two_blocks(rematerialize):
@@ -90,15 +105,15 @@ def test_the_plan_counts_what_rematerialization_keeps():
     # Per sample, in float32 values: each block keeps its input (64) and its hidden layer
     # (512, for the ReLU and the second Dense); the head keeps its input (64).
     # Without: 64 + 512 + 64 + 512 + 64 = 1216. Rematerialized: the blocks' inputs and the
-    # head's (3 × 64) stay, and one block's 64 + 512 is held again while it is recomputed.
+    # head's (3 × 64) stay, and one block's hidden 512 is held again while it is recomputed.
     def activations(rematerialize):
         return tfmem.plan(_two_blocks(rematerialize), global_batch_size=8,
                           memory_budget=2**30)
     plain, recomputed = activations(None), activations(["block_a", "block_b"])
     assert plain.activation_bytes_per_sample == 1216 * 4
-    assert recomputed.activation_bytes_per_sample == (3 * 64 + 64 + 512) * 4
+    assert recomputed.activation_bytes_per_sample == (3 * 64 + 512) * 4
     assert ("rematerialized, recomputed in the backward pass one at a time (the largest "
-            "counted in activations): block_a 2.2 KiB/sample, block_b 2.2 KiB/sample") in (
+            "counted in activations): block_a 2.0 KiB/sample, block_b 2.0 KiB/sample") in (
         recomputed.table())
 
 
@@ -127,3 +142,147 @@ def test_a_layer_block_is_planned_by_what_its_call_keeps():
     assert set(segments) == {"block_a", "block_b"} and segments["block_a"] == segments["block_b"]
     assert float(segments["block_a"]) >= 512 * 4 / 1024  # its hidden layer at least
     assert recomputed.activation_bytes_per_sample < plain.activation_bytes_per_sample
+
+
+# -- Segments cut in the graph itself: "full", "auto", (first, last) pairs ----------------------
+
+@pytest.mark.parametrize("setting, jit_compile", [("full", False), ("full", True),
+                                                  ([("conv1a", "add2")], "auto")])
+def test_segments_of_the_graph_train_to_the_same_weights_and_statistics(setting, jit_compile):
+    remat_cases.Counted.calls = 0
+    differences, cut = remat_cases.chain_differences(setting, jit_compile=jit_compile)
+    # 7 convolution weights (the 3 before a BatchNorm have no bias), 3 BatchNorms × 4, the
+    # head's 2: all after 3 steps of k = 2, under XLA too (jit_compile=True compiles the
+    # micro-step).
+    assert len(differences) == 25 and max(differences) <= 1e-6, differences
+    (path, ranges), = cut  # the model's own graph: no layer is cut inside
+    assert path == "" and len(ranges) >= 1 and all(start <= stop for start, stop in ranges)
+    if setting != "full":  # conv1a is call 7 of the order Keras runs, add2 call 18
+        assert ranges == ((7, 18),)
+
+
+@pytest.mark.parametrize("jit_compile", ["auto", True])
+def test_full_cuts_inside_a_subclassed_block_and_trains_to_the_same_weights(jit_compile):
+    differences, cut = remat_cases.chain_differences("full", remat_cases.dense,
+                                                     jit_compile=jit_compile)
+    # The stem's 2, 4 × (BatchNorm's 4, the conv's 2), the head's 2.
+    assert len(differences) == 28 and max(differences) <= 1e-6, differences
+    # The block holds almost every activation: cut inside it, between its units (each a
+    # BatchNorm … concatenate of its traced call), and the tiny top left whole.
+    (path, ranges), = cut
+    assert path == "dense" and len(ranges) >= 2
+    graph = _inner_graph(remat_cases.dense("full"), "dense")
+    assert sum(1 for layer in graph.layers if isinstance(layer, keras.layers.Conv2D)) == 4
+
+
+def _inner_graph(model, name):
+    node = next(node for node in node_order(model) if node.operation.name == name)
+    return segments.inner_graph(node.operation, node)
+
+
+def test_segments_run_forward_again_in_the_backward_pass():
+    counts = []
+    for setting in (None, "full"):
+        remat_cases.Counted.calls = 0
+        remat_cases.chain(setting).fit(*remat_cases.data(), batch_size=16, epochs=1,
+                                       shuffle=False, verbose=0)
+        counts.append(remat_cases.Counted.calls)
+    # TensorFlow traces each ReLU once more, for the gradient of its segment.
+    assert counts[1] == counts[0] + 3, counts
+
+
+def _dense_chain(rematerialize=None):
+    inputs = keras.Input((64,))
+    x = inputs
+    for block in ("a", "b"):
+        hidden = keras.layers.Dense(512, activation="relu", name=f"{block}_hidden")(x)
+        x = keras.layers.Dense(64, name=f"{block}_out")(hidden)
+    return tfmem.AccumModel(inputs, keras.layers.Dense(3, name="head")(x),
+                            rematerialize=rematerialize)
+
+
+def _planned(rematerialize, **arguments):
+    arguments.setdefault("memory_budget", 2**30)
+    return tfmem.plan(_dense_chain(rematerialize), global_batch_size=8, **arguments)
+
+
+def test_pairs_and_full_are_planned_by_hand_counts():
+    # As the nested blocks above, in one graph: (a_hidden, a_out) and (b_hidden, b_out) keep
+    # their inputs (64 each) and the head its input (64); one hidden 512 is held again.
+    pairs = _planned([("a_hidden", "a_out"), ("b_hidden", "b_out")])
+    assert pairs.activation_bytes_per_sample == (3 * 64 + 512) * 4
+    assert pairs.rematerialized == (("", ((0, 1), (2, 3))),)
+    # "full" cuts where one 64-value tensor crosses: a_hidden…a_out | b_hidden…head keeps
+    # the two inputs, and recomputes at most 512 + 64 (b's hidden and the head's input):
+    # 704 values, the lowest peak of any cut (3 segments reach 704 too; fewer is chosen).
+    full = _planned("full")
+    assert full.rematerialized == (("", ((0, 1), (2, 4))),)
+    assert full.activation_bytes_per_sample == (2 * 64 + 512 + 64) * 4
+    note = full.notes[-1]
+    assert "a_hidden…a_out 2.0 KiB/sample, b_hidden…head 2.2 KiB/sample" in note
+    # Everything is recomputed once: one more forward of three (forward + backward).
+    assert note.endswith("≈ +33% compute") and abs(full.recompute_fraction - 1 / 3) < 1e-9
+
+
+def test_auto_rematerializes_only_when_the_target_micro_batch_does_not_fit():
+    plain, full = _planned(None), _planned("full")
+    # A device whose 80% lies between the two peaks at micro-batch 8 (the whole batch).
+    memory = int((plain.peak_bytes(8, 1) + full.peak_bytes(8, 1)) / 2 / 0.8)
+    # Without: nothing fits (a smaller micro-batch adds k > 1's accumulation buffers, far
+    # more than the activations it saves on this small model).
+    assert not _planned(None, memory_budget=memory).fits
+    auto = _planned("auto", memory_budget=memory)
+    assert (auto.micro_batch_size, auto.accumulation_steps) == (8, 1)
+    assert auto.rematerialized == full.rematerialized
+    assert auto.notes[-1] == ("rematerialize auto: nothing fits without it; with 2 of 2 "
+                              "segments recomputed, micro-batch 8 × 1 at ≈ +33% compute")
+    roomy = _planned("auto")
+    assert roomy.rematerialized == () and roomy.notes[-1] == (
+        "rematerialize auto: not needed, micro-batch 8 fits")
+
+
+def test_nothing_fits_tries_rematerialization_first():
+    plain, full = _planned(None), _planned("full")
+    memory = int((plain.peak_bytes(8, 1) + full.peak_bytes(8, 1)) / 2 / 0.8)
+    p = _planned(None, memory_budget=memory)
+    assert not p.fits and p.alternative.changes == ("rematerialize full",)
+    assert p.alternative.tried == ("rematerialize full",)
+
+
+def test_bad_segments_are_one_error_each():
+    with pytest.raises(ValueError, match=r"'nope' is not a layer at the top level of '\w+' "
+                                         r"\(a \(first, last\) pair names two of its layers\)"
+                                         r"; its layers: a_hidden, a_out, b_hidden, b_out, head"):
+        _planned([("a_hidden", "nope")])
+    with pytest.raises(ValueError, match=r"'b_out' runs after 'a_hidden'; give the pair in "
+                                         "the order"):
+        _planned([("b_out", "a_hidden")])
+    with pytest.raises(ValueError, match="overlap"):
+        _planned([("a_hidden", "b_hidden"), ("a_out", "head")])
+    subclassed = tfmem.AccumModel.wrap(keras.Sequential([keras.Input((4,)),
+                                                         keras.layers.Dense(2)]))
+    assert subclassed.rematerialize is None  # a Sequential is wrapped as a graph: no error
+
+
+class _Scaled(keras.layers.Layer):
+    """A weight of its own around a sub-layer: its call is not cut inside (stays whole)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = keras.layers.Dense(512, activation="relu")
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(shape=(), initializer="ones")
+
+    def call(self, x):
+        return self.inner(x) * self.scale
+
+
+def test_a_layer_that_cannot_be_cut_inside_stays_whole():
+    inputs = keras.Input((64,))
+    x = keras.layers.Dense(64, name="down")(_Scaled(name="scaled")(inputs))
+    accum = tfmem.AccumModel(inputs, keras.layers.Dense(3, name="head")(x),
+                             rematerialize="full")
+    p = tfmem.plan(accum, global_batch_size=8, memory_budget=2**30)
+    assert all(path == "" for path, _ in p.rematerialized)
+    assert _inner_graph(accum, "scaled") is None

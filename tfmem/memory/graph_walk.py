@@ -41,7 +41,8 @@ class Walker:
     """Collects the kept tensors of one model, keyed so that a tensor counts once."""
 
     def __init__(self, compute_dtype: str | None, frozen: Collection[int],
-                 trace_call: Callable, recomputed: Collection[int] = ()):
+                 trace_call: Callable, recomputed: Collection[int] = (),
+                 ranges=(), inner_graphs: dict | None = None):
         self.override = compute_dtype  # the plan's compute dtype for a float32-built model
         self.frozen = frozenset(frozen)  # ids of layers the plan treats as not trainable
         self.trace_call = trace_call  # the backend's half of gradient_trace
@@ -57,7 +58,15 @@ class Walker:
         self.traced: set[str] = set()
         self.loops: set[str] = set()
         self.recomputed = frozenset(recomputed)  # ids of layers rematerialized
+        # Rematerialized ranges of node orders: "" the top-level graph's, a layer's name that
+        # of the graph inside it (a nested model, or `inner_graphs`' for a subclassed layer).
+        self.ranges = {path: {start: stop for start, stop in spans} for path, spans in ranges}
+        self.inner_graphs = inner_graphs or {}  # id(layer) -> the functional graph of its call
+        self.path = ""  # the graph now walked
+        self.inner_peaks: list[int] = []  # per top-level call: the largest range inside it
         self.segments: list[tuple[str, int]] = []  # (name, bytes it keeps inside) per one
+        self.touched: set = set()  # keys kept by the call now walked
+        self.node_keys: list[frozenset] = []  # keys each top-level call keeps, in order
 
     # -- keys and dtypes --------------------------------------------------------------------
     def key(self, tensor):
@@ -89,6 +98,7 @@ class Walker:
         dtype = keras.backend.standardize_dtype(dtype) if dtype else own
         key = self.key(tensor) if dtype == own else (self.key(tensor), dtype)
         self.sizes[key] = sample_bytes(tensor.shape, dtype)
+        self.touched.add(key)
         self.largest = max(self.largest, self.sizes[key])
 
     def sample_bytes(self, tensor, dtype=None) -> int:
@@ -101,16 +111,52 @@ class Walker:
     def keep_bytes(self, nbytes: int) -> None:
         self.new_tensors += 1  # a count, not len(sizes): rematerialized layers remove keys
         self.sizes[("new", self.new_tensors)] = int(nbytes)
+        self.touched.add(("new", self.new_tensors))
 
     # -- the walk ---------------------------------------------------------------------------
     def walk(self, model) -> None:
-        graph = internals.functional_of(model)
-        by_depth = internals.nodes_by_depth(graph)
-        for depth in sorted(by_depth, reverse=True):
-            for node in by_depth[depth]:
-                if node.operation is None or node.is_input:
-                    continue
-                self.call(node)
+        top = not self.context
+        nodes = node_order(internals.functional_of(model))
+        spans = self.ranges.get(self.path, {})
+        position = 0
+        while position < len(nodes):
+            stop = spans.get(position)
+            if stop is not None:  # a rematerialized range of this graph
+                self.recompute(nodes[position:stop + 1])
+                position = stop + 1
+                continue
+            if top:
+                self.touched, segments_before = set(), len(self.segments)
+            self.call(nodes[position])
+            if top:
+                # Less what ranges inside the call recomputed (popped from `sizes`).
+                self.node_keys.append(frozenset(k for k in self.touched if k in self.sizes))
+                self.inner_peaks.append(max((inside for _, inside in
+                                             self.segments[segments_before:]), default=0))
+            position += 1
+
+    def recompute(self, nodes) -> None:
+        """A rematerialized range: what it keeps inside is recomputed in the backward pass,
+        one range at a time; only its inputs are kept across the passes."""
+        produced = {id(t) for node in nodes for t in node.outputs}
+        inputs = [t for node in nodes for t in node.input_tensors if id(t) not in produced]
+        first, last = nodes[0].operation.name, nodes[-1].operation.name
+        name = first if first == last else f"{first}…{last}"
+        self.segments.append((f"{self.path}:{name}" if self.path else name,
+                              self._recomputed(nodes, inputs, self.call)))
+
+    def _recomputed(self, nodes, inputs, call) -> int:
+        """Walks `nodes` and drops what they keep but their `inputs`, which are kept across
+        the passes instead; returns the bytes dropped (held again while recomputed)."""
+        before = set(self.sizes)
+        for node in nodes:
+            call(node)
+        input_keys = {self.key(t) for t in inputs}
+        inside = sum(self.sizes.pop(key) for key in set(self.sizes) - before
+                     if key not in input_keys)
+        for tensor in inputs:
+            self.keep(tensor)
+        return inside
 
     def call(self, node) -> None:
         operation = node.operation
@@ -119,16 +165,13 @@ class Walker:
             return
         # Rematerialized: what it keeps inside is recomputed in the backward pass, one such
         # layer at a time; only its inputs are kept across the passes.
-        before = set(self.sizes)
-        self._call(node)
-        inside = sum(self.sizes.pop(key) for key in set(self.sizes) - before)
-        for tensor in node.input_tensors:
-            self.keep(tensor)
-        self.segments.append((operation.name, inside))
+        self.segments.append((operation.name,
+                              self._recomputed([node], node.input_tensors, self._call)))
 
     def _call(self, node) -> None:
         operation, inputs, outputs = node.operation, node.input_tensors, node.outputs
-        if internals.is_graph_network(operation) or isinstance(operation, keras.Sequential):
+        if (internals.is_graph_network(operation) or isinstance(operation, keras.Sequential)
+                or id(operation) in self.inner_graphs):
             self.nested(node)
             return
         for tensor in outputs:
@@ -148,14 +191,16 @@ class Walker:
         self.general(node, has_trainable)
 
     def nested(self, node) -> None:
-        inner = internals.functional_of(node.operation)
+        inner = self.inner_graphs.get(id(node.operation)) or internals.functional_of(
+            node.operation)
         outer_keys = [self.key(t) for t in node.input_tensors]
         outer_context, self.context = self.context, self.context + (id(node),)
+        outer_path, self.path = self.path, node.operation.name
         for outer_key, inner_input in zip(outer_keys, inner.inputs):
             self.alias[(self.context, id(inner_input))] = outer_key
         self.walk(inner)
         inner_keys = [self.key(t) for t in inner.outputs]
-        self.context = outer_context
+        self.context, self.path = outer_context, outer_path
         for outer, inner_key in zip(node.outputs, inner_keys):
             self.alias[(self.context, id(outer))] = inner_key
 
@@ -258,6 +303,14 @@ class Walker:
             if result.has_loop:
                 self.loops.add(name)
         return result
+
+
+def node_order(graph) -> list:
+    """The layer calls of a functional graph in the order Keras runs them (a topological
+    order: every call's inputs come from the graph's inputs or from calls before it)."""
+    by_depth = internals.nodes_by_depth(graph)
+    return [node for depth in sorted(by_depth, reverse=True) for node in by_depth[depth]
+            if node.operation is not None and not node.is_input]
 
 
 def _placeholder(value):

@@ -127,6 +127,9 @@ def guard(
     split_batch(global_batch_size, replicas, 1 if steps == "auto" else steps,
                 in_a_step=batch_of_the_data)
     if budget is not None:
+        if steps != "auto":  # the micro-batch "auto" rematerialization makes fit
+            plan_arguments.setdefault("micro_batch_target",
+                                      split_batch(global_batch_size, replicas, steps))
         plan_settings = planner.settings(global_batch_size=global_batch_size, budget=budget,
                                          **plan_arguments)
         try:

@@ -1,6 +1,7 @@
 """When nothing fits: the levers a user has, each checked by the planner, smallest change first.
 
-The levers, in the order they are tried (least change to the run first): mixed precision,
+The levers, in the order they are tried (least change to the run first): rematerialization
+("full": it changes no numerics, only time; functional models), mixed precision,
 an optimizer with fewer slots (SGD with momentum, Adafactor) instead of the one asked for, a
 frozen backbone (train the head only), then the caller's smaller variants (smaller images,
 a smaller model of the family). Single changes are checked before pairs, pairs before
@@ -55,6 +56,11 @@ def levers_for(model: keras.Model, base: MemoryPlan,
                ) -> list[Lever]:
     """The levers that could lower `base`'s peak, in the order they are tried."""
     found = []
+    graph = internals.functional_of(model)
+    if (internals.is_graph_network(graph) and not base.rematerialized
+            and getattr(model, "rematerialize", None) not in ("full", "auto")):
+        # First: it changes no numerics, only time.
+        found.append(Lever("rematerialize full", "rematerialize", _rematerializing))
     if base.precision == "float32":
         policy = "mixed_float16" if base.device_kind == "gpu" else "mixed_bfloat16"
         found.append(Lever(f"precision {policy}", "precision", _replacing(precision=policy)))
@@ -71,6 +77,12 @@ def levers_for(model: keras.Model, base: MemoryPlan,
     for description, build in smaller_variants:
         found.append(Lever(description, "model", build=build))
     return found
+
+
+def _rematerializing(settings: PlanSettings, model: keras.Model) -> PlanSettings:
+    if not internals.is_graph_network(internals.functional_of(model)):
+        return settings  # a subclassed variant: its blocks would have to be named
+    return dataclasses.replace(settings, rematerialize="full")
 
 
 def _replacing(**changes) -> Callable[[PlanSettings, keras.Model], PlanSettings]:

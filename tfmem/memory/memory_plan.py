@@ -83,6 +83,9 @@ class MemoryPlan:
     global batch and splits it inside the step), `activation_bytes_per_sample` and
     `workspace_bytes_per_sample` (× the micro-batch). `measured`, when set by `tfmem.probe`,
     replaces the estimated runtime, state and per-sample terms with a measured line.
+    `rematerialized`: the segments recomputed in the backward pass ("full", "auto",
+    `(first, last)` pairs) as `(path, ranges)` pairs (`tfmem.memory.remat_plan`), and
+    `recompute_fraction` their forward FLOPs as a fraction of a training step's.
 
     `micro_batch_size` and `accumulation_steps` are the chosen setting: the largest micro-batch
     that divides the per-replica batch and fits `budget_bytes`; both are 0 when nothing fits,
@@ -115,6 +118,8 @@ class MemoryPlan:
     measured: MeasuredLine | None = None
     alternative: Alternative | None = None
     notes: tuple[str, ...] = ()
+    rematerialized: tuple = ()
+    recompute_fraction: float = 0.0
 
     @property
     def budget_bytes(self) -> int:

@@ -31,7 +31,7 @@ import keras
 import numpy as np
 
 from tfmem import _keras_internals as internals
-from tfmem.memory import levers
+from tfmem.memory import levers, remat_plan, segments
 from tfmem.memory.memory_plan import MemoryPlan, MemoryPlanError, choose
 from tfmem.memory.optimizer_state import optimizer_slot_bytes
 from tfmem.memory.plan_settings import PlanSettings
@@ -39,6 +39,7 @@ from tfmem.memory.saved_tensors import saved_tensors
 from tfmem.runtime import precision as precision_lib
 from tfmem.runtime.budget import Budget, budget_for
 from tfmem.runtime.cluster import check_count, split_batch
+from tfmem.training import remat
 from tfmem.training.accumulation_math import accumulator_nbytes
 
 __all__ = ["Budget", "MemoryPlan", "MemoryPlanError", "PlanSettings", "check", "estimate",
@@ -76,6 +77,8 @@ def settings(
     safety: float = 0.8,
     input_batches_in_flight: int = 2,
     input_shape: Sequence | None = None,
+    rematerialize: Any = None,
+    micro_batch_target: int | None = None,
 ) -> PlanSettings:
     """The settings of a plan, checked: the arguments `tfmem.plan` and `tfmem.probe` take.
 
@@ -98,6 +101,11 @@ def settings(
             one prefetched by `tf.data`).
         input_shape: one sample's shape (or a list of them), for a subclassed model that
             was never built; default: the shapes it was built with.
+        rematerialize: what is recomputed in the backward pass, as `tfmem.AccumModel`
+            takes it (None, "full", "auto", layer names, `(first, last)` pairs); default:
+            the model's own setting (an `AccumModel`'s), else nothing.
+        micro_batch_target: with "auto", the micro-batch to make fit (a run whose k is
+            set); default: the largest divisor of the per-replica batch up to 16.
 
     Raises:
         ValueError: the global batch does not split over the replicas, or bad arguments.
@@ -118,7 +126,10 @@ def settings(
     return PlanSettings(global_batch_size=global_batch_size, budget=budget, optimizer=optimizer,
                         precision=chosen, safety=safety,
                         input_batches_in_flight=input_batches_in_flight,
-                        input_shape=input_shape, notes=(note,) if note else ())
+                        input_shape=input_shape,
+                        rematerialize=remat.check_setting(rematerialize),
+                        micro_batch_target=micro_batch_target,
+                        notes=(note,) if note else ())
 
 
 def _resolve_precision(precision: str, budget: Budget) -> tuple[str, str | None]:
@@ -153,18 +164,16 @@ def estimate(model: keras.Model, settings: PlanSettings,
     precision, frozen, budget = settings.precision, settings.frozen, settings.budget
     optimizer = settings.optimizer
     optimizer = keras.optimizers.get(optimizer)
-    own_compute = keras.backend.standardize_dtype(model.dtype_policy.compute_dtype)
-    override = None
-    if precision in _MIXED and own_compute == "float32":
-        # Built in float32, planned mixed: its float32 activations are counted in 2 bytes.
-        override = "float16" if precision == "mixed_float16" else "bfloat16"
+    # Built in float32, planned mixed: its float32 activations are counted in 2 bytes.
+    override = _override(model, precision)
     analyses = {} if analyses is None else analyses
-    recomputed = _rematerialized(model)
-    key = (id(model), override, frozenset(frozen), recomputed)
+    recomputed, ranges = _rematerialized(model, settings, override, analyses)
+    key = (id(model), override, frozenset(frozen), recomputed, ranges)
     if key not in analyses:
         analyses[key] = saved_tensors(model, compute_dtype=override, frozen=frozen,
                                       input_shapes=settings.input_shape,
-                                      recomputed=recomputed)
+                                      recomputed=recomputed, ranges=ranges,
+                                      inner_graphs=remat_plan.inner_graphs(model, ranges))
     saved = analyses[key]
     trainable = [v for v in model.trainable_variables if id(v) not in frozen]
     num_trainable = sum(math.prod(v.shape) for v in trainable)
@@ -193,11 +202,13 @@ def estimate(model: keras.Model, settings: PlanSettings,
                      "bound): " + "; ".join(saved.fallback_calls))
     if saved.loop_calls:
         notes.append("loop intermediates not counted in: " + ", ".join(saved.loop_calls))
+    fraction = remat_plan.recompute_fraction(model, ranges) if ranges else 0.0
     if saved.segments:
         notes.append("rematerialized, recomputed in the backward pass one at a time (the "
                      "largest counted in activations): " + ", ".join(
                          f"{name} {_per_sample(nbytes)}/sample" for name, nbytes in
-                         saved.segments))
+                         saved.segments)
+                     + (f"; ≈ +{100 * fraction:.0f}% compute" if ranges else ""))
     return MemoryPlan(
         model_name=model.name,
         num_parameters=int(model.count_params()),
@@ -231,6 +242,8 @@ def estimate(model: keras.Model, settings: PlanSettings,
         workspace_bytes_per_sample=saved.workspace_bytes,
         input_batches_in_flight=settings.input_batches_in_flight,
         notes=tuple(notes),
+        rematerialized=tuple(ranges),
+        recompute_fraction=fraction,
     )
 
 
@@ -239,11 +252,94 @@ def _per_sample(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 1024:.1f} KiB"
 
 
-def _rematerialized(model: keras.Model) -> tuple[int, ...]:
-    """Ids of the layers an `AccumModel` rematerializes (its `rematerialize` names)."""
-    names = set(getattr(model, "rematerialize", None) or ())
-    return tuple(sorted(id(layer) for layer in internals.flatten_layers(model)
-                        if layer is not model and layer.name in names))
+def remat_setting(model: keras.Model, settings: PlanSettings):
+    """The rematerialization a plan is for: the settings', else the model's own."""
+    if settings.rematerialize is not None:
+        return settings.rematerialize
+    return getattr(model, "rematerialize", None)
+
+
+def _rematerialized(model: keras.Model, settings: PlanSettings, override,
+                    analyses: dict) -> tuple[tuple[int, ...], tuple]:
+    """(ids of the layers rematerialized by name, the spec of the segments cut:
+    `tfmem.memory.remat_plan`)."""
+    setting = remat_setting(model, settings)
+    if isinstance(setting, segments.Ranges):
+        return (), setting.ranges
+    if setting in (None, "auto"):  # "auto" is resolved by `plan` into Ranges
+        return (), ()
+    names = set(remat.layer_names(setting))
+    ids = tuple(sorted(id(layer) for layer in internals.flatten_layers(model)
+                       if layer is not model and layer.name in names))
+    if setting != "full" and not remat.layer_pairs(setting):
+        return ids, ()
+    if not internals.is_graph_network(internals.functional_of(model)):
+        raise ValueError(
+            f"rematerialize={setting!r} cuts a functional graph and {model.name!r} is a "
+            "subclassed model: name its blocks instead, e.g. rematerialize=['block_1', "
+            "'block_2'] (a whole sub-layer is recomputed).")
+    return ids, remat_plan.from_setting(model, setting, override, settings.frozen, analyses)
+
+
+def _auto(model: keras.Model, plan_settings: PlanSettings, analyses: dict) -> MemoryPlan:
+    """`rematerialize="auto"`: as many segments of "full" as the target micro-batch needs.
+
+    The rule: rematerialize only when the largest micro-batch that fits without it is
+    below the target (`micro_batch_target`, or the largest divisor of the per-replica batch
+    up to 16: smaller micro-batches make BatchNormalization's statistics noisy and leave
+    accelerators idle); then the segments of "full" (a layer cut inside counts as one) that
+    save the most bytes per recomputed FLOP first, as few as let the target fit (all of them
+    when none is enough).
+    """
+    plain_settings = dataclasses.replace(plan_settings, rematerialize=segments.Ranges(()))
+    plain = choose(estimate(model, plain_settings, analyses))
+    per_replica = plain.per_replica_batch_size
+    target = plan_settings.micro_batch_target or max(
+        d for d in range(1, min(per_replica, 16) + 1) if per_replica % d == 0)
+    if plain.fits and plain.micro_batch_size >= target:
+        return plain.replace(notes=plain.notes + (
+            f"rematerialize auto: not needed, micro-batch {plain.micro_batch_size} fits",))
+    graph = internals.functional_of(model)
+    if not internals.is_graph_network(graph):
+        return plain.replace(notes=plain.notes + (
+            "rematerialize auto: planned without it (a subclassed model: name its blocks "
+            "to rematerialize them)",))
+    override = _override(model, plan_settings.precision)
+    full = remat_plan.full(model, override, plan_settings.frozen, analyses)
+    units = remat_plan.units(model, full, override, plan_settings.frozen, analyses)
+    steps = per_replica // target
+
+    def planned(count: int) -> MemoryPlan:
+        spec = remat_plan.spec_of(units[:count])
+        return choose(estimate(model, dataclasses.replace(
+            plan_settings, rematerialize=segments.Ranges(spec)), analyses))
+
+    def fits(candidate: MemoryPlan) -> bool:
+        return candidate.peak_bytes(target, steps) <= candidate.budget_bytes
+
+    low, high = 1, len(units)  # the fewest units whose plan fits the target
+    while low < high:
+        middle = (low + high) // 2
+        if fits(planned(middle)):
+            high = middle
+        else:
+            low = middle + 1
+    chosen = planned(low) if units else plain
+    before = (f"micro-batch {plain.micro_batch_size} × {plain.accumulation_steps}"
+              if plain.fits else "nothing fits")
+    after = (f"micro-batch {chosen.micro_batch_size} × {chosen.accumulation_steps}"
+             if chosen.fits else "still nothing fits")
+    return chosen.replace(notes=chosen.notes + (
+        f"rematerialize auto: {before} without it; with {low if units else 0} of "
+        f"{len(units)} segments recomputed, {after} at ≈ "
+        f"+{100 * chosen.recompute_fraction:.0f}% compute",))
+
+
+def _override(model: keras.Model, precision: str) -> str | None:
+    own_compute = keras.backend.standardize_dtype(model.dtype_policy.compute_dtype)
+    if precision in _MIXED and own_compute == "float32":
+        return "float16" if precision == "mixed_float16" else "bfloat16"
+    return None
 
 
 def plan(
@@ -281,7 +377,10 @@ def plan(
     elif arguments:
         raise TypeError(f"Give `plan_settings` or its arguments, not both: {sorted(arguments)}.")
     analyses: dict = {}
-    result = choose(estimate(model, plan_settings, analyses))
+    if remat_setting(model, plan_settings) == "auto":
+        result = _auto(model, plan_settings, analyses)
+    else:
+        result = choose(estimate(model, plan_settings, analyses))
     if result.fits:
         return result
     alternative = levers.search(

@@ -20,6 +20,7 @@ from collections.abc import Collection
 import keras
 
 from tfmem import _keras_internals as internals
+from tfmem.memory import segments
 from tfmem.memory.graph_walk import Walker, itemsize, sample_bytes
 from tfmem.training import remat
 
@@ -61,7 +62,8 @@ class SavedTensors:
 
 def saved_tensors(model: keras.Model, *, compute_dtype: str | None = None,
                   frozen: Collection[int] = (), input_shapes=None,
-                  recomputed: Collection[int] = ()) -> SavedTensors:
+                  recomputed: Collection[int] = (), ranges=(),
+                  inner_graphs: dict | None = None) -> SavedTensors:
     """Per-sample bytes the backward pass of `model` keeps.
 
     Args:
@@ -73,6 +75,9 @@ def saved_tensors(model: keras.Model, *, compute_dtype: str | None = None,
             batch axis); default: the shapes it was built with.
         recomputed: ids of rematerialized layers (`AccumModel(rematerialize=...)`) of a
             functional model.
+        ranges: rematerialized ranges of the functional graph's calls, and of the graphs
+            inside its layers (a spec of `tfmem.memory.remat_plan`).
+        inner_graphs: `id(layer) → graph` of the subclassed layers `ranges` cuts inside.
 
     Raises:
         ValueError: a tensor has an unknown non-batch dimension, or a subclassed model was
@@ -85,11 +90,25 @@ def saved_tensors(model: keras.Model, *, compute_dtype: str | None = None,
     if not internals.is_graph_network(graph):
         return traced_saved_tensors(model, compute_dtype=compute_dtype, frozen=frozen,
                                     input_shapes=input_shapes)
-    walker = _walker(compute_dtype, frozen, recomputed)
+    walker = _walker(compute_dtype, frozen, recomputed, ranges, inner_graphs)
     walker.model_inputs = {walker.key(t) for t in graph.inputs}
     with remat.as_written():  # what each layer keeps inside; the walk counts the recompute
         walker.walk(graph)
     return _result(walker, graph.inputs)
+
+
+def saved_tensors_facts(model: keras.Model, *, compute_dtype: str | None = None,
+                        frozen: Collection[int] = (), ranges=(),
+                        inner_graphs: dict | None = None) -> segments.GraphFacts:
+    """What each top-level call of a functional `model` keeps, with the cuts `ranges` makes
+    inside its layers: where rematerialization may cut (`tfmem.memory.segments`).
+    Arguments as `saved_tensors`."""
+    graph = internals.functional_of(model)
+    walker = _walker(compute_dtype, frozen, (), ranges, inner_graphs)
+    walker.model_inputs = {walker.key(t) for t in graph.inputs}
+    with remat.as_written():
+        walker.walk(graph)
+    return segments.facts(walker, graph)
 
 
 def traced_saved_tensors(model: keras.Model, *, compute_dtype: str | None = None,
@@ -134,10 +153,10 @@ def traced_saved_tensors(model: keras.Model, *, compute_dtype: str | None = None
     return _result(walker, inputs)
 
 
-def _walker(compute_dtype, frozen, recomputed=()) -> Walker:
+def _walker(compute_dtype, frozen, recomputed=(), ranges=(), inner_graphs=None) -> Walker:
     from tfmem import backend  # chosen once there; imported here so the planner stays TF-free
 
-    return Walker(compute_dtype, frozen, backend.trace_call, recomputed)
+    return Walker(compute_dtype, frozen, backend.trace_call, recomputed, ranges, inner_graphs)
 
 
 def _result(walker: Walker, inputs) -> SavedTensors:

@@ -7,13 +7,14 @@ backend's (`accumulation_tf`, `accumulation_jax`), chosen once in `tfmem.backend
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import keras
 
 from tfmem import _keras_internals as internals
 from tfmem import backend
-from tfmem.memory import guard
+from tfmem.memory import guard, remat_plan, segments
 from tfmem.memory.guard import RunPlan
 from tfmem.runtime.cluster import check_accumulation_steps
 from tfmem.training import remat
@@ -51,18 +52,23 @@ class AccumModel(backend.AccumTrainer, keras.Model):
             replica's memory (`tfmem.plan`). None (the default) means 1, except
             for the copy `keras.models.clone_model` makes of an `AccumModel`,
             which keeps the original's.
-        rematerialize: None, or names of layers (blocks, nested models, any layer at any
-            depth) whose activations are recomputed in the backward pass instead of kept:
-            less memory per sample for about one more forward pass of those layers. Exact:
+        rematerialize: what is recomputed in the backward pass instead of kept: less
+            memory per sample for about one more forward pass of it. Exact:
             BatchNormalization statistics are updated once and Dropout draws the same masks
-            (docs/rematerialization.md). Applied to the layers themselves, so a model that
-            shares them (`wrap`) recomputes them too; for a subclassed model, when `fit`
-            starts.
+            (docs/rematerialization.md). None (the default): nothing. "full": the whole
+            functional graph, in segments cut where it passes the fewest bytes. "auto": only
+            as many of those segments as the micro-batch needs to fit (decided by the plan
+            at `fit`). Or a list of layer names (blocks, nested models, any layer at any
+            depth; applied to the layers themselves, so a model that shares them recomputes
+            them too) and `(first, last)` pairs of top-level layer names (the calls from
+            `first` to `last`, as one segment). Names: at `__init__` for a functional model,
+            at `fit` for a subclassed one; segments: at `fit`.
         **kwargs: Forwarded to `keras.Model` (`name`, ...).
 
     Raises:
         ValueError: If `accumulation_steps` is not an integer >= 1 or "auto"; if
-            `rematerialize` is not a list of names (or, at `fit`, names no layer).
+            `rematerialize` is none of the above (or, at `fit`, names no layer, or cuts
+            segments of a subclassed model).
 
     Example:
 
@@ -102,13 +108,25 @@ class AccumModel(backend.AccumTrainer, keras.Model):
         self.accumulation_steps = accumulation_steps
         self._auto_accumulation = accumulation_steps == "auto"
         self._rematerialize = remat.check_setting(rematerialize)
-        if self._rematerialize and internals.is_graph_network(self):
-            remat.apply(self, self._rematerialize)  # a subclassed model's layers: at `fit`
+        names = remat.layer_names(self._rematerialize)
+        if names and internals.is_graph_network(self):
+            remat.apply(self, names)  # a subclassed model's layers: at `fit`
+        pairs = remat.layer_pairs(self._rematerialize)
+        if pairs and internals.is_graph_network(self):
+            remat_plan.from_setting(self, pairs)  # checked now: names, order, overlaps
 
     @property
-    def rematerialize(self) -> tuple[str, ...] | None:
-        """Names of the layers recomputed in the backward pass (None: none)."""
+    def rematerialize(self):
+        """What is recomputed in the backward pass: None, "full", "auto", or a tuple of
+        layer names and `(first, last)` pairs."""
         return self._rematerialize
+
+    @property
+    def rematerialized_segments(self) -> tuple:
+        """The segments cut since the last `fit`: `(path, ranges)` pairs, path "" for the
+        model's own graph or a top-level layer's name for the graph inside it, ranges of
+        that graph's calls in the order Keras runs them (`tfmem.memory.remat_plan`)."""
+        return getattr(self, "_tfmem_spec", ())
 
     @property
     def accumulation_steps(self) -> int | str:
@@ -137,10 +155,45 @@ class AccumModel(backend.AccumTrainer, keras.Model):
             tfmem.MemoryPlanError: the global batch's micro-batches do not fit,
                 with the breakdown and the `accumulation_steps` that would.
         """
-        if self._rematerialize:
-            remat.apply(self, self._rematerialize)
-        self.plan_memory(x, batch_size, check_memory=check_memory, memory_budget=memory_budget)
+        names = remat.layer_names(self._rematerialize)
+        if names:
+            remat.apply(self, names)
+        run = self.plan_memory(x, batch_size, check_memory=check_memory,
+                               memory_budget=memory_budget)
+        self._apply_segments(run)
         return super().fit(x, y, batch_size, *args, **kwargs)
+
+    def _apply_segments(self, run: RunPlan | None) -> None:
+        """Cuts the segments the plan chose ("full", "auto", pairs); without a plan, those
+        the setting names ("auto" then cuts all of "full")."""
+        setting = self._rematerialize
+        if not _cuts_segments(setting):
+            return
+        if not internals.is_graph_network(self):
+            raise ValueError(
+                f"rematerialize={setting!r} cuts a functional graph and {self.name!r} is a "
+                "subclassed model: name its blocks instead, e.g. rematerialize=['block_1', "
+                "'block_2'] (a whole sub-layer is recomputed).")
+        if isinstance(setting, segments.Ranges):
+            spec = setting.ranges
+        elif run is not None and run.plan is not None:
+            spec = run.plan.rematerialized
+        else:
+            if setting == "auto":
+                warnings.warn('rematerialize="auto" needs a memory plan and this run has '
+                              'none: every segment of "full" is recomputed.',
+                              guard.UnplannedRunWarning, stacklevel=3)
+            spec = remat_plan.from_setting(self, "full" if setting == "auto" else setting)
+        if spec != getattr(self, "_tfmem_spec", None):
+            remat.apply_spec(self, spec)
+            self.train_function = None  # traced again with the new segments
+
+    def make_train_function(self, force=False):
+        # A step that starts without `fit` (`train_on_batch`) cuts the setting's segments.
+        if (_cuts_segments(self._rematerialize) and not hasattr(self, "_tfmem_spec")
+                and internals.is_graph_network(self)):
+            self._apply_segments(None)
+        return super().make_train_function(force)
 
     def plan_memory(self, x=None, batch_size=None, *, check_memory: bool = True,
                     memory_budget: int | None = None) -> RunPlan | None:
@@ -241,7 +294,7 @@ class AccumModel(backend.AccumTrainer, keras.Model):
         config = super().get_config()
         config["accumulation_steps"] = self._configured_steps()
         if self._rematerialize:
-            config["rematerialize"] = list(self._rematerialize)
+            config["rematerialize"] = remat.to_config(self._rematerialize)
         return config
 
     def _configured_steps(self) -> int | str:
@@ -390,3 +443,13 @@ def global_batch_size(x, batch_size=None) -> int | None:
     if not arrays or not hasattr(arrays[0], "shape"):
         return None  # a generator or PyDataset: batched by the user, size unknown here
     return min(batch_size or 32, int(arrays[0].shape[0]))  # Keras's default batch is 32
+
+
+def _cuts_segments(setting) -> bool:
+    """Whether a `rematerialize` setting cuts segments ("full", "auto", pairs, chosen
+    ranges), not only hooks named layers."""
+    if setting is None:
+        return False
+    if isinstance(setting, (str, segments.Ranges)):
+        return True
+    return any(not isinstance(item, str) for item in setting)

@@ -25,22 +25,75 @@ from tfmem import _keras_internals as internals
 _HOOKED = "_tfmem_rematerialized"
 
 
-def check_setting(value) -> tuple[str, ...] | None:
-    """`rematerialize`: None, or layer names (a list or tuple of str)."""
-    if value is None:
+def check_setting(value):
+    """`rematerialize`: None, "full", "auto", or a list of layer names and `(first, last)`
+    pairs of layer names; returned as None, the string, or a tuple (pairs as tuples)."""
+    from tfmem.memory.segments import Ranges
+
+    if value is None or isinstance(value, Ranges) or (
+            isinstance(value, str) and value in ("full", "auto")):
+        return value
+    if isinstance(value, dict) and set(value) == {"segments"}:  # chosen ranges, from a config
+        return Ranges(tuple((path, tuple(tuple(span) for span in spans))
+                            for path, spans in value["segments"]))
+
+    def item(entry):
+        if isinstance(entry, str) and entry:
+            return entry
+        if (isinstance(entry, (list, tuple)) and len(entry) == 2
+                and all(isinstance(name, str) and name for name in entry)):
+            return tuple(entry)
         return None
-    if isinstance(value, str) or not isinstance(value, Sequence) or not value or not all(
-            isinstance(name, str) and name for name in value):
+
+    items = ([item(entry) for entry in value]
+             if isinstance(value, Sequence) and not isinstance(value, str) else [])
+    if not items or None in items:
         raise ValueError(
-            f"`rematerialize` must be None or a list of layer names, got {value!r}; e.g. "
-            "rematerialize=['block_3', 'block_4'] (model.summary() lists the names)")
-    return tuple(value)
+            f'`rematerialize` must be None, "full", "auto", or a list of layer names and '
+            f"(first, last) layer pairs, got {value!r}; e.g. rematerialize=['block_3', "
+            "('conv_4', 'add_4')] (model.summary() lists the names)")
+    return tuple(items)
 
 
-def names_of(flag: str | None) -> list[str] | None:
-    """`--rematerialize down0_dense, down1_dense` → the names; None when none are given."""
-    names = [name.strip() for name in (flag or "").split(",") if name.strip()]
-    return names or None
+def to_config(setting):
+    """A setting as JSON: the string, a list (pairs as lists), or `{"segments": ...}`."""
+    from tfmem.memory.segments import Ranges
+
+    if isinstance(setting, Ranges):
+        return {"segments": [[path, [list(span) for span in spans]]
+                             for path, spans in setting.ranges]}
+    if isinstance(setting, str):
+        return setting
+    return [item if isinstance(item, str) else list(item) for item in setting]
+
+
+def names_of(flag: str | None):
+    """`--rematerialize full`, `auto`, or `down0_dense, conv_4:add_4` (a layer name, or
+    `first:last` for a range) → the setting; None when the flag is empty."""
+    if flag is not None and flag.strip() in ("full", "auto"):
+        return flag.strip()
+    items = []
+    for entry in (flag or "").split(","):
+        entry = entry.strip()
+        if ":" in entry:
+            items.append(tuple(part.strip() for part in entry.split(":", 1)))
+        elif entry:
+            items.append(entry)
+    return check_setting(items) if items else None
+
+
+def layer_names(setting) -> tuple[str, ...]:
+    """The plain layer names of a setting (each rematerialized as a whole layer)."""
+    if not isinstance(setting, tuple):
+        return ()
+    return tuple(item for item in setting if isinstance(item, str))
+
+
+def layer_pairs(setting) -> tuple[tuple[str, str], ...]:
+    """The `(first, last)` pairs of a setting (each rematerialized as one segment)."""
+    if not isinstance(setting, tuple):
+        return ()
+    return tuple(item for item in setting if not isinstance(item, str))
 
 
 def apply(model: keras.Model, names: Sequence[str]) -> list[keras.layers.Layer]:
@@ -66,6 +119,142 @@ def apply(model: keras.Model, names: Sequence[str]) -> list[keras.layers.Layer]:
             layer.call = rematerialized_call(layer, original)  # this instance only
             setattr(layer, _HOOKED, True)
     return chosen
+
+
+class _Variables:
+    """The variables of a segment's layers, as `rematerialized_call` reads a layer's."""
+
+    def __init__(self, layers):
+        seen: set = set()
+        self.trainable_variables, self.non_trainable_variables = [], []
+        for layer in layers:
+            for attribute in ("trainable_variables", "non_trainable_variables"):
+                for variable in getattr(layer, attribute, []):
+                    if id(variable) not in seen:
+                        seen.add(id(variable))
+                        getattr(self, attribute).append(variable)
+
+
+def apply_spec(model: keras.Model, spec) -> None:
+    """Cuts the segments of a spec (`tfmem.memory.remat_plan`): ranges of `model`'s graph,
+    and of the graphs inside its top-level layers (a subclassed layer then runs its traced
+    graph in training calls). Replaces what an earlier spec cut."""
+    from tfmem.memory import segments
+    from tfmem.memory.graph_walk import node_order
+
+    graph = internals.functional_of(model)
+    wanted = dict(spec)
+    for node in node_order(graph):
+        layer = node.operation
+        inner = None
+        if layer.name in wanted or getattr(layer, _INSIDE, False):
+            inner = segments.inner_graph(layer, node)
+        if inner is None:
+            continue
+        apply_ranges(inner, wanted.get(layer.name, ()))
+        if inner is not internals.functional_of(layer) and not getattr(layer, _INSIDE, False):
+            layer.call = _through(layer, layer.call, inner)  # this instance only
+            setattr(layer, _INSIDE, True)
+    apply_ranges(graph, wanted.get("", ()))
+    model._tfmem_spec = tuple(spec)
+
+
+_INSIDE = "_tfmem_cut_inside"
+
+
+def _through(layer, original, inner):
+    """`layer.call` that, in training calls, runs the graph traced from it (`inner`), so
+    that the ranges cut in that graph are recomputed; otherwise the layer's own call."""
+
+    def call(*args, **kwargs):
+        if internals.any_symbolic(args, kwargs) or not is_training_call() or not getattr(
+                inner, "_tfmem_ranges", ()):
+            return original(*args, **kwargs)
+        kwargs.pop("training", None)
+        outputs = inner(list(args) if len(args) > 1 else args[0], training=True)
+        return outputs
+
+    return call
+
+
+def apply_ranges(graph: keras.Model, ranges: Sequence[tuple[int, int]]) -> None:
+    """Rematerializes `(start, stop)` ranges of a functional graph's calls (in the order
+    Keras runs them, `tfmem.memory.graph_walk.node_order`): each range runs as one
+    recomputed function in training calls. Replaces any ranges set before; () removes them.
+    """
+    from keras import tree
+
+    from tfmem.backend import rematerialized_call
+    from tfmem.memory.graph_walk import node_order
+
+    original = getattr(graph, "_tfmem_graph_runner", None)
+    if original is None:
+        original = internals.graph_runner(graph)
+        graph._tfmem_graph_runner = original
+    if not ranges:
+        internals.replace_graph_runner(graph, original)
+        graph._tfmem_ranges = ()
+        return
+    nodes = node_order(graph)
+    starts = {start: stop for start, stop in ranges}
+    units = []  # (nodes, inputs, outputs, variables) per range; (node,) per plain call
+    position = 0
+    used_later = [set() for _ in range(len(nodes) + 1)]  # ids used by calls from p on
+    for p in range(len(nodes) - 1, -1, -1):
+        used_later[p] = used_later[p + 1] | {id(t) for t in nodes[p].input_tensors}
+    wanted = {id(t) for t in tree.flatten(graph.outputs)}
+    while position < len(nodes):
+        stop = starts.get(position)
+        if stop is None:
+            units.append((nodes[position],))
+            position += 1
+            continue
+        inside = nodes[position:stop + 1]
+        made = {id(t): t for node in inside for t in node.outputs}
+        inputs = list({id(t): t for node in inside for t in node.input_tensors
+                       if id(t) not in made}.values())
+        outputs = [t for key, t in made.items()
+                   if key in used_later[stop + 1] or key in wanted]
+        units.append((inside, inputs, outputs,
+                      _Variables([node.operation for node in inside])))
+        position = stop + 1
+
+    def run_through_graph(inputs, operation_fn=lambda op: op, call_fn=None):
+        flat = tree.flatten(inputs)
+        if (call_fn is not None or internals.any_symbolic(flat, {})
+                or not is_training_call()):
+            return original(inputs, operation_fn=operation_fn, call_fn=call_fn)
+        values = {id(x): y for x, y in zip(graph.inputs, flat)}
+        for unit in units:
+            if len(unit) == 1:
+                _run_node(unit[0], values, operation_fn)
+                continue
+            inside, unit_inputs, unit_outputs, variables = unit
+
+            def run(*tensors, inside=inside, unit_inputs=unit_inputs,
+                    unit_outputs=unit_outputs):
+                local = {id(x): y for x, y in zip(unit_inputs, tensors)}
+                for node in inside:
+                    _run_node(node, local, operation_fn)
+                return [local[id(t)] for t in unit_outputs]
+
+            results = rematerialized_call(variables, run)(
+                *[values[id(t)] for t in unit_inputs])
+            values.update({id(t): y for t, y in zip(unit_outputs, results)})
+        return tree.pack_sequence_as(internals.functional_structs(graph)[1],
+                                     [values[id(x)] for x in graph.outputs])
+
+    internals.replace_graph_runner(graph, run_through_graph)
+    graph._tfmem_ranges = tuple(ranges)
+
+
+def _run_node(node, values: dict, operation_fn) -> None:
+    args, kwargs = node.arguments.fill_in(values)
+    outputs = operation_fn(node.operation)(*args, **kwargs)
+    from keras import tree
+
+    for x, y in zip(node.outputs, tree.flatten(outputs)):
+        values[id(x)] = y
 
 
 _AS_WRITTEN = []  # non-empty while the planner measures layers without rematerialization
