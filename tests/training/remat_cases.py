@@ -98,6 +98,18 @@ def chain_differences(rematerialize, build=chain, **options):
     return differences, runs[1].rematerialized_segments
 
 
+def jax_step_checkpoints(accum) -> int:
+    """How many `jax.checkpoint`s (remat) the JAX train step of a fitted model traces."""
+    import jax
+
+    x, y = data()
+    state = ([v.value for v in accum.trainable_variables],
+             [v.value for v in accum.non_trainable_variables],
+             [v.value for v in accum.optimizer.variables],
+             [v.value for v in accum.metrics_variables])
+    return str(jax.make_jaxpr(accum.train_step)(state, (x[:16], y[:16]))).count("remat")
+
+
 def data():
     rng = np.random.default_rng(0)
     return rng.normal(size=(48, 8, 8, 3)).astype("float32"), np.arange(48) % 3
@@ -132,6 +144,14 @@ if __name__ == "__main__":
     found["chain full"] = {"differences": differences, "segments": cut}
     differences, cut = chain_differences("full", dense)
     found["dense full"] = {"differences": differences, "segments": cut}
+    if keras.backend.backend() == "jax":  # each segment is one jax.checkpoint in the step
+        checked = {}
+        for name, build in (("chain", chain), ("dense", dense)):
+            accum = build("full")
+            accum.fit(*data(), batch_size=16, epochs=1, shuffle=False, verbose=0)
+            checked[name] = [jax_step_checkpoints(accum),
+                             sum(len(ranges) for _, ranges in accum.rematerialized_segments)]
+        found["checkpoints"] = checked
     if keras.backend.backend() == "jax":  # then over every device (XLA_FLAGS may add some)
         found["replicas"] = tfmem.detect().num_replicas
         found["data_parallel"] = relative_differences(["block"])

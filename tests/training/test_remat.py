@@ -86,6 +86,10 @@ def test_on_the_jax_backend_too():
     for case in ("chain full", "dense full"):
         assert max(found[case]["differences"]) <= 1e-6 and found[case]["segments"], found
     assert found["dense full"]["segments"][0][0] == "dense"
+    # They are recomputed: the JAX step traces one jax.checkpoint per segment (k = 2: the
+    # micro-step is traced once per step function).
+    for name, (checkpoints, cut) in found["checkpoints"].items():
+        assert cut >= 2 and checkpoints >= cut, (name, checkpoints, cut)
     # The same under a DataParallel over 8 host devices (tfmem.detect()).
     assert found["replicas"] == 8 and max(found["data_parallel"]) <= 1e-6, found
     assert max(found["data_parallel full"]) <= 1e-6, found

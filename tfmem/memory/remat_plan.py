@@ -95,7 +95,10 @@ def full(model: keras.Model, compute_dtype=None, frozen=frozenset(), cache: dict
             inner = segments.inner_graph(node.operation, node)
             if inner is None:
                 continue
-            ranges = tuple(segments.full(facts(inner, compute_dtype, frozen, (), cache)))
+            try:
+                ranges = tuple(segments.full(facts(inner, compute_dtype, frozen, (), cache)))
+            except ValueError:  # a graph the walk cannot size: the layer stays whole
+                continue
             if ranges:
                 new[name] = ranges
         if not new:

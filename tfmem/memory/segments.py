@@ -260,8 +260,9 @@ def inner_graph(layer: keras.layers.Layer, node) -> keras.Model | None:
     """The call of a subclassed `layer` as a functional graph of its sub-layers and Keras ops,
     traced on symbolic inputs shaped like `node`'s: what lets a cut fall inside it. A nested
     functional model is its own graph. None when the call cannot be traced so (it has weights
-    of its own, uses backend ops or Python control flow on values), or takes more than
-    tensors and `training`: then the layer stays whole."""
+    of its own, uses backend ops or Python control flow on values, or its tensors' shapes are
+    known only at run time), or takes more than tensors and `training`: then the layer
+    stays whole."""
     if internals.is_graph_network(layer) or isinstance(layer, keras.Sequential):
         return internals.functional_of(layer)
     if id(layer) in _INNER:
@@ -280,5 +281,9 @@ def inner_graph(layer: keras.layers.Layer, node) -> keras.Model | None:
                 graph = keras.Model(inputs, outputs, name=f"{layer.name}_graph")
             except Exception:  # noqa: BLE001 - not traceable as a graph: the layer stays whole
                 graph = None
+        if graph is not None and not all(
+                None not in tuple(t.shape)[1:] for node in node_order(graph)
+                for t in node.outputs):
+            graph = None  # shapes known only at run time: not planned, so not cut
     _INNER[id(layer)] = (layer, graph)
     return graph

@@ -191,6 +191,7 @@ def apply_ranges(graph: keras.Model, ranges: Sequence[tuple[int, int]]) -> None:
     if original is None:
         original = internals.graph_runner(graph)
         graph._tfmem_graph_runner = original
+        graph.call = _telling_training(graph.call)  # this instance only
     if not ranges:
         internals.replace_graph_runner(graph, original)
         graph._tfmem_ranges = ()
@@ -248,6 +249,26 @@ def apply_ranges(graph: keras.Model, ranges: Sequence[tuple[int, int]]) -> None:
     graph._tfmem_ranges = tuple(ranges)
 
 
+# The `training` argument of the functional calls now running, innermost last: JAX's trainer
+# calls a model through `stateless_call`, which runs `call` without Keras's call context.
+_GRAPH_TRAINING: list = []
+
+
+def _telling_training(call):
+    """A functional model's `call` that records its `training` argument for its graph runner."""
+
+    def telling(*args, **kwargs):
+        training = kwargs.get("training", args[1] if len(args) > 1 else None)
+        _GRAPH_TRAINING.append(training if training is not None
+                               else internals.call_training())
+        try:
+            return call(*args, **kwargs)
+        finally:
+            _GRAPH_TRAINING.pop()
+
+    return telling
+
+
 def _run_node(node, values: dict, operation_fn) -> None:
     args, kwargs = node.arguments.fill_in(values)
     outputs = operation_fn(node.operation)(*args, **kwargs)
@@ -273,5 +294,9 @@ def as_written():
 
 def is_training_call() -> bool:
     """Whether the layer call now running is a training one to rematerialize (Keras's call
-    context), and not one the planner measures as written."""
-    return not _AS_WRITTEN and bool(internals.call_training())
+    context, else the `training` of the functional call running), and not one the planner
+    measures as written."""
+    training = internals.call_training()
+    if training is None and _GRAPH_TRAINING:
+        training = _GRAPH_TRAINING[-1]
+    return not _AS_WRITTEN and bool(training)
