@@ -17,9 +17,10 @@ FC-DenseNet's dense blocks; `full`: `rematerialize="full"`), side by side in one
 - the planner's bytes per sample for the same model (its activations and workspace);
 - seconds per sample over `--steps` timed steps at the smaller micro-batch (after one untimed).
 
-On JAX, XLA:CPU's memory analysis does not show what `jax.checkpoint` saves (a plain JAX chain
-of 12 tanh layers under 4 checkpoints plans 256 MiB of temporaries instead of 208): JAX's
-savings are for a GPU or TPU to measure.
+With `KERAS_BACKEND=jax`, XLA's memory analysis of the compiled step at both micro-batches and
+the device's peak (GPU/TPU) instead. XLA:CPU's analysis does not show what `jax.checkpoint`
+saves (a plain JAX chain of 12 tanh layers under 4 checkpoints plans 256 MiB of temporaries
+instead of 208): JAX's savings are for a GPU or TPU to measure.
 """
 
 from __future__ import annotations
@@ -105,6 +106,36 @@ def row(name: str, image_size: int, setting: str | None, batches: tuple[int, int
                 seconds=seconds_per_sample(accum, image_size, small, steps))
 
 
+def jax_table(args, batches: tuple[int, int]) -> None:
+    """On JAX: XLA's memory analysis of the compiled train step (`probe_jax.
+    compiled_step_memory`) at both micro-batches, per setting, and the per-sample slope."""
+    import jax
+
+    from tfmem.memory.probe_jax import compiled_step_memory, peak_bytes_in_use
+
+    platform = jax.devices()[0].platform
+    print(f"{args.model} at {args.image_size} px, Adam, float32, JAX on {platform}: XLA's "
+          "memory analysis of the compiled step")
+    print("| rematerialize | segments | XLA peak @%d | XLA peak @%d | per sample | device peak "
+          "@%d |" % (batches[0], batches[1], batches[1]))
+    print("|---|---:|---:|---:|---:|---:|")
+    for setting in args.settings.split(","):
+        accum = build(args.model, args.image_size, None if setting == "none" else setting)
+        accum.compile(keras.optimizers.Adam(1e-4), "mse")
+        peaks = []
+        for batch in batches:
+            shape = (batch, args.image_size, args.image_size, 3)
+            x = np.zeros(shape, "float32")
+            y = np.zeros((batch,) + tuple(accum.output_shape[1:]), "float32")
+            accum.train_on_batch(x, y)
+            peaks.append(compiled_step_memory(accum, (x, y))["peak_bytes"])
+        device = peak_bytes_in_use()
+        cut = sum(len(ranges) for _, ranges in accum.rematerialized_segments)
+        print(f"| {setting} | {cut} | {peaks[0] / MIB:.0f} MiB | {peaks[1] / MIB:.0f} MiB | "
+              f"{(peaks[1] - peaks[0]) / (batches[1] - batches[0]) / MIB:.1f} MiB | "
+              f"{'-' if device is None else f'{device / MIB:.0f} MiB'} |")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiramisu-56")
@@ -116,6 +147,9 @@ def main(argv=None):
                         help="rematerialize settings compared (none, blocks, full)")
     args = parser.parse_args(argv)
     batches = tuple(int(b) for b in args.batches.split(","))
+    if keras.backend.backend() == "jax":
+        jax_table(args, batches)
+        return
     print(f"{args.model} at {args.image_size} px, Adam, float32, TensorFlow on "
           f"{os.cpu_count()} CPU cores; budget {args.budget:g} GiB of growth")
     rows = [row(args.model, args.image_size, None if setting == "none" else setting, batches,

@@ -468,8 +468,8 @@ def _train(config: FinetuneConfig, spec, runtime: Runtime, precision: str, outpu
     setting = remat.names_of(config.rematerialize)
     if setting in ("full", "auto") and run_plan.plan is not None:
         # The segments the plan chose: the run cuts the same ones.
-        spec = run_plan.plan.rematerialized
-        setting = segments.Ranges(spec) if spec else None
+        chosen = run_plan.plan.rematerialized
+        setting = segments.Ranges(chosen) if chosen else None
     with runtime.scope():
         accum = AccumModel.wrap(model, accumulation_steps=run_plan.accumulation_steps,
                                 rematerialize=setting)

@@ -226,6 +226,14 @@ def test_pairs_and_full_are_planned_by_hand_counts():
     assert "a_hidden…a_out 2.0 KiB/sample, b_hidden…head 2.2 KiB/sample" in note
     # Everything is recomputed once: one more forward of three (forward + backward).
     assert note.endswith("≈ +33% compute") and abs(full.recompute_fraction - 1 / 3) < 1e-9
+    # `tfmem.plan` takes the setting for any Keras model, and it overrides the model's own.
+    chain = _dense_chain()
+    plain_keras = keras.Model(chain.inputs, chain.outputs)
+    assert tfmem.plan(plain_keras, global_batch_size=8, memory_budget=2**30,
+                      rematerialize="full").rematerialized == full.rematerialized
+    assert tfmem.plan(_dense_chain("full"), global_batch_size=8, memory_budget=2**30,
+                      rematerialize=[("a_hidden", "a_out")]).rematerialized == (
+        ("", ((0, 1),)),)
 
 
 def test_auto_rematerializes_only_when_the_target_micro_batch_does_not_fit():
