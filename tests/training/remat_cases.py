@@ -55,14 +55,7 @@ def chain(rematerialize=None, accumulation_steps=2, jit_compile="auto"):
         h = keras.layers.Dropout(0.3, name=f"drop{i}")(Counted(name=f"relu{i}")(h))
         h = keras.layers.Conv2D(6, 3, padding="same", name=f"conv{i}b")(h)
         x = keras.layers.Add(name=f"add{i}")([x, h])
-    outputs = keras.layers.Dense(3, name="head")(
-        keras.layers.GlobalAveragePooling2D(name="pool")(x))
-    accum = tfmem.AccumModel(inputs, outputs, accumulation_steps=accumulation_steps,
-                             rematerialize=rematerialize)
-    accum.compile(keras.optimizers.SGD(0.1),
-                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  jit_compile=jit_compile)
-    return accum
+    return _headed(inputs, x, rematerialize, accumulation_steps, jit_compile)
 
 
 def dense(rematerialize=None, accumulation_steps=2, jit_compile="auto"):
@@ -74,6 +67,11 @@ def dense(rematerialize=None, accumulation_steps=2, jit_compile="auto"):
     inputs = keras.Input((8, 8, 3))
     x = keras.layers.Conv2D(4, 3, padding="same", name="stem")(inputs)
     x = DenseBlock(4, 6, dropout=0.2, name="dense")(x)
+    return _headed(inputs, x, rematerialize, accumulation_steps, jit_compile)
+
+
+def _headed(inputs, x, rematerialize, accumulation_steps, jit_compile):
+    """`x` pooled into a 3-class head, as a compiled AccumModel (SGD, cross-entropy)."""
     outputs = keras.layers.Dense(3, name="head")(
         keras.layers.GlobalAveragePooling2D(name="pool")(x))
     accum = tfmem.AccumModel(inputs, outputs, accumulation_steps=accumulation_steps,

@@ -313,6 +313,15 @@ def node_order(graph) -> list:
             if node.operation is not None and not node.is_input]
 
 
+def last_uses(nodes) -> dict[int, int]:
+    """`id(tensor) → the position of the last of `nodes` that takes it as an input`."""
+    last = {}
+    for position, node in enumerate(nodes):
+        for tensor in node.input_tensors:
+            last[id(tensor)] = position
+    return last
+
+
 def _placeholder(value):
     return "<tensor>" if isinstance(value, keras.KerasTensor) else value
 

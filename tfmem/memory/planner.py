@@ -273,11 +273,7 @@ def _rematerialized(model: keras.Model, settings: PlanSettings, override,
                        if layer is not model and layer.name in names))
     if setting != "full" and not remat.layer_pairs(setting):
         return ids, ()
-    if not internals.is_graph_network(internals.functional_of(model)):
-        raise ValueError(
-            f"rematerialize={setting!r} cuts a functional graph and {model.name!r} is a "
-            "subclassed model: name its blocks instead, e.g. rematerialize=['block_1', "
-            "'block_2'] (a whole sub-layer is recomputed).")
+    remat.check_graph(model, setting)
     return ids, remat_plan.from_setting(model, setting, override, settings.frozen, analyses)
 
 

@@ -20,26 +20,28 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import weakref
 from collections.abc import Collection, Sequence
 
 import keras
 
 from tfmem import _keras_internals as internals
-from tfmem.memory.graph_walk import node_order
+from tfmem.memory.graph_walk import last_uses, node_order
 from tfmem.training import remat
 
 
 @dataclasses.dataclass(frozen=True)
 class Ranges:
-    """Segments chosen already (by "auto"): `(start, stop)` ranges of `node_order`,
-    inclusive, sorted."""
+    """Segments chosen already (by a plan: "auto", or what `finetune.py` trains with): a
+    spec of `tfmem.memory.remat_plan`, `(path, ranges)` pairs."""
 
-    ranges: tuple[tuple[int, int], ...]
+    ranges: tuple
 
 
 @dataclasses.dataclass(frozen=True)
 class GraphFacts:
-    """What one walk of a functional graph (nothing rematerialized) says about each call.
+    """What one walk of a functional graph (nothing of it rematerialized, though layers may
+    be cut inside) says about each of its calls.
 
     Attributes:
         names: the layer of each call, in `node_order`.
@@ -97,10 +99,7 @@ def facts(walker, graph) -> GraphFacts:
 
     nodes = node_order(graph)
     produced_at = {id(t): p for p, node in enumerate(nodes) for t in node.outputs}
-    last_use = collections.defaultdict(lambda: -1)
-    for p, node in enumerate(nodes):
-        for tensor in node.input_tensors:
-            last_use[id(tensor)] = p
+    last_use = last_uses(nodes)
     sizes = dict(walker.sizes)
     input_keys, output_keys = [], []
     for node in nodes:
@@ -251,9 +250,8 @@ def flops_of(node, inner_graphs=None) -> int:
     return int(max(elements, 2 * weights * elements / channels))
 
 
-# Graphs traced from subclassed layers' calls, by layer id (the layer is kept with its graph,
-# so an id is never reused while its entry lives).
-_INNER: dict = {}
+# Graphs traced from subclassed layers' calls, by layer: an entry goes with its layer.
+_INNER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def inner_graph(layer: keras.layers.Layer, node) -> keras.Model | None:
@@ -265,8 +263,8 @@ def inner_graph(layer: keras.layers.Layer, node) -> keras.Model | None:
     stays whole."""
     if internals.is_graph_network(layer) or isinstance(layer, keras.Sequential):
         return internals.functional_of(layer)
-    if id(layer) in _INNER:
-        return _INNER[id(layer)][1]
+    if layer in _INNER:
+        return _INNER[layer]
     graph = None
     sublayers = internals.flatten_layers(layer)
     if sublayers and not internals.own_weights(layer):
@@ -285,5 +283,5 @@ def inner_graph(layer: keras.layers.Layer, node) -> keras.Model | None:
                 None not in tuple(t.shape)[1:] for node in node_order(graph)
                 for t in node.outputs):
             graph = None  # shapes known only at run time: not planned, so not cut
-    _INNER[id(layer)] = (layer, graph)
+    _INNER[layer] = graph
     return graph

@@ -169,11 +169,7 @@ class AccumModel(backend.AccumTrainer, keras.Model):
         setting = self._rematerialize
         if not _cuts_segments(setting):
             return
-        if not internals.is_graph_network(self):
-            raise ValueError(
-                f"rematerialize={setting!r} cuts a functional graph and {self.name!r} is a "
-                "subclassed model: name its blocks instead, e.g. rematerialize=['block_1', "
-                "'block_2'] (a whole sub-layer is recomputed).")
+        remat.check_graph(self, setting)
         if isinstance(setting, segments.Ranges):
             spec = setting.ranges
         elif run is not None and run.plan is not None:
@@ -448,8 +444,4 @@ def global_batch_size(x, batch_size=None) -> int | None:
 def _cuts_segments(setting) -> bool:
     """Whether a `rematerialize` setting cuts segments ("full", "auto", pairs, chosen
     ranges), not only hooks named layers."""
-    if setting is None:
-        return False
-    if isinstance(setting, (str, segments.Ranges)):
-        return True
-    return any(not isinstance(item, str) for item in setting)
+    return isinstance(setting, (str, segments.Ranges)) or bool(remat.layer_pairs(setting))

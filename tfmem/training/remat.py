@@ -82,6 +82,19 @@ def names_of(flag: str | None):
     return check_setting(items) if items else None
 
 
+def check_graph(model: keras.Model, setting) -> None:
+    """Raises the one error for segments ("full", "auto", pairs) of a subclassed model.
+
+    Raises:
+        ValueError: `model` keeps no functional graph to cut.
+    """
+    if not internals.is_graph_network(internals.functional_of(model)):
+        raise ValueError(
+            f"rematerialize={setting!r} cuts a functional graph and {model.name!r} is a "
+            "subclassed model: name its blocks instead, e.g. rematerialize=['block_1', "
+            "'block_2'] (a whole sub-layer is recomputed).")
+
+
 def layer_names(setting) -> tuple[str, ...]:
     """The plain layer names of a setting (each rematerialized as a whole layer)."""
     if not isinstance(setting, tuple):
@@ -171,8 +184,7 @@ def _through(layer, original, inner):
                 inner, "_tfmem_ranges", ()):
             return original(*args, **kwargs)
         kwargs.pop("training", None)
-        outputs = inner(list(args) if len(args) > 1 else args[0], training=True)
-        return outputs
+        return inner(list(args) if len(args) > 1 else args[0], training=True)
 
     return call
 
@@ -185,7 +197,7 @@ def apply_ranges(graph: keras.Model, ranges: Sequence[tuple[int, int]]) -> None:
     from keras import tree
 
     from tfmem.backend import rematerialized_call
-    from tfmem.memory.graph_walk import node_order
+    from tfmem.memory.graph_walk import last_uses, node_order
 
     original = getattr(graph, "_tfmem_graph_runner", None)
     if original is None:
@@ -200,9 +212,7 @@ def apply_ranges(graph: keras.Model, ranges: Sequence[tuple[int, int]]) -> None:
     starts = {start: stop for start, stop in ranges}
     units = []  # (nodes, inputs, outputs, variables) per range; (node,) per plain call
     position = 0
-    used_later = [set() for _ in range(len(nodes) + 1)]  # ids used by calls from p on
-    for p in range(len(nodes) - 1, -1, -1):
-        used_later[p] = used_later[p + 1] | {id(t) for t in nodes[p].input_tensors}
+    last_use = last_uses(nodes)
     wanted = {id(t) for t in tree.flatten(graph.outputs)}
     while position < len(nodes):
         stop = starts.get(position)
@@ -215,7 +225,7 @@ def apply_ranges(graph: keras.Model, ranges: Sequence[tuple[int, int]]) -> None:
         inputs = list({id(t): t for node in inside for t in node.input_tensors
                        if id(t) not in made}.values())
         outputs = [t for key, t in made.items()
-                   if key in used_later[stop + 1] or key in wanted]
+                   if last_use.get(key, -1) > stop or key in wanted]
         units.append((inside, inputs, outputs,
                       _Variables([node.operation for node in inside])))
         position = stop + 1
@@ -272,9 +282,7 @@ def _telling_training(call):
 def _run_node(node, values: dict, operation_fn) -> None:
     args, kwargs = node.arguments.fill_in(values)
     outputs = operation_fn(node.operation)(*args, **kwargs)
-    from keras import tree
-
-    for x, y in zip(node.outputs, tree.flatten(outputs)):
+    for x, y in zip(node.outputs, keras.tree.flatten(outputs)):
         values[id(x)] = y
 
 
