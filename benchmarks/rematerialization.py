@@ -5,9 +5,11 @@
     python benchmarks/rematerialization.py --model efficientnetv2-s --image-size 384 \
         --batches 1,4 --settings none,full
     python benchmarks/rematerialization.py --model vit-s16 --image-size 224 --settings none,full
+    python benchmarks/rematerialization.py --model hub-vit-s16 --image-size 224 \
+        --settings none,full
 
 For one model of the registry (or `vit-s16`: ViT-S/16 built from Keras layers, keras-hub's
-shapes), trained as an `AccumModel` (k = 1, Adam, float32, TensorFlow)
+shapes; `hub-vit-s16`: keras-hub's own `ViTBackbone`, which needs keras-hub), trained as an `AccumModel` (k = 1, Adam, float32, TensorFlow)
 without rematerialization and with each of `--settings` (`blocks`: every layer named `*_dense`,
 FC-DenseNet's dense blocks; `full`: `rematerialize="full"`), side by side in one run:
 
@@ -62,9 +64,27 @@ def vit_s16(image_size: int) -> keras.Model:
     return keras.Model(inputs, keras.layers.Dense(4, name="head")(x), name="vit-s16")
 
 
+def hub_vit_s16(image_size: int) -> keras.Model:
+    """keras-hub's own `ViTBackbone` with ViT-S/16's shapes (random weights), its class
+    token into a 4-class head. Needs keras-hub (`pip install keras-hub`)."""
+    try:
+        import keras_hub
+    except ImportError as error:
+        raise SystemExit(f"error: --model hub-vit-s16 needs keras-hub ({error}); "
+                         "install it with `pip install keras-hub`") from None
+    backbone = keras_hub.models.ViTBackbone(
+        image_shape=(image_size, image_size, 3), patch_size=16, num_layers=12, num_heads=6,
+        hidden_dim=384, mlp_dim=1536)
+    inputs = keras.Input((image_size, image_size, 3))
+    tokens = backbone(inputs)
+    head = keras.layers.Dense(4, name="head")(tokens[:, 0])
+    return keras.Model(inputs, head, name="hub-vit-s16")
+
+
 def build(name: str, image_size: int, setting: str | None) -> tfmem.AccumModel:
     keras.utils.set_random_seed(0)
-    base = (vit_s16(image_size) if name == "vit-s16"
+    builders = {"vit-s16": vit_s16, "hub-vit-s16": hub_vit_s16}
+    base = (builders[name](image_size) if name in builders
             else models.build(name, num_classes=4, image_size=image_size))
     if setting == "blocks":
         setting = [layer.name for layer in base.layers if layer.name.endswith("_dense")]

@@ -150,6 +150,31 @@ def nodes_by_depth(model: keras.Model) -> dict:
     return _attribute(model, "_nodes_by_depth", "the nodes of a functional graph")
 
 
+def concatenation(node) -> tuple[int, list] | None:
+    """`(axis, tensors)` when a graph's call `node` concatenates its tensors along one axis
+    (`keras.ops.concatenate`, or a `Concatenate` layer on inputs of one rank); else None.
+    The axis is counted from 0, the batch axis."""
+    operation = node.operation
+    op_class = _module_attribute("keras.src.ops.numpy", "Concatenate",
+                                 "the operation of keras.ops.concatenate")
+    if not isinstance(operation, (op_class, keras.layers.Concatenate)):
+        return None
+    args = node.arguments.args
+    if len(args) != 1 or node.arguments.kwargs or not isinstance(args[0], (list, tuple)):
+        return None
+    tensors = list(args[0])
+    if not tensors or not all(isinstance(t, keras.KerasTensor) for t in tensors):
+        return None
+    ranks = {len(t.shape) for t in tensors}
+    if len(ranks) != 1 or len(node.outputs) != 1:
+        return None
+    rank = ranks.pop()
+    axis = operation.axis
+    if not isinstance(axis, int) or not -rank <= axis < rank:
+        return None
+    return axis % rank, tensors
+
+
 def update_metrics_variables(model: keras.Model, *args):
     """JAX trainer: the stateless update of the loss tracker and compiled metrics."""
     return _attribute(model, "_update_metrics_variables",

@@ -59,15 +59,18 @@ def chain(rematerialize=None, accumulation_steps=2, jit_compile="auto"):
 
 
 def dense(rematerialize=None, accumulation_steps=2, jit_compile="auto"):
-    """A stem and FC-DenseNet's `DenseBlock` (a subclassed layer: BatchNorm → ReLU → conv →
-    Dropout, concatenated, 4 times), which "full" cuts inside."""
+    """A backbone (a nested functional model, as keras-hub's and keras.applications' are)
+    of a stem and FC-DenseNet's `DenseBlock` (a subclassed layer: BatchNorm → ReLU → conv →
+    Dropout, concatenated, 4 times), which "full" cuts inside, two levels down."""
     from tfmem.models.tiramisu import DenseBlock
 
     keras.utils.set_random_seed(0)
+    image = keras.Input((8, 8, 3))
+    x = keras.layers.Conv2D(4, 3, padding="same", name="stem")(image)
+    backbone = keras.Model(image, DenseBlock(4, 6, dropout=0.2, name="dense")(x),
+                           name="backbone")
     inputs = keras.Input((8, 8, 3))
-    x = keras.layers.Conv2D(4, 3, padding="same", name="stem")(inputs)
-    x = DenseBlock(4, 6, dropout=0.2, name="dense")(x)
-    return _headed(inputs, x, rematerialize, accumulation_steps, jit_compile)
+    return _headed(inputs, backbone(inputs), rematerialize, accumulation_steps, jit_compile)
 
 
 def _headed(inputs, x, rematerialize, accumulation_steps, jit_compile):

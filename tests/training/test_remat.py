@@ -13,7 +13,7 @@ import tensorflow as tf
 import tfmem
 from tests.training import remat_cases
 from tfmem.memory import segments
-from tfmem.memory.graph_walk import node_order
+from tfmem.memory.graph_walk import node_order, range_inputs
 from tfmem.training import remat
 
 CASES = os.path.join(os.path.dirname(__file__), "remat_cases.py")
@@ -64,9 +64,9 @@ def test_the_setting_is_saved_with_the_model(tmp_path):
     loaded = keras.saving.load_model(tmp_path / "model.keras")
     assert isinstance(loaded, tfmem.AccumModel) and loaded.rematerialize == ("block",)
     # Segments a plan chose (what finetune.py trains with) are saved as they are.
-    chosen = segments.Ranges((("", ((0, 3), (4, 7))), ("dense", ((0, 9),))))
+    chosen = segments.Ranges((("", ((0, 3), (4, 7))), ("backbone/dense", ((0, 9),))))
     saved = remat_cases.dense(chosen).get_config()["rematerialize"]
-    assert saved == {"segments": [["", [[0, 3], [4, 7]]], ["dense", [[0, 9]]]]}
+    assert saved == {"segments": [["", [[0, 3], [4, 7]]], ["backbone/dense", [[0, 9]]]]}
     assert remat.check_setting(saved) == chosen
 
 
@@ -85,7 +85,7 @@ def test_on_the_jax_backend_too():
     # jitted micro-steps (k = 2 on a CPU).
     for case in ("chain full", "dense full"):
         assert max(found[case]["differences"]) <= 1e-6 and found[case]["segments"], found
-    assert found["dense full"]["segments"][0][0] == "dense"
+    assert found["dense full"]["segments"][0][0] == "backbone/dense"
     # They are recomputed: the JAX step traces one jax.checkpoint per segment (k = 2: the
     # micro-step is traced once per step function).
     for name, (checkpoints, cut) in found["checkpoints"].items():
@@ -171,12 +171,16 @@ def test_full_cuts_inside_a_subclassed_block_and_trains_to_the_same_weights(jit_
                                                      jit_compile=jit_compile)
     # The stem's 2, 4 × (BatchNorm's 4, the conv's 2), the head's 2.
     assert len(differences) == 28 and max(differences) <= 1e-6, differences
-    # The block holds almost every activation: cut inside it, between its units (each a
-    # BatchNorm … concatenate of its traced call), and the tiny top left whole.
+    # The block holds almost every activation: cut inside it, in the backbone, between its
+    # units (each a BatchNorm … concatenate of its traced call), each unit making its stack
+    # again from the pieces; the tiny top and stem are left whole.
     (path, ranges), = cut
-    assert path == "dense" and len(ranges) >= 2
-    graph = _inner_graph(remat_cases.dense("full"), "dense")
+    assert path == "backbone/dense" and len(ranges) >= 2
+    backbone = _inner_graph(remat_cases.dense("full"), "backbone")
+    graph = _inner_graph(backbone, "dense")
     assert sum(1 for layer in graph.layers if isinstance(layer, keras.layers.Conv2D)) == 4
+    taken = range_inputs(node_order(graph), ranges)
+    assert sum(len(joins) for _, joins in taken.values()) >= len(ranges) - 1
 
 
 def _inner_graph(model, name):
@@ -234,6 +238,66 @@ def test_pairs_and_full_are_planned_by_hand_counts():
     assert tfmem.plan(_dense_chain("full"), global_batch_size=8, memory_budget=2**30,
                       rematerialize=[("a_hidden", "a_out")]).rematerialized == (
         ("", ((0, 1),)),)
+
+
+def _stacked(rematerialize=None):
+    """A dense block of Dense layers: each takes the stack of the input and every earlier
+    layer's 16 new values, concatenated."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((64,))
+    stack = inputs
+    for i in range(3):
+        new = keras.layers.Dense(16, name=f"d{i}")(stack)
+        stack = keras.layers.Concatenate(name=f"cat{i}")([stack, new])
+    accum = tfmem.AccumModel(inputs, keras.layers.Dense(3, name="head")(stack),
+                             rematerialize=rematerialize)
+    accum.compile(keras.optimizers.SGD(0.1),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return accum
+
+
+_EACH_LAYER = [(f"d{i}", f"cat{i}") for i in range(3)]
+
+
+def test_a_stack_is_made_again_from_its_pieces_and_planned_so():
+    # Each Dense keeps its input, the stack: 64, 80, 96, and the head 112 values: 352.
+    # Cut after each layer, a range takes the stack's pieces instead (the input and the
+    # new values before it), and makes the stack again: kept across the passes are the
+    # input (64), d0's and d1's new values (16 each) and the head's input (112, a call
+    # outside every range keeps it whole); d2's stack (96) is held again while recomputed.
+    plain, cut = (tfmem.plan(_stacked(setting), global_batch_size=8, memory_budget=2**30)
+                  for setting in (None, _EACH_LAYER))
+    assert plain.activation_bytes_per_sample == 352 * 4
+    assert cut.activation_bytes_per_sample == (64 + 16 + 16 + 112 + 96) * 4
+    graph = _stacked()
+    nodes = node_order(graph)
+    taken = range_inputs(nodes, [(0, 1), (2, 3), (4, 5)])
+    made = {node.operation.name: node.outputs[0] for node in nodes}
+    inputs, joins = taken[4]
+    assert [id(t) for t in inputs] == [id(graph.inputs[0]), id(made["d0"]), id(made["d1"])]
+    (stack, axis, pieces), = joins
+    assert stack is made["cat1"] and axis == 1 and [id(t) for t in pieces] == [
+        id(t) for t in inputs]
+    # d2 alone: the stack d1 takes is used by d1, in no range (so kept by it): the pieces
+    # stop there. The head alone, likewise, from d2's stack and new values.
+    inputs, joins = range_inputs(nodes, [(4, 5)])[4]
+    assert [id(t) for t in inputs] == [id(made["cat0"]), id(made["d1"])] and len(joins) == 1
+    inputs, joins = range_inputs(nodes, [(6, 6)])[6]
+    assert [id(t) for t in inputs] == [id(made["cat1"]), id(made["d2"])] and len(joins) == 1
+
+
+def test_a_stack_made_again_trains_to_the_same_weights():
+    x = np.random.default_rng(0).normal(size=(48, 64)).astype("float32")
+    y = np.arange(48) % 3
+    weights = []
+    for setting in (None, _EACH_LAYER):
+        accum = _stacked(setting)
+        accum.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        weights.append(accum.get_weights())
+    # 4 kernels and biases; the gradients reaching a piece from several ranges are summed
+    # in another order than through the stack's split.
+    differences = [np.linalg.norm(a - b) / np.linalg.norm(a) for a, b in zip(*weights)]
+    assert len(differences) == 8 and max(differences) <= 1e-6, differences
 
 
 def test_auto_rematerializes_only_when_the_target_micro_batch_does_not_fit():

@@ -58,8 +58,9 @@ class Walker:
         self.traced: set[str] = set()
         self.loops: set[str] = set()
         self.recomputed = frozenset(recomputed)  # ids of layers rematerialized
-        # Rematerialized ranges of node orders: "" the top-level graph's, a layer's name that
-        # of the graph inside it (a nested model, or `inner_graphs`' for a subclassed layer).
+        # Rematerialized ranges of node orders: "" the top-level graph's, a layer's path
+        # ("name", "name/inner") that of the graph inside it (a nested model, or
+        # `inner_graphs`' for a subclassed layer).
         self.ranges = {path: {start: stop for start, stop in spans} for path, spans in ranges}
         self.inner_graphs = inner_graphs or {}  # id(layer) -> the functional graph of its call
         self.path = ""  # the graph now walked
@@ -118,11 +119,12 @@ class Walker:
         top = not self.context
         nodes = node_order(internals.functional_of(model))
         spans = self.ranges.get(self.path, {})
+        taken = range_inputs(nodes, list(spans.items())) if spans else {}
         position = 0
         while position < len(nodes):
             stop = spans.get(position)
             if stop is not None:  # a rematerialized range of this graph
-                self.recompute(nodes[position:stop + 1])
+                self.recompute(nodes[position:stop + 1], taken[position][0])
                 position = stop + 1
                 continue
             if top:
@@ -135,11 +137,9 @@ class Walker:
                                              self.segments[segments_before:]), default=0))
             position += 1
 
-    def recompute(self, nodes) -> None:
+    def recompute(self, nodes, inputs) -> None:
         """A rematerialized range: what it keeps inside is recomputed in the backward pass,
-        one range at a time; only its inputs are kept across the passes."""
-        produced = {id(t) for node in nodes for t in node.outputs}
-        inputs = [t for node in nodes for t in node.input_tensors if id(t) not in produced]
+        one range at a time; only its `inputs` (`range_inputs`) are kept across the passes."""
         first, last = nodes[0].operation.name, nodes[-1].operation.name
         name = first if first == last else f"{first}…{last}"
         self.segments.append((f"{self.path}:{name}" if self.path else name,
@@ -195,7 +195,8 @@ class Walker:
             node.operation)
         outer_keys = [self.key(t) for t in node.input_tensors]
         outer_context, self.context = self.context, self.context + (id(node),)
-        outer_path, self.path = self.path, node.operation.name
+        outer_path = self.path
+        self.path = f"{outer_path}/{node.operation.name}" if outer_path else node.operation.name
         for outer_key, inner_input in zip(outer_keys, inner.inputs):
             self.alias[(self.context, id(inner_input))] = outer_key
         self.walk(inner)
@@ -319,6 +320,79 @@ def last_uses(nodes) -> dict[int, int]:
     for position, node in enumerate(nodes):
         for tensor in node.input_tensors:
             last[id(tensor)] = position
+    return last
+
+
+def range_inputs(nodes, ranges) -> dict[int, tuple[list, list]]:
+    """What each rematerialized `(start, stop)` range of `nodes` takes from before it:
+    `start → (inputs, joins)`.
+
+    A concatenation made before a range (a dense block's stack of all earlier maps) that
+    only calls inside ranges use is made again inside each range that takes it, from its
+    pieces (nested concatenations along the same axis flattened into one): the pieces are
+    kept across the passes, the concatenation is not. A dense block cut after each layer
+    then keeps every layer's new maps once, linear in its depth, instead of the stack at
+    every cut, quadratic (the memory-efficient DenseNet). `joins` are `(tensor, axis,
+    pieces)`: the concatenations to make first, each from `inputs`.
+    """
+    ranged = {p for start, stop in ranges for p in range(start, stop + 1)}
+    made_at = {id(t): p for p, node in enumerate(nodes) for t in node.outputs}
+    users: dict = {}
+    for position, node in enumerate(nodes):
+        for tensor in node.input_tensors:
+            users.setdefault(id(tensor), set()).add(position)
+    joins_at = {p: internals.concatenation(node) for p, node in enumerate(nodes)}
+
+    def join(tensor):  # (axis, tensors) of a concatenation to make again, or None
+        position = made_at.get(id(tensor))
+        found = joins_at.get(position)
+        if found is None or not users.get(id(tensor), set()) <= ranged:
+            return None
+        return found
+
+    def pieces(tensor, axis) -> list:
+        found = join(tensor)
+        if found is None or found[0] != axis:
+            return [tensor]
+        return [piece for part in found[1] for piece in pieces(part, axis)]
+
+    taken = {}
+    for start, stop in ranges:
+        made = {id(t) for node in nodes[start:stop + 1] for t in node.outputs}
+        inputs: dict = {}
+        joins = []
+        for node in nodes[start:stop + 1]:
+            for tensor in node.input_tensors:
+                if id(tensor) in made or id(tensor) in inputs or any(
+                        id(tensor) == id(j[0]) for j in joins):
+                    continue
+                found = join(tensor)
+                if found is None:
+                    inputs[id(tensor)] = tensor
+                    continue
+                axis, parts = found
+                flat = [piece for part in parts for piece in pieces(part, axis)]
+                joins.append((tensor, axis, flat))
+                inputs.update((id(piece), piece) for piece in flat)
+        taken[start] = (list(inputs.values()), joins)
+    return taken
+
+
+def effective_last_uses(nodes, ranges, taken) -> dict[int, int]:
+    """`last_uses` with each range's calls replaced by what it takes (`range_inputs`) at its
+    start: a tensor made in a range is needed after it only if this says so."""
+    starts = {start: stop for start, stop in ranges}
+    last = {}
+    position = 0
+    while position < len(nodes):
+        if position in starts:
+            for tensor in taken[position][0]:
+                last[id(tensor)] = position
+            position = starts[position] + 1
+            continue
+        for tensor in nodes[position].input_tensors:
+            last[id(tensor)] = position
+        position += 1
     return last
 
 

@@ -1,11 +1,13 @@
 """Which segments a rematerialization setting cuts in a model, as the planner and `AccumModel`
 both need them.
 
-A *spec* is a tuple of `(path, ranges)`: `path` "" is the model's own graph, a layer's name
-the graph inside that top-level layer (a nested model, or the traced call of a subclassed
-layer, `segments.inner_graph`); `ranges` are `(start, stop)` ranges of that graph's
+A *spec* is a tuple of `(path, ranges)`: `path` "" is the model's own graph, `"name"` the graph
+inside its top-level layer `name` (a nested model, or the traced call of a subclassed layer,
+`segments.inner_graph`), `"name/inner"` the graph inside layer `inner` of that one, and so on
+(Keras layer names have no "/"); `ranges` are `(start, stop)` ranges of that graph's
 `node_order`. `"full"` cuts the top-level graph, and goes inside the layers that bound its
-peak (FC-DenseNet's dense blocks, a transformer's blocks) when their calls trace as graphs.
+peak (FC-DenseNet's dense blocks, a transformer's blocks, a keras-hub backbone's encoder)
+when their calls trace as graphs, as deep as they nest.
 """
 
 from __future__ import annotations
@@ -21,31 +23,37 @@ from tfmem.memory.saved_tensors import saved_tensors_facts
 _DESCENTS = 4
 
 
-def graph_of(model: keras.Model, path: str) -> keras.Model | None:
-    """The graph a spec's `path` names in `model` (None: no such top-level layer, or one
-    whose call does not trace as a graph)."""
-    graph = internals.functional_of(model)
-    if path == "":
-        return graph
+def _inside(graph: keras.Model, name: str):
+    """`(layer, its graph)` of the call of layer `name` in `graph`; graph None when its call
+    does not trace as one; None when `graph` has no such call."""
     for node in node_order(graph):
-        if node.operation.name == path:
-            return segments.inner_graph(node.operation, node)
+        if node.operation.name == name:
+            return node.operation, segments.inner_graph(node.operation, node)
     return None
 
 
-def inner_graphs(model: keras.Model, spec) -> dict:
-    """`id(layer) → graph` of the subclassed top-level layers a spec cuts inside."""
-    paths = {path for path, _ in spec if path}
-    if not paths:
-        return {}
+def graph_of(model: keras.Model, path: str) -> keras.Model | None:
+    """The graph a spec's `path` names in `model` (None: no such layer, or one whose call
+    does not trace as a graph)."""
     graph = internals.functional_of(model)
+    for name in path.split("/") if path else ():
+        found = _inside(graph, name) if graph is not None else None
+        graph = found[1] if found else None
+    return graph
+
+
+def inner_graphs(model: keras.Model, spec) -> dict:
+    """`id(layer) → graph` of the subclassed layers a spec cuts inside, at any depth."""
     found = {}
-    for node in node_order(graph):
-        operation = node.operation
-        if operation.name in paths and not internals.is_graph_network(operation):
-            inner = segments.inner_graph(operation, node)
-            if inner is not None:
-                found[id(operation)] = inner
+    for path, _ in spec:
+        graph = internals.functional_of(model)
+        for name in path.split("/") if path else ():
+            inside = _inside(graph, name) if graph is not None else None
+            if not inside or inside[1] is None:
+                break
+            layer, graph = inside
+            if not internals.is_graph_network(layer):
+                found[id(layer)] = graph
     return found
 
 
@@ -65,7 +73,8 @@ def full(model: keras.Model, compute_dtype=None, frozen=frozenset(), cache: dict
          ) -> tuple:
     """The spec of `rematerialize="full"`: the top-level graph cut where the fewest bytes
     cross; a call that alone holds at least half of the largest segment is cut inside
-    instead (when its call traces as a graph), and the top cut again around it.
+    instead (when its call traces as a graph: "full" of its graph, so layers nested in it
+    are cut inside the same way), and the top cut again around it.
 
     Returns the spec with the lowest estimated peak of the tries.
     """
@@ -74,10 +83,12 @@ def full(model: keras.Model, compute_dtype=None, frozen=frozenset(), cache: dict
     if key in cache:
         return cache[key]
     nodes = node_order(internals.functional_of(model))
-    inside: dict[str, tuple] = {}  # layer name -> its ranges
+    inside: dict[str, tuple] = {}  # layer name -> the spec of its graph ("full" of it)
     best = None
     for _ in range(_DESCENTS):
-        inner_spec = tuple(sorted(inside.items()))
+        inner_spec = tuple(sorted(
+            (f"{name}/{path}" if path else name, ranges)
+            for name, spec in inside.items() for path, ranges in spec))
         found = facts(model, compute_dtype, frozen, inner_spec, cache)
         barriers = [p for p, node in enumerate(nodes) if node.operation.name in inside]
         top = tuple(segments.full(found, barriers))
@@ -96,11 +107,11 @@ def full(model: keras.Model, compute_dtype=None, frozen=frozenset(), cache: dict
             if inner is None:
                 continue
             try:
-                ranges = tuple(segments.full(facts(inner, compute_dtype, frozen, (), cache)))
+                spec = full(inner, compute_dtype, frozen, cache)  # and inside its layers
             except ValueError:  # a graph the walk cannot size: the layer stays whole
                 continue
-            if ranges:
-                new[name] = ranges
+            if spec:
+                new[name] = spec
         if not new:
             break
         inside.update(new)
@@ -111,9 +122,9 @@ def full(model: keras.Model, compute_dtype=None, frozen=frozenset(), cache: dict
 
 def units(model: keras.Model, spec, compute_dtype=None, frozen=frozenset(),
           cache: dict | None = None) -> list[tuple]:
-    """The segments of a "full" spec as `(path, ranges)` units (a top-level range alone; a
-    layer cut inside with all its ranges), most bytes saved per recomputed FLOP first: the
-    order "auto" adds them in."""
+    """The segments of a "full" spec as units, each a tuple of spec entries (a top-level
+    range alone; a top-level layer cut inside, with all the ranges at any depth inside it),
+    most bytes saved per recomputed FLOP first: the order "auto" adds them in."""
     cache = {} if cache is None else cache
     plain = facts(model, compute_dtype, frozen, (), cache)
     inner_spec = tuple(entry for entry in spec if entry[0])
@@ -122,27 +133,34 @@ def units(model: keras.Model, spec, compute_dtype=None, frozen=frozenset(),
     nodes = node_order(internals.functional_of(model))
     before = plain.activation(())[0]
     ranked = []
+    layers: dict[str, list] = {}
     for path, ranges in spec:
         if path == "":
             for span in ranges:
                 saved = before - plain.activation([span])[0]
-                ranked.append((saved / max(plain.recomputed_flops([span]), 1), ("", (span,))))
-            continue
-        p = next(i for i, node in enumerate(nodes) if node.operation.name == path)
+                ranked.append((saved / max(plain.recomputed_flops([span]), 1),
+                               (("", (span,)),)))
+        else:
+            layers.setdefault(path.split("/")[0], []).append((path, ranges))
+    for name, entries in layers.items():
+        p = next(i for i, node in enumerate(nodes) if node.operation.name == name)
         saved = (sum(plain.sizes[k] for k in plain.node_keys[p])
                  - sum(inner.sizes[k] for k in inner.node_keys[p]))
-        inside = node_order(graph_of(model, path))
-        flops = sum(segments.flops_of(node, graphs) for start, stop in ranges
-                    for node in inside[start:stop + 1])
-        ranked.append((saved / max(flops, 1), (path, ranges)))
+        flops = 0
+        for path, ranges in entries:
+            inside = node_order(graph_of(model, path))
+            flops += sum(segments.flops_of(node, graphs) for start, stop in ranges
+                         for node in inside[start:stop + 1])
+        ranked.append((saved / max(flops, 1), tuple(entries)))
     ranked.sort(key=lambda entry: -entry[0])
     return [unit for _, unit in ranked]
 
 
 def spec_of(chosen: list[tuple]) -> tuple:
     """The spec of some `units`: the top-level ranges together, each layer's on its own."""
-    top = tuple(sorted(span for path, ranges in chosen if path == "" for span in ranges))
-    inner = tuple(sorted((path, ranges) for path, ranges in chosen if path))
+    entries = [entry for unit in chosen for entry in unit]
+    top = tuple(sorted(span for path, ranges in entries if path == "" for span in ranges))
+    inner = tuple(sorted((path, ranges) for path, ranges in entries if path))
     return ((("", top),) if top else ()) + inner
 
 
@@ -173,8 +191,8 @@ def recompute_fraction(model: keras.Model, spec) -> float:
 
 
 def names(model: keras.Model, spec) -> list[str]:
-    """`first…last` of every segment, prefixed by the layer it is inside (`up4_dense:
-    bn0…concatenate_3`)."""
+    """`first…last` of every segment, prefixed by the path of the layer it is inside
+    (`up4_dense:bn0…concatenate_3`, `backbone/encoder:block_0…block_3`)."""
     out = []
     for path, ranges in spec:
         graph = graph_of(model, path)

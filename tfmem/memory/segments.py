@@ -26,7 +26,7 @@ from collections.abc import Collection, Sequence
 import keras
 
 from tfmem import _keras_internals as internals
-from tfmem.memory.graph_walk import last_uses, node_order
+from tfmem.memory.graph_walk import last_uses, node_order, range_inputs
 from tfmem.training import remat
 
 
@@ -53,6 +53,8 @@ class GraphFacts:
         flops: forward FLOPs per sample of each call (an estimate: 2 × weights × positions).
         inner_peaks: per call, the largest range rematerialized inside it (a layer cut
             inside, `descend`), held while that range is recomputed.
+        nodes: the calls, in `node_order`.
+        tensor_keys: `id(tensor) → key` of every tensor the calls take or make.
     """
 
     names: tuple[str, ...]
@@ -63,6 +65,8 @@ class GraphFacts:
     live: tuple[int, ...]
     flops: tuple[int, ...]
     inner_peaks: tuple[int, ...] = ()
+    nodes: tuple = ()
+    tensor_keys: dict = dataclasses.field(default_factory=dict)
 
     def activation(self, ranges: Sequence[tuple[int, int]]) -> tuple[int, list[int]]:
         """(bytes kept across the passes, bytes kept inside each range) with `ranges`
@@ -70,9 +74,10 @@ class GraphFacts:
         inside_range = set()
         kept: set = set()
         insides = []
+        taken = range_inputs(self.nodes, ranges)
         for start, stop in ranges:
             inside_range.update(range(start, stop + 1))
-            inputs = self.range_inputs(start, stop)
+            inputs = {self.tensor_keys[id(t)] for t in taken[start][0]}
             kept |= inputs
             inner = set().union(*self.node_keys[start:stop + 1]) - inputs
             insides.append(sum(self.sizes[key] for key in inner))
@@ -82,12 +87,6 @@ class GraphFacts:
         insides += [peak for position, peak in enumerate(self.inner_peaks)
                     if peak and position not in inside_range]
         return sum(self.sizes[key] for key in kept), insides
-
-    def range_inputs(self, start: int, stop: int) -> set:
-        """Keys of the tensors the range uses that are made before it."""
-        made = set().union(*(self.output_keys[p] - self.input_keys[p]  # a view is no new
-                             for p in range(start, stop + 1)))       # tensor
-        return set().union(*self.input_keys[start:stop + 1]) - made
 
     def recomputed_flops(self, ranges: Sequence[tuple[int, int]]) -> int:
         return sum(sum(self.flops[start:stop + 1]) for start, stop in ranges)
@@ -132,6 +131,9 @@ def facts(walker, graph) -> GraphFacts:
         live=tuple(live),
         flops=tuple(flops_of(node, walker.inner_graphs) for node in nodes),
         inner_peaks=tuple(walker.inner_peaks),
+        nodes=tuple(nodes),
+        tensor_keys={id(t): walker.key(t) for node in nodes
+                     for t in list(node.input_tensors) + list(node.outputs)},
     )
 
 
@@ -263,6 +265,8 @@ def inner_graph(layer: keras.layers.Layer, node) -> keras.Model | None:
     stays whole."""
     if internals.is_graph_network(layer) or isinstance(layer, keras.Sequential):
         return internals.functional_of(layer)
+    if not isinstance(layer, keras.layers.Layer):  # a Keras op: nothing inside
+        return None
     if layer in _INNER:
         return _INNER[layer]
     graph = None

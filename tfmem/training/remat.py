@@ -150,29 +150,37 @@ class _Variables:
 
 def apply_spec(model: keras.Model, spec) -> None:
     """Cuts the segments of a spec (`tfmem.memory.remat_plan`): ranges of `model`'s graph,
-    and of the graphs inside its top-level layers (a subclassed layer then runs its traced
-    graph in training calls). Replaces what an earlier spec cut."""
-    from tfmem.memory import segments
-    from tfmem.memory.graph_walk import node_order
-
-    graph = internals.functional_of(model)
-    wanted = dict(spec)
-    for node in node_order(graph):
-        layer = node.operation
-        inner = None
-        if layer.name in wanted or getattr(layer, _INSIDE, False):
-            inner = segments.inner_graph(layer, node)
-        if inner is None:
-            continue
-        apply_ranges(inner, wanted.get(layer.name, ()))
-        if inner is not internals.functional_of(layer) and not getattr(layer, _INSIDE, False):
-            layer.call = _through(layer, layer.call, inner)  # this instance only
-            setattr(layer, _INSIDE, True)
-    apply_ranges(graph, wanted.get("", ()))
+    and of the graphs inside its layers, at any depth (a subclassed layer then runs its
+    traced graph in training calls). Replaces what an earlier spec cut."""
+    _apply_inside(internals.functional_of(model), tuple(spec))
     model._tfmem_spec = tuple(spec)
 
 
-_INSIDE = "_tfmem_cut_inside"
+_INSIDE = "_tfmem_cut_inside"  # a layer with ranges cut in the graph inside it
+_THROUGH = "_tfmem_runs_its_graph"  # a subclassed layer whose call runs its traced graph
+
+
+def _apply_inside(graph: keras.Model, spec: tuple) -> None:
+    """`apply_spec` on `graph`, with `spec`'s paths relative to it."""
+    from tfmem.memory import segments
+    from tfmem.memory.graph_walk import node_order
+
+    for node in node_order(graph):
+        layer = node.operation
+        name = layer.name
+        inner_spec = tuple((path[len(name) + 1:], ranges) for path, ranges in spec
+                           if path == name or path.startswith(name + "/"))
+        if not inner_spec and not getattr(layer, _INSIDE, False):
+            continue
+        inner = segments.inner_graph(layer, node)
+        if inner is None:
+            continue
+        _apply_inside(inner, inner_spec)
+        setattr(layer, _INSIDE, bool(inner_spec))
+        if inner is not internals.functional_of(layer) and not getattr(layer, _THROUGH, False):
+            layer.call = _through(layer, layer.call, inner)  # this instance only
+            setattr(layer, _THROUGH, True)
+    apply_ranges(graph, dict(spec).get("", ()))
 
 
 def _through(layer, original, inner):
@@ -181,7 +189,7 @@ def _through(layer, original, inner):
 
     def call(*args, **kwargs):
         if internals.any_symbolic(args, kwargs) or not is_training_call() or not getattr(
-                inner, "_tfmem_ranges", ()):
+                layer, _INSIDE, False):
             return original(*args, **kwargs)
         kwargs.pop("training", None)
         return inner(list(args) if len(args) > 1 else args[0], training=True)
@@ -197,7 +205,7 @@ def apply_ranges(graph: keras.Model, ranges: Sequence[tuple[int, int]]) -> None:
     from keras import tree
 
     from tfmem.backend import rematerialized_call
-    from tfmem.memory.graph_walk import last_uses, node_order
+    from tfmem.memory.graph_walk import effective_last_uses, node_order, range_inputs
 
     original = getattr(graph, "_tfmem_graph_runner", None)
     if original is None:
@@ -210,10 +218,24 @@ def apply_ranges(graph: keras.Model, ranges: Sequence[tuple[int, int]]) -> None:
         return
     nodes = node_order(graph)
     starts = {start: stop for start, stop in ranges}
-    units = []  # (nodes, inputs, outputs, variables) per range; (node,) per plain call
+    units = []  # (nodes, inputs, joins, outputs, variables) per range; (node,) per plain call
     position = 0
-    last_use = last_uses(nodes)
+    taken = range_inputs(nodes, ranges)
+    last_use = effective_last_uses(nodes, ranges, taken)
     wanted = {id(t) for t in tree.flatten(graph.outputs)}
+    made_at = {id(t): p for p, node in enumerate(nodes) for t in node.outputs}
+    # The pieces later ranges make their concatenations from, passed through every range in
+    # between (as the same buffer): each piece then has one user per range, and the backward
+    # pass adds its gradients up range by range. Taken by every later range directly, its
+    # gradients would all be held until the last one arrived (TensorFlow adds a tensor's
+    # gradients once all are made): as many bytes again as the stacks not kept.
+    later_pieces: dict = {}
+    threaded = {}
+    for start, _ in sorted(ranges, reverse=True):
+        threaded[start] = [t for key, t in later_pieces.items()
+                           if made_at.get(key, -1) < start]
+        later_pieces.update((id(piece), piece) for _, _, pieces in taken[start][1]
+                            for piece in pieces)
     while position < len(nodes):
         stop = starts.get(position)
         if stop is None:
@@ -222,11 +244,13 @@ def apply_ranges(graph: keras.Model, ranges: Sequence[tuple[int, int]]) -> None:
             continue
         inside = nodes[position:stop + 1]
         made = {id(t): t for node in inside for t in node.outputs}
-        inputs = list({id(t): t for node in inside for t in node.input_tensors
-                       if id(t) not in made}.values())
+        inputs, joins = taken[position]
         outputs = [t for key, t in made.items()
                    if last_use.get(key, -1) > stop or key in wanted]
-        units.append((inside, inputs, outputs,
+        passed = [t for t in threaded[position] if id(t) not in {id(x) for x in outputs}]
+        inputs = list({id(t): t for t in list(inputs) + passed}.values())
+        outputs = outputs + passed
+        units.append((inside, inputs, joins, outputs,
                       _Variables([node.operation for node in inside])))
         position = stop + 1
 
@@ -240,11 +264,14 @@ def apply_ranges(graph: keras.Model, ranges: Sequence[tuple[int, int]]) -> None:
             if len(unit) == 1:
                 _run_node(unit[0], values, operation_fn)
                 continue
-            inside, unit_inputs, unit_outputs, variables = unit
+            inside, unit_inputs, joins, unit_outputs, variables = unit
 
-            def run(*tensors, inside=inside, unit_inputs=unit_inputs,
+            def run(*tensors, inside=inside, unit_inputs=unit_inputs, joins=joins,
                     unit_outputs=unit_outputs):
                 local = {id(x): y for x, y in zip(unit_inputs, tensors)}
+                for tensor, axis, pieces in joins:  # made again here from their pieces
+                    local[id(tensor)] = keras.ops.concatenate(
+                        [local[id(piece)] for piece in pieces], axis=axis)
                 for node in inside:
                     _run_node(node, local, operation_fn)
                 return [local[id(t)] for t in unit_outputs]
