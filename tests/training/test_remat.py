@@ -64,10 +64,17 @@ def test_the_setting_is_saved_with_the_model(tmp_path):
     loaded = keras.saving.load_model(tmp_path / "model.keras")
     assert isinstance(loaded, tfmem.AccumModel) and loaded.rematerialize == ("block",)
     # Segments a plan chose (what finetune.py trains with) are saved as they are.
-    chosen = segments.Ranges((("", ((0, 3), (4, 7))), ("backbone/dense", ((0, 9),))))
+    chosen = segments.Ranges((("", ((1, 2),)), ("backbone/dense", ((0, 9),))))
     saved = remat_cases.dense(chosen).get_config()["rematerialize"]
-    assert saved == {"segments": [["", [[0, 3], [4, 7]]], ["backbone/dense", [[0, 9]]]]}
+    assert saved == {"segments": [["", [[1, 2]]], ["backbone/dense", [[0, 9]]]]}
     assert remat.check_setting(saved) == chosen
+    # Segments that do not fit the model are one error each, at once.
+    for bad, message in (
+            ({"segments": [["backbone/nope", [[0, 1]]]]}, "'backbone/nope' name no layer"),
+            ({"segments": [["backbone/dense", [[0, 99]]]]}, r"do not fit its 20 calls"),
+            ({"segments": [["", [[0, 3], [2, 5]]]]}, "none overlapping")):
+        with pytest.raises(ValueError, match=message):
+            remat_cases.dense(bad)
 
 
 def test_on_the_jax_backend_too():
@@ -286,14 +293,27 @@ def test_a_stack_is_made_again_from_its_pieces_and_planned_so():
     assert [id(t) for t in inputs] == [id(made["cat1"]), id(made["d2"])] and len(joins) == 1
 
 
-def test_a_stack_made_again_trains_to_the_same_weights():
+@pytest.mark.parametrize("precision", ["float32", "mixed_float16"])
+def test_a_stack_made_again_trains_to_the_same_weights(precision):
     x = np.random.default_rng(0).normal(size=(48, 64)).astype("float32")
     y = np.arange(48) % 3
     weights = []
-    for setting in (None, _EACH_LAYER):
-        accum = _stacked(setting)
-        accum.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
-        weights.append(accum.get_weights())
+    policy = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(precision)
+    try:
+        for setting in (None, _EACH_LAYER):
+            accum = _stacked(setting)
+            accum.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+            weights.append(accum.get_weights())
+    finally:
+        keras.config.set_dtype_policy(policy)
+    if precision == "mixed_float16":  # loss-scaled; the input's float32 stack is cast, so
+        # it is kept as made (not taken apart), the float16 stacks after it are
+        assert isinstance(accum.optimizer, keras.optimizers.LossScaleOptimizer)
+        nodes = node_order(accum)
+        taken = range_inputs(nodes, [(0, 1), (2, 3), (4, 5)])
+        assert [len(joins) for _, joins in taken.values()] == [0, 0, 1]
+        assert [t.dtype for t in taken[4][0]] == ["float16", "float16"]
     # 4 kernels and biases; the gradients reaching a piece from several ranges are summed
     # in another order than through the stack's split.
     differences = [np.linalg.norm(a - b) / np.linalg.norm(a) for a, b in zip(*weights)]
@@ -315,6 +335,22 @@ def test_auto_rematerializes_only_when_the_target_micro_batch_does_not_fit():
     roomy = _planned("auto")
     assert roomy.rematerialized == () and roomy.notes[-1] == (
         "rematerialize auto: not needed, micro-batch 8 fits")
+
+
+def test_auto_takes_the_segments_inside_a_nested_layer_one_by_one():
+    model = remat_cases.dense()
+    plain, full = (tfmem.plan(model, global_batch_size=8, memory_budget=2**30,
+                              rematerialize=setting) for setting in (None, "full"))
+    (path, spans), = full.rematerialized
+    assert path == "backbone/dense" and len(spans) == 3
+    # A device where micro-batch 8 fits with some of the dense block's segments, not none.
+    memory = int((0.3 * full.peak_bytes(8, 1) + 0.7 * plain.peak_bytes(8, 1)) / 0.8)
+    auto = tfmem.plan(model, global_batch_size=8, memory_budget=memory, rematerialize="auto")
+    (auto_path, chosen), = auto.rematerialized
+    assert auto_path == path and len(chosen) == 2 and set(chosen) < set(spans)
+    assert (auto.micro_batch_size, auto.accumulation_steps) == (8, 1)
+    assert auto.notes[-1].startswith("rematerialize auto: micro-batch 4 × 2 without it; "
+                                     "with 2 of 3 segments recomputed, micro-batch 8 × 1")
 
 
 def test_nothing_fits_tries_rematerialization_first():

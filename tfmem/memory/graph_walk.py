@@ -348,6 +348,8 @@ def range_inputs(nodes, ranges) -> dict[int, tuple[list, list]]:
         found = joins_at.get(position)
         if found is None or not users.get(id(tensor), set()) <= ranged:
             return None
+        if any(part.dtype != tensor.dtype for part in found[1]):
+            return None  # it casts its pieces (a mixed policy's layer): kept as it is made
         return found
 
     def pieces(tensor, axis) -> list:

@@ -265,6 +265,7 @@ def _rematerialized(model: keras.Model, settings: PlanSettings, override,
     `tfmem.memory.remat_plan`)."""
     setting = remat_setting(model, settings)
     if isinstance(setting, segments.Ranges):
+        remat_plan.check_spec(model, setting.ranges)
         return (), setting.ranges
     if setting in (None, "auto"):  # "auto" is resolved by `plan` into Ranges
         return (), ()
@@ -283,7 +284,7 @@ def _auto(model: keras.Model, plan_settings: PlanSettings, analyses: dict) -> Me
     The rule: rematerialize only when the largest micro-batch that fits without it is
     below the target (`micro_batch_target`, or the largest divisor of the per-replica batch
     up to 16: smaller micro-batches make BatchNormalization's statistics noisy and leave
-    accelerators idle); then the segments of "full" (a layer cut inside counts as one) that
+    accelerators idle); then the segments of "full" (at any depth, each on its own) that
     save the most bytes per recomputed FLOP first, as few as let the target fit (all of them
     when none is enough).
     """

@@ -57,6 +57,31 @@ def inner_graphs(model: keras.Model, spec) -> dict:
     return found
 
 
+def check_spec(model: keras.Model, spec) -> None:
+    """Raises for segments given as a spec (a saved setting, `segments.Ranges`) that do not
+    fit `model`: a path that names no layer whose call traces as a graph, a range outside
+    its graph's calls, ranges that overlap.
+
+    Raises:
+        ValueError: naming the path and what is wrong.
+    """
+    for path, ranges in spec:
+        graph = graph_of(model, path)
+        if graph is None:
+            raise ValueError(
+                f"rematerialize: the segments of {path!r} name no layer of {model.name!r} "
+                "whose call traces as a graph; plan the model again (rematerialize='full' "
+                "or 'auto') rather than reuse segments of another model.")
+        count = len(node_order(graph))
+        spans = sorted(tuple(span) for span in ranges)
+        if any(not 0 <= start <= stop < count for start, stop in spans) or any(
+                start <= stop for (_, stop), (start, _) in zip(spans, spans[1:])):
+            raise ValueError(
+                f"rematerialize: the segments {spans} of {path or model.name!r} do not fit "
+                f"its {count} calls (each range within 0 … {count - 1}, none overlapping); "
+                "plan the model again rather than reuse segments of another model.")
+
+
 def facts(model: keras.Model, compute_dtype, frozen, spec=(), cache: dict | None = None
           ) -> segments.GraphFacts:
     """`segments.GraphFacts` of `model`'s top-level graph, with the inner cuts of `spec`
@@ -122,46 +147,30 @@ def full(model: keras.Model, compute_dtype=None, frozen=frozenset(), cache: dict
 
 def units(model: keras.Model, spec, compute_dtype=None, frozen=frozenset(),
           cache: dict | None = None) -> list[tuple]:
-    """The segments of a "full" spec as units, each a tuple of spec entries (a top-level
-    range alone; a top-level layer cut inside, with all the ranges at any depth inside it),
-    most bytes saved per recomputed FLOP first: the order "auto" adds them in."""
+    """The segments of a "full" spec, each as a unit `((path, (span,)),)`, most bytes saved
+    per recomputed FLOP first: the order "auto" adds them in. A segment's saving is counted
+    in the graph it cuts (the model's, or the one inside a layer), as if it were the only one
+    there."""
     cache = {} if cache is None else cache
-    plain = facts(model, compute_dtype, frozen, (), cache)
-    inner_spec = tuple(entry for entry in spec if entry[0])
-    inner = facts(model, compute_dtype, frozen, inner_spec, cache)
-    graphs = inner_graphs(model, spec)
-    nodes = node_order(internals.functional_of(model))
-    before = plain.activation(())[0]
     ranked = []
-    layers: dict[str, list] = {}
     for path, ranges in spec:
-        if path == "":
-            for span in ranges:
-                saved = before - plain.activation([span])[0]
-                ranked.append((saved / max(plain.recomputed_flops([span]), 1),
-                               (("", (span,)),)))
-        else:
-            layers.setdefault(path.split("/")[0], []).append((path, ranges))
-    for name, entries in layers.items():
-        p = next(i for i, node in enumerate(nodes) if node.operation.name == name)
-        saved = (sum(plain.sizes[k] for k in plain.node_keys[p])
-                 - sum(inner.sizes[k] for k in inner.node_keys[p]))
-        flops = 0
-        for path, ranges in entries:
-            inside = node_order(graph_of(model, path))
-            flops += sum(segments.flops_of(node, graphs) for start, stop in ranges
-                         for node in inside[start:stop + 1])
-        ranked.append((saved / max(flops, 1), tuple(entries)))
+        graph = graph_of(model, path)
+        plain = facts(graph, compute_dtype, frozen, (), cache)
+        before = plain.activation(())[0]
+        for span in ranges:
+            saved = before - plain.activation([span])[0]
+            ranked.append((saved / max(plain.recomputed_flops([span]), 1), ((path, (span,)),)))
     ranked.sort(key=lambda entry: -entry[0])
     return [unit for _, unit in ranked]
 
 
 def spec_of(chosen: list[tuple]) -> tuple:
-    """The spec of some `units`: the top-level ranges together, each layer's on its own."""
-    entries = [entry for unit in chosen for entry in unit]
-    top = tuple(sorted(span for path, ranges in entries if path == "" for span in ranges))
-    inner = tuple(sorted((path, ranges) for path, ranges in entries if path))
-    return ((("", top),) if top else ()) + inner
+    """The spec of some `units`: the ranges of each graph together, the model's first."""
+    by_path: dict[str, list] = {}
+    for unit in chosen:
+        for path, ranges in unit:
+            by_path.setdefault(path, []).extend(ranges)
+    return tuple((path, tuple(sorted(by_path[path]))) for path in sorted(by_path))
 
 
 def from_setting(model: keras.Model, setting, compute_dtype=None, frozen=frozenset(),

@@ -114,6 +114,9 @@ class AccumModel(backend.AccumTrainer, keras.Model):
         pairs = remat.layer_pairs(self._rematerialize)
         if pairs and internals.is_graph_network(self):
             remat_plan.from_setting(self, pairs)  # checked now: names, order, overlaps
+        if isinstance(self._rematerialize, segments.Ranges) and internals.is_graph_network(
+                self):
+            remat_plan.check_spec(self, self._rematerialize.ranges)  # a saved spec
 
     @property
     def rematerialize(self):
