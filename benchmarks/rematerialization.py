@@ -17,7 +17,8 @@ FC-DenseNet's dense blocks; `full`: `rematerialize="full"`), side by side in one
   measure`), above its baseline after importing TensorFlow, at two micro-batches; from them
   the bytes per sample and the largest micro-batch whose growth fits `--budget`;
 - the planner's bytes per sample for the same model (its activations and workspace);
-- seconds per sample over `--steps` timed steps at the smaller micro-batch (after one untimed).
+- seconds per sample over `--steps` timed steps at the larger micro-batch (after one untimed;
+  the smaller one times per-call overheads more than the compute).
 
 With `KERAS_BACKEND=jax`, XLA's memory analysis of the compiled step at both micro-batches and
 the device's peak (GPU/TPU) instead. XLA:CPU's analysis does not show what `jax.checkpoint`
@@ -123,7 +124,7 @@ def row(name: str, image_size: int, setting: str | None, batches: tuple[int, int
                 growth=growth, per_sample=per_sample,
                 fits=int((budget * GIB - fixed) // per_sample),
                 planned=plan.activation_bytes_per_sample + plan.workspace_bytes_per_sample,
-                seconds=seconds_per_sample(accum, image_size, small, steps))
+                seconds=seconds_per_sample(accum, image_size, large, steps))
 
 
 def jax_table(args, batches: tuple[int, int]) -> None:
@@ -162,7 +163,7 @@ def main(argv=None):
     parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--batches", default="2,8", help="two micro-batches: small,large")
     parser.add_argument("--budget", type=float, default=8.0, help="GiB of growth allowed")
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--settings", default="none,blocks,full",
                         help="rematerialize settings compared (none, blocks, full)")
     args = parser.parse_args(argv)

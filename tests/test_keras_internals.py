@@ -242,3 +242,18 @@ def test_shapes_only_builds_without_weights_and_leaves_nothing_to_initialise_lat
     # computes a fresh one each time).
     assert outer.kernel._value is not None
     assert all(weight._value is None for weight in model.weights)
+
+
+def test_concatenation_reads_the_axis_and_pieces_of_both_kinds_of_concatenate():
+    a, b = keras.Input((4, 3)), keras.Input((4, 5))
+    by_op = keras.ops.concatenate([a, b], axis=-1)
+    by_layer = keras.layers.Concatenate(axis=1)([a, a])
+    other = keras.layers.Dense(2)(a)
+    model = keras.Model([a, b], [by_op, by_layer, other])
+    found = {node.operation.name: internals.concatenation(node)
+             for depth in internals.nodes_by_depth(model).values() for node in depth
+             if node.operation is not None and not node.is_input}
+    joins = {name: (axis, [id(t) for t in tensors]) for name, value in found.items()
+             if value is not None for axis, tensors in [value]}
+    assert sorted(joins.values()) == sorted([(2, [id(a), id(b)]), (1, [id(a), id(a)])])
+    assert sum(value is None for value in found.values()) == 1  # the Dense

@@ -26,17 +26,23 @@ def test_rematerialized_block_ends_with_the_same_weights_and_statistics():
     assert max(differences) <= 1e-6, differences
 
 
-def test_under_mirrored_strategy_on_two_cpus(two_cpu_strategy):
+@pytest.mark.parametrize("build, setting", [
+    (remat_cases.model, ["block"]),
+    (remat_cases.dense, "full"),  # inside a nested block, its stacks made again from pieces
+])
+def test_under_mirrored_strategy_on_two_cpus(two_cpu_strategy, build, setting):
     def trained(rematerialize):
         with two_cpu_strategy.scope():
-            accum = remat_cases.model(rematerialize)
+            accum = build(rematerialize)
         x, y = remat_cases.data()
         dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
         accum.fit(dataset, epochs=1, verbose=0)
-        return accum.get_weights()
+        return accum
 
-    plain, recomputed = trained(None), trained(["block"])
-    for a, b in zip(plain, recomputed, strict=True):
+    plain, recomputed = trained(None), trained(setting)
+    if setting == "full":
+        assert recomputed.rematerialized_segments[0][0] == "backbone/dense"
+    for a, b in zip(plain.get_weights(), recomputed.get_weights(), strict=True):
         assert np.linalg.norm(a - b) <= 1e-6 * max(np.linalg.norm(a), 1e-12)
 
 
