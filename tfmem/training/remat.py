@@ -214,7 +214,6 @@ def apply_ranges(graph: keras.Model, ranges: Sequence[tuple[int, int]]) -> None:
         graph.call = _telling_training(graph.call)  # this instance only
     if not ranges:
         internals.replace_graph_runner(graph, original)
-        graph._tfmem_ranges = ()
         return
     nodes = node_order(graph)
     starts = {start: stop for start, stop in ranges}
@@ -283,7 +282,6 @@ def apply_ranges(graph: keras.Model, ranges: Sequence[tuple[int, int]]) -> None:
                                      [values[id(x)] for x in graph.outputs])
 
     internals.replace_graph_runner(graph, run_through_graph)
-    graph._tfmem_ranges = tuple(ranges)
 
 
 # The `training` argument of the functional calls now running, innermost last: JAX's trainer
