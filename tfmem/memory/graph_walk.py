@@ -314,15 +314,6 @@ def node_order(graph) -> list:
             if node.operation is not None and not node.is_input]
 
 
-def last_uses(nodes) -> dict[int, int]:
-    """`id(tensor) → the position of the last of `nodes` that takes it as an input`."""
-    last = {}
-    for position, node in enumerate(nodes):
-        for tensor in node.input_tensors:
-            last[id(tensor)] = position
-    return last
-
-
 def range_inputs(nodes, ranges) -> dict[int, tuple[list, list]]:
     """What each rematerialized `(start, stop)` range of `nodes` takes from before it:
     `start → (inputs, joins)`.
@@ -365,13 +356,13 @@ def range_inputs(nodes, ranges) -> dict[int, tuple[list, list]]:
         joins = []
         for node in nodes[start:stop + 1]:
             for tensor in node.input_tensors:
-                if id(tensor) in made or id(tensor) in inputs or any(
-                        id(tensor) == id(j[0]) for j in joins):
+                if id(tensor) in made or id(tensor) in inputs:
                     continue
                 found = join(tensor)
                 if found is None:
                     inputs[id(tensor)] = tensor
                     continue
+                made.add(id(tensor))  # made again here, first
                 axis, parts = found
                 flat = [piece for part in parts for piece in pieces(part, axis)]
                 joins.append((tensor, axis, flat))
@@ -380,9 +371,11 @@ def range_inputs(nodes, ranges) -> dict[int, tuple[list, list]]:
     return taken
 
 
-def effective_last_uses(nodes, ranges, taken) -> dict[int, int]:
-    """`last_uses` with each range's calls replaced by what it takes (`range_inputs`) at its
-    start: a tensor made in a range is needed after it only if this says so."""
+def last_uses(nodes, ranges=(), taken=None) -> dict[int, int]:
+    """`id(tensor) → the position of the last of `nodes` that takes it as an input`; with
+    rematerialized `ranges`, each range's calls count as what it takes (`taken`, from
+    `range_inputs`) at its start: a tensor made in a range is needed after it only if this
+    says so."""
     starts = {start: stop for start, stop in ranges}
     last = {}
     position = 0

@@ -90,10 +90,7 @@ def saved_tensors(model: keras.Model, *, compute_dtype: str | None = None,
     if not internals.is_graph_network(graph):
         return traced_saved_tensors(model, compute_dtype=compute_dtype, frozen=frozen,
                                     input_shapes=input_shapes)
-    walker = _walker(compute_dtype, frozen, recomputed, ranges, inner_graphs)
-    walker.model_inputs = {walker.key(t) for t in graph.inputs}
-    with remat.as_written():  # what each layer keeps inside; the walk counts the recompute
-        walker.walk(graph)
+    walker = _walked(graph, compute_dtype, frozen, recomputed, ranges, inner_graphs)
     return _result(walker, graph.inputs)
 
 
@@ -104,11 +101,8 @@ def saved_tensors_facts(model: keras.Model, *, compute_dtype: str | None = None,
     inside its layers: where rematerialization may cut (`tfmem.memory.segments`).
     Arguments as `saved_tensors`."""
     graph = internals.functional_of(model)
-    walker = _walker(compute_dtype, frozen, (), ranges, inner_graphs)
-    walker.model_inputs = {walker.key(t) for t in graph.inputs}
-    with remat.as_written():
-        walker.walk(graph)
-    return segments.facts(walker, graph)
+    return segments.facts(_walked(graph, compute_dtype, frozen, (), ranges, inner_graphs),
+                          graph)
 
 
 def traced_saved_tensors(model: keras.Model, *, compute_dtype: str | None = None,
@@ -157,6 +151,15 @@ def _walker(compute_dtype, frozen, recomputed=(), ranges=(), inner_graphs=None) 
     from tfmem import backend  # chosen once there; imported here so the planner stays TF-free
 
     return Walker(compute_dtype, frozen, backend.trace_call, recomputed, ranges, inner_graphs)
+
+
+def _walked(graph, compute_dtype, frozen, recomputed, ranges, inner_graphs) -> Walker:
+    """A walker that has walked the functional `graph` node by node."""
+    walker = _walker(compute_dtype, frozen, recomputed, ranges, inner_graphs)
+    walker.model_inputs = {walker.key(t) for t in graph.inputs}
+    with remat.as_written():  # what each layer keeps inside; the walk counts the recompute
+        walker.walk(graph)
+    return walker
 
 
 def _result(walker: Walker, inputs) -> SavedTensors:

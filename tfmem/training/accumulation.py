@@ -108,15 +108,15 @@ class AccumModel(backend.AccumTrainer, keras.Model):
         self.accumulation_steps = accumulation_steps
         self._auto_accumulation = accumulation_steps == "auto"
         self._rematerialize = remat.check_setting(rematerialize)
-        names = remat.layer_names(self._rematerialize)
-        if names and internals.is_graph_network(self):
-            remat.apply(self, names)  # a subclassed model's layers: at `fit`
-        pairs = remat.layer_pairs(self._rematerialize)
-        if pairs and internals.is_graph_network(self):
-            remat_plan.from_setting(self, pairs)  # checked now: names, order, overlaps
-        if isinstance(self._rematerialize, segments.Ranges) and internals.is_graph_network(
-                self):
-            remat_plan.check_spec(self, self._rematerialize.ranges)  # a saved spec
+        if internals.is_graph_network(self):  # a subclassed model's: at `fit`
+            names = remat.layer_names(self._rematerialize)
+            if names:
+                remat.apply(self, names)
+            pairs = remat.layer_pairs(self._rematerialize)
+            if pairs:
+                remat_plan.from_setting(self, pairs)  # checked now: names, order, overlaps
+            if isinstance(self._rematerialize, segments.Ranges):
+                remat_plan.check_spec(self, self._rematerialize.ranges)  # a saved spec
 
     @property
     def rematerialize(self):
@@ -127,8 +127,9 @@ class AccumModel(backend.AccumTrainer, keras.Model):
     @property
     def rematerialized_segments(self) -> tuple:
         """The segments cut since the last `fit`: `(path, ranges)` pairs, path "" for the
-        model's own graph or a top-level layer's name for the graph inside it, ranges of
-        that graph's calls in the order Keras runs them (`tfmem.memory.remat_plan`)."""
+        model's own graph, a layer's path (`"backbone"`, `"backbone/encoder"`) for the graph
+        inside it, ranges of that graph's calls in the order Keras runs them
+        (`tfmem.memory.remat_plan`)."""
         return getattr(self, "_tfmem_spec", ())
 
     @property

@@ -205,7 +205,7 @@ def apply_ranges(graph: keras.Model, ranges: Sequence[tuple[int, int]]) -> None:
     from keras import tree
 
     from tfmem.backend import rematerialized_call
-    from tfmem.memory.graph_walk import effective_last_uses, node_order, range_inputs
+    from tfmem.memory.graph_walk import last_uses, node_order, range_inputs
 
     original = getattr(graph, "_tfmem_graph_runner", None)
     if original is None:
@@ -220,7 +220,7 @@ def apply_ranges(graph: keras.Model, ranges: Sequence[tuple[int, int]]) -> None:
     units = []  # (nodes, inputs, joins, outputs, variables) per range; (node,) per plain call
     position = 0
     taken = range_inputs(nodes, ranges)
-    last_use = effective_last_uses(nodes, ranges, taken)
+    last_use = last_uses(nodes, ranges, taken)
     wanted = {id(t) for t in tree.flatten(graph.outputs)}
     made_at = {id(t): p for p, node in enumerate(nodes) for t in node.outputs}
     # The pieces later ranges make their concatenations from, passed through every range in
@@ -246,7 +246,7 @@ def apply_ranges(graph: keras.Model, ranges: Sequence[tuple[int, int]]) -> None:
         inputs, joins = taken[position]
         outputs = [t for key, t in made.items()
                    if last_use.get(key, -1) > stop or key in wanted]
-        passed = [t for t in threaded[position] if id(t) not in {id(x) for x in outputs}]
+        passed = threaded[position]  # made before the range, so none of `outputs`
         inputs = list({id(t): t for t in list(inputs) + passed}.values())
         outputs = outputs + passed
         units.append((inside, inputs, joins, outputs,
