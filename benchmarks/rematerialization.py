@@ -18,7 +18,11 @@ FC-DenseNet's dense blocks; `full`: `rematerialize="full"`), side by side in one
   the bytes per sample and the largest micro-batch whose growth fits `--budget`;
 - the planner's bytes per sample for the same model (its activations and workspace);
 - seconds per sample over `--steps` timed steps at the larger micro-batch (after one untimed;
-  the smaller one times per-call overheads more than the compute).
+  the smaller one times per-call overheads more than the compute);
+- with `--live`, the bytes per sample of the tensors live at the step's peak, from
+  TensorFlow's own allocator in a child (`TF_CPU_ALLOCATOR_USE_BFC=true`): what the plan
+  counts, without the process heap's caching and fragmentation that the resident set adds
+  (a GPU's allocator is of this kind).
 
 With `KERAS_BACKEND=jax`, XLA's memory analysis of the compiled step at both micro-batches and
 the device's peak (GPU/TPU) instead. XLA:CPU's analysis does not show what `jax.checkpoint`
@@ -30,6 +34,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
+import sys
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -94,10 +100,7 @@ def build(name: str, image_size: int, setting: str | None) -> tfmem.AccumModel:
 
 def seconds_per_sample(accum, image_size: int, batch: int, steps: int) -> float:
     accum.compile(keras.optimizers.Adam(1e-4), "mse")
-    shape = (batch, image_size, image_size, 3)
-    x = np.random.default_rng(0).uniform(0, 1, shape).astype("float32")
-    y = np.zeros((batch,) + tuple(accum.compute_output_spec(
-        keras.KerasTensor(shape)).shape[1:]), "float32")
+    x, y = _batch(accum, image_size, batch)
     accum.train_on_batch(x, y)  # traced
     start = time.perf_counter()
     for _ in range(steps):
@@ -105,8 +108,49 @@ def seconds_per_sample(accum, image_size: int, batch: int, steps: int) -> float:
     return (time.perf_counter() - start) / (steps * batch)
 
 
+def _batch(accum, image_size: int, batch: int):
+    shape = (batch, image_size, image_size, 3)
+    x = np.random.default_rng(0).uniform(0, 1, shape).astype("float32")
+    y = np.zeros((batch,) + tuple(accum.compute_output_spec(
+        keras.KerasTensor(shape)).shape[1:]), "float32")
+    return x, y
+
+
+def live_child(args, batches: tuple[int, int]) -> None:
+    """In a child with `TF_CPU_ALLOCATOR_USE_BFC=true`: prints the bytes per sample of the
+    tensors live at a training step's peak (TensorFlow's allocator: no caching, no
+    fragmentation of the process's heap), from the peaks at both micro-batches."""
+    import tensorflow as tf
+
+    peaks = []
+    for batch in batches:
+        accum = build(args.model, args.image_size,
+                      None if args.settings == "none" else args.settings)
+        accum.compile(keras.optimizers.Adam(1e-4), "mse")
+        x, y = _batch(accum, args.image_size, batch)
+        accum.train_on_batch(x, y)  # traced
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        accum.train_on_batch(x, y)
+        peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"] - before)
+    print((peaks[1] - peaks[0]) / (batches[1] - batches[0]))
+
+
+def live_per_sample(name: str, image_size: int, setting: str, batches: tuple[int, int]) -> float:
+    """`live_child`'s answer: the allocator must be chosen before TensorFlow starts."""
+    command = [sys.executable, os.path.abspath(__file__), "--model", name, "--image-size",
+               str(image_size), "--batches", ",".join(map(str, batches)), "--settings",
+               setting, "--live-child"]
+    done = subprocess.run(command, env=dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true"),
+                          capture_output=True, text=True, check=False)
+    if done.returncode:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SystemExit(f"error: the allocator measurement of {setting} failed: {last}")
+    return float(done.stdout.strip().splitlines()[-1])
+
+
 def row(name: str, image_size: int, setting: str | None, batches: tuple[int, int], steps: int,
-        budget: float) -> dict:
+        budget: float, live: bool) -> dict:
     accum = build(name, image_size, setting)
     growth = {}
     for batch in batches:
@@ -124,6 +168,8 @@ def row(name: str, image_size: int, setting: str | None, batches: tuple[int, int
                 growth=growth, per_sample=per_sample,
                 fits=int((budget * GIB - fixed) // per_sample),
                 planned=plan.activation_bytes_per_sample + plan.workspace_bytes_per_sample,
+                live=(live_per_sample(name, image_size, setting or "none", batches)
+                      if live else None),
                 seconds=seconds_per_sample(accum, image_size, large, steps))
 
 
@@ -166,32 +212,46 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--settings", default="none,blocks,full",
                         help="rematerialize settings compared (none, blocks, full)")
+    parser.add_argument("--live", action="store_true",
+                        help="also the live tensors' bytes per sample at the step's peak, "
+                             "from TensorFlow's own allocator (a child process each)")
+    parser.add_argument("--live-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     batches = tuple(int(b) for b in args.batches.split(","))
+    if args.live_child:
+        live_child(args, batches)
+        return
     if keras.backend.backend() == "jax":
         jax_table(args, batches)
         return
     print(f"{args.model} at {args.image_size} px, Adam, float32, TensorFlow on "
           f"{os.cpu_count()} CPU cores; budget {args.budget:g} GiB of growth")
     rows = [row(args.model, args.image_size, None if setting == "none" else setting, batches,
-                args.steps, args.budget) for setting in args.settings.split(",")]
+                args.steps, args.budget, args.live) for setting in args.settings.split(",")]
     small, large = batches
+    live_head, live_rule = (" per sample, live (allocator) |", "---:|") if args.live else ("", "")
     print(f"| rematerialize | segments | RAM growth @{small} | RAM growth @{large} | per "
-          f"sample, measured | per sample, planned | largest micro-batch in budget | "
+          f"sample, measured |{live_head} per sample, planned | largest micro-batch in budget | "
           f"s per sample |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|" + live_rule + "---:|---:|---:|")
     for r in rows:
+        live = f" {r['live'] / MIB:.0f} MiB |" if args.live else ""
         print(f"| {r['setting']} | {r['segments']} | "
               f"{r['growth'][small] / GIB:.2f} GiB | {r['growth'][large] / GIB:.2f} GiB | "
-              f"{r['per_sample'] / MIB:.0f} MiB | {r['planned'] / MIB:.0f} MiB | {r['fits']} | "
-              f"{r['seconds']:.3f} |")
+              f"{r['per_sample'] / MIB:.0f} MiB |{live} {r['planned'] / MIB:.0f} MiB | "
+              f"{r['fits']} | {r['seconds']:.3f} |")
     plain = rows[0]
-    for r in rows[1:]:
-        print(f"{r['setting']} / {plain['setting']}: micro-batch "
-              f"{r['fits'] / plain['fits']:.2f}×, time per sample "
-              f"{r['seconds'] / plain['seconds']:.2f}×, planned / measured per sample "
-              f"{r['planned'] / r['per_sample']:.2f} (without: "
-              f"{plain['planned'] / plain['per_sample']:.2f})")
+    for r in rows:
+        line = (f"{r['setting']}: planned / measured per sample "
+                f"{r['planned'] / r['per_sample']:.2f}")
+        if args.live:
+            line += f", planned / live {r['planned'] / r['live']:.2f}"
+        if r is not plain:
+            line += (f"; / {plain['setting']}: micro-batch {r['fits'] / plain['fits']:.2f}×, "
+                     f"time per sample {r['seconds'] / plain['seconds']:.2f}×")
+            if args.live:
+                line += f", live per sample {plain['live'] / r['live']:.2f}× less"
+        print(line)
 
 
 if __name__ == "__main__":

@@ -93,3 +93,52 @@ def test_rule_equals_the_traced_gradient(case, precision):
     walked = saved_tensors(model)
     assert not walked.traced_calls, f"no rule fired: {walked.traced_calls}"
     assert walked.saved_bytes == traced_saved_tensors(model).saved_bytes
+
+
+def test_transient_bytes_holds_each_tensor_until_its_last_reader_by_hand():
+    import tensorflow as tf
+
+    from tfmem.memory.gradient_trace import transient_bytes
+
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, (None, 10))  # 40 bytes per sample
+        a = tf.exp(x)  # x's last reader but for its shape below
+        b = tf.reshape(a, (-1, 10)) * 2.0  # the reshape is a view of a: nothing of its own
+        c = a + b  # a and b are read for the last time: x is gone, a, b, c held
+        tf.shape(x)  # reads only x's shape: x is not held until here
+
+    def per_sample(tensor):
+        shape = tensor.shape
+        return 4 * shape[1:].num_elements() if shape.rank and shape[0] is None else 0
+
+    assert c.shape[1:] == (10,)
+    # x, a (x's last reader), then a, b, then a, b, c: three tensors of 40 bytes at most.
+    assert transient_bytes(graph.get_operations(), per_sample) == 3 * 40
+
+
+# Layers that keep their input's shape: their transient is traced once on a small copy and
+# scaled; each is over the `2 × largest` the workspace counted before, so the test can fail.
+SHAPE_KEEPING = {
+    "BatchNormalization": L.BatchNormalization,
+    "Activation-silu": lambda: L.Activation("silu"),
+    "Dropout": lambda: L.Dropout(0.5),
+    "Softmax": L.Softmax,
+}
+
+
+@pytest.mark.parametrize("case", sorted(SHAPE_KEEPING))
+def test_a_rule_layers_transient_is_the_layer_traced_at_its_own_size(case):
+    from tfmem.memory import gradient_trace
+
+    shape = (10, 12, 24)
+    inputs = keras.Input(shape)
+    layer = SHAPE_KEEPING[case]()
+    model = keras.Model(inputs, layer(L.Conv2D(24, 1)(inputs)))
+    walked = saved_tensors(model)
+    alone = gradient_trace.trace_call_tensorflow(
+        lambda xs: layer(xs[0], training=True), [(shape, "float32")], differentiable=[True],
+        trainable=layer.trainable_weights, non_trainable=layer.non_trainable_weights)
+    assert not walked.traced_calls  # the rules covered every layer
+    assert alone.transient_bytes > 2 * walked.largest_tensor_bytes
+    assert walked.workspace_bytes == alone.transient_bytes

@@ -35,6 +35,8 @@ def sample_bytes(shape, dtype) -> int:
 # (the guard at each `fit`, the levers when nothing fits, several devices) is not retraced.
 _TRACES: dict = {}
 _MAX_TRACES = 4096
+# A rule layer's transient over its largest tensor, by configuration (`Walker.rule_transient`).
+_TRANSIENTS: dict = {}
 
 
 class Walker:
@@ -54,6 +56,7 @@ class Walker:
         self.model_inputs: set = set()
         self.largest = 0
         self.patches = 0  # the largest grouped-convolution patch matrix, bytes per sample
+        self.transient = 0  # the largest call's own transient, bytes per sample
         self.fallbacks: set[str] = set()
         self.traced: set[str] = set()
         self.loops: set[str] = set()
@@ -187,8 +190,54 @@ class Walker:
         self.needs_grad.update(self.key(t) for t in outputs)
         if isinstance(operation, keras.layers.Layer) and layer_rules.apply(
                 self, operation, inputs, outputs, has_trainable):
+            self.rule_transient(operation, inputs, outputs, has_trainable)
             return
         self.general(node, has_trainable)
+
+    def rule_transient(self, layer, inputs, outputs, has_trainable: bool) -> None:
+        """The transient of a layer `layer_rules` covers, when the layer keeps its input's
+        shape (normalization, activations, dropout: per element, or per channel).
+
+        Its transient is then the same multiple of its input at any size: traced once per
+        configuration, on a copy of the layer built for a small input of the same rank and
+        last axis, and scaled. The other rule layers (pooling, resizing, merges) hold about two tensors of
+        their size, which the workspace's `2 × largest` already counts."""
+        if (len(inputs) != 1 or len(outputs) != 1 or isinstance(layer, keras.layers.RNN)
+                or tuple(inputs[0].shape) != tuple(outputs[0].shape)):
+            return
+        dtype = keras.backend.standardize_dtype(inputs[0].dtype)
+        grad_in = self.key(inputs[0]) in self.needs_grad
+        # Every axis between the batch and the last one made small: the last (channels,
+        # features, a softmax's classes) stays, so that a reduction along it is sized too.
+        small = (None,) + (4,) * (len(inputs[0].shape) - 2) + tuple(inputs[0].shape[-1:])
+        key = (self.trace_call.__name__, type(layer), _config_key(layer), dtype,
+               str(getattr(layer, "compute_dtype", "")), small, grad_in, has_trainable)
+        if key not in _TRANSIENTS:
+            _TRANSIENTS[key] = self._small_transient(layer, dtype, small, grad_in,
+                                                     has_trainable)
+        ratio = _TRANSIENTS[key]
+        if ratio:
+            self.transient = max(self.transient, int(ratio * max(
+                self.sample_bytes(inputs[0]), self.sample_bytes(outputs[0]))))
+
+    def _small_transient(self, layer, dtype, small, grad_in, has_trainable) -> float:
+        """`layer`'s transient over its largest tensor, from a copy traced at the `small`
+        input shape; 0 when no copy can be made or traced."""
+        try:
+            copy = type(layer).from_config(layer.get_config())
+            copy.build(small)
+        except Exception:  # noqa: BLE001 - no copy of it: its transient stays uncounted
+            return 0.0
+        training = internals.call_has_training_arg(copy)
+
+        def call(xs):
+            return copy(xs[0], training=True) if training else copy(xs[0])
+
+        result = self.trace(copy, call, [keras.KerasTensor(small, dtype=dtype)], [grad_in],
+                            has_trainable, extra_key="transient", record=False)
+        if result is None or not result.output_bytes:
+            return 0.0
+        return result.transient_bytes / max(sample_bytes(small, dtype), *result.output_bytes)
 
     def nested(self, node) -> None:
         inner = self.inner_graphs.get(id(node.operation)) or internals.functional_of(
@@ -230,11 +279,15 @@ class Walker:
         self.keep_internal(result)
 
     def keep_internal(self, result: gradient_trace.TracedCall, repeat: int = 1) -> None:
+        """Keeps the call's internal tensors (`repeat` times: once per timestep) and notes
+        its largest tensor and its transient (held once: one call runs at a time)."""
+        scale = (itemsize(self.override), 4) if self.override else (1, 1)
         for nbytes, dtype in result.internal:
-            if self.override and dtype == "float32":
-                nbytes = nbytes * itemsize(self.override) // 4
+            if dtype == "float32":
+                nbytes = nbytes * scale[0] // scale[1]
             self.keep_bytes(nbytes * repeat)
         self.largest = max(self.largest, result.largest_bytes)
+        self.transient = max(self.transient, result.transient_bytes * scale[0] // scale[1])
 
     def recurrent(self, layer, sequence, has_trainable: bool) -> None:
         """A recurrent layer keeps what one step of its cell keeps, once per timestep."""
@@ -272,8 +325,10 @@ class Walker:
         self.keep_bytes(total)
         self.keep_internal(result, repeat=timesteps)
 
-    def trace(self, operation, call, inputs, differentiable, has_trainable, extra_key=""):
-        """The backend's `gradient_trace` for one call, cached; None when it cannot be traced."""
+    def trace(self, operation, call, inputs, differentiable, has_trainable, extra_key="",
+              record=True):
+        """The backend's `gradient_trace` for one call, cached; None when it cannot be traced.
+        `record`: name the call among the plan's traced calls (or fallbacks)."""
         name = type(operation).__name__
         weights = list(getattr(operation, "weights", []))
         trainable = [w for w in getattr(operation, "trainable_weights", [])
@@ -297,9 +352,9 @@ class Walker:
             if len(_TRACES) >= _MAX_TRACES:
                 _TRACES.clear()
             _TRACES[cache_key] = result, reason
-        if result is None:
+        if record and result is None:
             self.fallbacks.add(reason)
-        else:
+        elif record:
             self.traced.add(name)
             if result.has_loop:
                 self.loops.add(name)

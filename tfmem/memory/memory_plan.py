@@ -28,7 +28,8 @@ class Term(enum.Enum):
                False)
     INPUT = ("input data", "global batch per replica × in-flight batches", False)
     ACTIVATIONS = ("activations", "tensors the backward reads, from the model graph", True)
-    WORKSPACE = ("backward workspace", "2 × the largest tensor (its grads)", True)
+    WORKSPACE = ("backward workspace", "the largest call's transient, ≥ 2 × largest tensor",
+                 True)
     MEASURED_FIXED = ("measured fixed (probe)", "tfmem.probe: intercept of the measured line",
                       False)
     MEASURED_PER_SAMPLE = ("measured per-sample × micro-batch",

@@ -32,9 +32,11 @@ class SavedTensors:
     Attributes:
         saved_bytes: bytes of the distinct tensors the backward pass reads, for one sample.
         largest_tensor_bytes: bytes of the largest single tensor of the forward pass (one sample).
-        workspace_bytes: the largest transient the backward pass needs besides the kept
-            tensors, for one sample: two tensors of the largest size (an op's output and input
-            gradients), or a grouped convolution's patch matrix where that is larger.
+        workspace_bytes: the largest transient a step needs besides the kept tensors, for
+            one sample: two tensors of the largest size (an op's output and input gradients),
+            one call's own transient (its gradients and temporaries, from its traced graph:
+            `gradient_trace.transient_bytes`), or a grouped convolution's patch matrix,
+            whichever is the largest.
         input_bytes: bytes of one sample of the model's inputs, as fed.
         fallback_calls: calls counted as keeping their inputs and outputs (an upper bound),
             each with the reason the general path failed on it.
@@ -166,7 +168,7 @@ def _result(walker: Walker, inputs) -> SavedTensors:
     return SavedTensors(
         saved_bytes=int(sum(walker.sizes.values())),
         largest_tensor_bytes=int(walker.largest),
-        workspace_bytes=int(max(2 * walker.largest, walker.patches)),
+        workspace_bytes=int(max(2 * walker.largest, walker.patches, walker.transient)),
         input_bytes=int(sum(sample_bytes(t.shape, t.dtype) for t in inputs)),
         fallback_calls=tuple(sorted(walker.fallbacks)),
         traced_calls=tuple(sorted(walker.traced)),
