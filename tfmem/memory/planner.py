@@ -237,8 +237,8 @@ def estimate(model: keras.Model, settings: PlanSettings,
                        if budget.kind == "cpu" else 0),
         input_bytes_per_sample=saved.input_bytes,
         activation_bytes_per_sample=saved.saved_bytes + saved.recomputed_bytes,
-        # The backward pass of the largest op holds its output gradient and input gradient
-        # next to the kept tensors (or a grouped convolution its patch matrix).
+        # What the call running at the peak holds next to the kept tensors: its gradients
+        # and temporaries (or a grouped convolution its patch matrix).
         workspace_bytes_per_sample=saved.workspace_bytes,
         input_batches_in_flight=settings.input_batches_in_flight,
         notes=tuple(notes),
