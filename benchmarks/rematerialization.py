@@ -9,8 +9,8 @@
         --settings none,full
 
 For one model of the registry (or `vit-s16`: ViT-S/16 built from Keras layers, keras-hub's
-shapes; `hub-vit-s16`: keras-hub's own `ViTBackbone`, which needs keras-hub), trained as an `AccumModel` (k = 1, Adam, float32, TensorFlow)
-without rematerialization and with each of `--settings` (`blocks`: every layer named `*_dense`,
+shapes; `hub-vit-s16`: keras-hub's own `ViTBackbone`, which needs keras-hub), trained as an
+`AccumModel` (k = 1, Adam, float32, TensorFlow) without rematerialization and with each of `--settings` (`blocks`: every layer named `*_dense`,
 FC-DenseNet's dense blocks; `full`: `rematerialize="full"`), side by side in one run:
 
 - the peak resident set of a fresh process running 2 training steps (`tfmem.memory.probe.

@@ -289,8 +289,8 @@ def _own_transients(model) -> dict:
         if isinstance(layer.input, (list, tuple)):
             continue  # merges: `2 × largest` counts them (test_layer_rules)
         shape, dtype = tuple(layer.input.shape[1:]), layer.input.dtype
-        found[layer.name.rstrip("_0123456789")] = max(found.get(
-            layer.name.rstrip("_0123456789"), 0), trace_call_tensorflow(
+        kind = layer.name.rstrip("_0123456789")
+        found[kind] = max(found.get(kind, 0), trace_call_tensorflow(
             lambda xs, layer=layer: layer(xs[0], training=True), [(shape, dtype)],
             differentiable=[True], trainable=layer.trainable_weights,
             non_trainable=layer.non_trainable_weights).transient_bytes)

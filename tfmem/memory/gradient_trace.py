@@ -262,8 +262,8 @@ def transient_bytes(operations, nbytes) -> int:
     thread, so this is an estimate of its peak, not a bound. For Keras's BatchNormalization
     on TensorFlow, the largest case among Keras's layers, it is 4 tensors of the input's size
     besides the input; TensorFlow's own allocator measures 4.07 for the same function on a
-    CPU (`TF_CPU_ALLOCATOR_USE_BFC=true`), and 4-6 inside whole training steps
-    (docs/benchmarks.md).
+    CPU (`TF_CPU_ALLOCATOR_USE_BFC=true`), and 4 to 8 inside whole training steps, with the
+    micro-batches it is read between (docs/benchmarks.md).
     """
     last = {}
     for position, op in enumerate(operations):

@@ -200,9 +200,11 @@ class Walker:
 
         Its transient is then the same multiple of its input at any size: traced once per
         configuration, on a copy of the layer built for a small input of the same rank and
-        last axis, and scaled. The other rule layers (pooling, resizing, merges) hold about two tensors of
-        their size, which the workspace's `2 × largest` already counts."""
-        if (len(inputs) != 1 or len(outputs) != 1 or isinstance(layer, keras.layers.RNN)
+        last axis, and scaled. The other rule layers (pooling, resizing, merges) hold about
+        two tensors of their size, which the workspace's `2 × largest` already counts. On
+        JAX a trace reports no transient (XLA fuses element-wise ops), so no copy is made."""
+        if (self.trace_call is not gradient_trace.trace_call_tensorflow
+                or len(inputs) != 1 or len(outputs) != 1 or isinstance(layer, keras.layers.RNN)
                 or tuple(inputs[0].shape) != tuple(outputs[0].shape)):
             return
         dtype = keras.backend.standardize_dtype(inputs[0].dtype)
@@ -213,6 +215,8 @@ class Walker:
         key = (self.trace_call.__name__, type(layer), _config_key(layer), dtype,
                str(getattr(layer, "compute_dtype", "")), small, grad_in, has_trainable)
         if key not in _TRANSIENTS:
+            if len(_TRANSIENTS) >= _MAX_TRACES:
+                _TRANSIENTS.clear()
             _TRANSIENTS[key] = self._small_transient(layer, dtype, small, grad_in,
                                                      has_trainable)
         ratio = _TRANSIENTS[key]
