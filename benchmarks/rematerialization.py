@@ -24,10 +24,15 @@ FC-DenseNet's dense blocks; `full`: `rematerialize="full"`), side by side in one
   counts, without the process heap's caching and fragmentation that the resident set adds
   (a GPU's allocator is of this kind).
 
-With `KERAS_BACKEND=jax`, XLA's memory analysis of the compiled step at both micro-batches and
-the device's peak (GPU/TPU) instead. XLA:CPU's analysis does not show what `jax.checkpoint`
-saves (a plain JAX chain of 12 tanh layers under 4 checkpoints plans 256 MiB of temporaries
-instead of 208): JAX's savings are for a GPU or TPU to measure.
+With `KERAS_BACKEND=jax`, each setting in a fresh process: the step's peak at both
+micro-batches (the device's `peak_bytes_in_use` on a GPU/TPU, XLA's memory analysis of the
+compiled step on a CPU), the bytes per sample beside the plan's, the largest micro-batch in
+`--budget`, time per sample, and how far the weights after the same steps are from those
+without rematerialization. XLA:CPU's analysis does not show what `jax.checkpoint` saves (a
+plain JAX chain of 12 tanh layers under 4 checkpoints plans 256 MiB of temporaries instead of
+208): JAX's savings are for a GPU or TPU to measure. On a GPU, the compiler's autotuning
+allocates on the device while it compiles and counts in the same peak: choose micro-batches
+whose steps hold more than that (gigabytes), or the slope between them means nothing.
 """
 
 from __future__ import annotations
@@ -173,34 +178,106 @@ def row(name: str, image_size: int, setting: str | None, batches: tuple[int, int
                 seconds=seconds_per_sample(accum, image_size, large, steps))
 
 
-def jax_table(args, batches: tuple[int, int]) -> None:
-    """On JAX: XLA's memory analysis of the compiled train step (`probe_jax.
-    compiled_step_memory`) at both micro-batches, per setting, and the per-sample slope."""
-    import jax
+def jax_child(args, batches: tuple[int, int]) -> None:
+    """On JAX, one setting in a fresh process (the device's peak counter cannot be reset):
+    XLA's memory analysis of the compiled step and the device's peak after two steps at each
+    micro-batch (smaller first, so each peak is that micro-batch's), the planner's bytes per
+    sample, seconds per sample at the larger one; the weights after all these steps go to
+    `--weights-out` so that the parent can compare the settings' arithmetic."""
+    import json
 
     from tfmem.memory.probe_jax import compiled_step_memory, peak_bytes_in_use
 
+    setting = None if args.settings == "none" else args.settings
+    accum = build(args.model, args.image_size, setting)
+    accum.compile(keras.optimizers.Adam(1e-4), "mse")
+    initial = _flat_weights(accum)
+    xla, device = [], []
+    for batch in batches:
+        x, y = _batch(accum, args.image_size, batch)
+        accum.train_on_batch(x, y)
+        accum.train_on_batch(x, y)
+        device.append(peak_bytes_in_use())
+        # On a GPU/TPU the device's peak is the measurement; XLA's analysis would compile
+        # the step a second time (minutes for a deep model).
+        xla.append(None if device[-1] is not None
+                   else compiled_step_memory(accum, (x, y))["peak_bytes"])
+        print(f"{args.settings}: micro-batch {batch} done", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        accum.train_on_batch(x, y)
+    seconds = (time.perf_counter() - start) / (args.steps * batches[1])
+    np.save(args.weights_out, np.stack([initial, _flat_weights(accum)]))
+    plan = tfmem.plan(accum, global_batch_size=batches[0], memory_budget=int(20 * GIB))
+    print(json.dumps(dict(
+        xla=xla, device=device, seconds=seconds,
+        segments=sum(len(ranges) for _, ranges in accum.rematerialized_segments),
+        planned=plan.activation_bytes_per_sample + plan.workspace_bytes_per_sample)))
+
+
+def _flat_weights(model) -> np.ndarray:
+    return np.concatenate([np.ravel(keras.ops.convert_to_numpy(w))
+                           for w in model.trainable_weights])
+
+
+def jax_table(args, batches: tuple[int, int]) -> None:
+    """On JAX: per setting, in a child each (`jax_child`): the step's peak at both micro-batches
+    (the device's on a GPU/TPU, XLA's memory analysis of the compiled step on a CPU), the
+    per-sample slope beside the plan's, the largest micro-batch in `--budget`, time per
+    sample; and how far each setting's weights after the same steps are from the first's."""
+    import json
+    import tempfile
+
+    import jax
+
     platform = jax.devices()[0].platform
-    print(f"{args.model} at {args.image_size} px, Adam, float32, JAX on {platform}: XLA's "
-          "memory analysis of the compiled step")
-    print("| rematerialize | segments | XLA peak @%d | XLA peak @%d | per sample | device peak "
-          "@%d |" % (batches[0], batches[1], batches[1]))
-    print("|---|---:|---:|---:|---:|---:|")
-    for setting in args.settings.split(","):
-        accum = build(args.model, args.image_size, None if setting == "none" else setting)
-        accum.compile(keras.optimizers.Adam(1e-4), "mse")
-        peaks = []
-        for batch in batches:
-            shape = (batch, args.image_size, args.image_size, 3)
-            x = np.zeros(shape, "float32")
-            y = np.zeros((batch,) + tuple(accum.output_shape[1:]), "float32")
-            accum.train_on_batch(x, y)
-            peaks.append(compiled_step_memory(accum, (x, y))["peak_bytes"])
-        device = peak_bytes_in_use()
-        cut = sum(len(ranges) for _, ranges in accum.rematerialized_segments)
-        print(f"| {setting} | {cut} | {peaks[0] / MIB:.0f} MiB | {peaks[1] / MIB:.0f} MiB | "
-              f"{(peaks[1] - peaks[0]) / (batches[1] - batches[0]) / MIB:.1f} MiB | "
-              f"{'-' if device is None else f'{device / MIB:.0f} MiB'} |")
+    small, large = batches
+    print(f"{args.model} at {args.image_size} px, Adam, float32, JAX on {platform} "
+          f"({jax.devices()[0].device_kind}); budget {args.budget:g} GiB")
+    print(f"| rematerialize | segments | peak @{small} | peak @{large} | per sample, measured "
+          f"| per sample, planned | largest micro-batch in budget | ms per sample |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for setting in args.settings.split(","):
+            weights = os.path.join(folder, f"{setting}.npy")
+            command = [sys.executable, os.path.abspath(__file__), "--model", args.model,
+                       "--image-size", str(args.image_size), "--batches", args.batches,
+                       "--steps", str(args.steps), "--settings", setting, "--jax-child",
+                       "--weights-out", weights]
+            done = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=False)
+            if done.returncode:
+                raise SystemExit(f"error: the JAX measurement of {setting} failed (exit "
+                                 f"{done.returncode}); its messages are above")
+            r = json.loads(done.stdout.strip().splitlines()[-1])
+            r["setting"], r["weights"] = setting, np.load(weights)
+            r["peaks"] = r["device"] if r["device"][0] is not None else r["xla"]
+            r["per_sample"] = (r["peaks"][1] - r["peaks"][0]) / (large - small)
+            fixed = r["peaks"][0] - r["per_sample"] * small
+            r["fits"] = int((args.budget * GIB - fixed) // r["per_sample"])
+            rows.append(r)
+            print(f"| {r['setting']} | {r['segments']} | {r['peaks'][0] / GIB:.2f} GiB | "
+                  f"{r['peaks'][1] / GIB:.2f} GiB | {r['per_sample'] / MIB:.0f} MiB | "
+                  f"{r['planned'] / MIB:.0f} MiB | {r['fits']} | {r['seconds'] * 1000:.3f} |",
+                  flush=True)
+    where = "the device's peak" if rows[0]["device"][0] is not None else "XLA's analysis"
+    print(f"(peaks: {where})")
+    plain = rows[0]
+    initial, trained = plain["weights"]
+    update = float(np.linalg.norm(trained - initial))
+    for r in rows:
+        line = (f"{r['setting']}: planned / measured per sample "
+                f"{r['planned'] / r['per_sample']:.2f}")
+        if r is not plain:
+            if np.any(r["weights"][0] != initial):
+                raise SystemExit(f"error: {r['setting']} did not start from {plain['setting']}'s "
+                                 "weights; the comparison would mean nothing")
+            difference = float(np.linalg.norm(r["weights"][1] - trained)) / update
+            line += (f"; / {plain['setting']}: micro-batch {r['fits'] / plain['fits']:.2f}×, "
+                     f"time per sample {r['seconds'] / plain['seconds']:.2f}×; weights after "
+                     f"{2 * len(batches) + args.steps} steps differ by {difference:.1e} of "
+                     f"the training's update (‖Δw‖ / ‖w − w₀‖)")
+        print(line)
 
 
 def main(argv=None):
@@ -216,10 +293,15 @@ def main(argv=None):
                         help="also the live tensors' bytes per sample at the step's peak, "
                              "from TensorFlow's own allocator (a child process each)")
     parser.add_argument("--live-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--jax-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--weights-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     batches = tuple(int(b) for b in args.batches.split(","))
     if args.live_child:
         live_child(args, batches)
+        return
+    if args.jax_child:
+        jax_child(args, batches)
         return
     if keras.backend.backend() == "jax":
         jax_table(args, batches)
