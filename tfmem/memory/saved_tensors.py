@@ -90,6 +90,10 @@ def saved_tensors(model: keras.Model, *, compute_dtype: str | None = None,
         raise ValueError("The Sequential model is not built: give it a `keras.Input` first "
                          "layer or call `model.build((None, H, W, C))`.")
     if not internals.is_graph_network(graph):
+        called = _called_as_graph(model, input_shapes) if recomputed else None
+        if called is not None:  # its named layers keep their inputs: walked as a graph
+            walker = _walked(called, compute_dtype, frozen, recomputed, (), None)
+            return _result(walker, called.inputs)
         return traced_saved_tensors(model, compute_dtype=compute_dtype, frozen=frozen,
                                     input_shapes=input_shapes)
     walker = _walked(graph, compute_dtype, frozen, recomputed, ranges, inner_graphs)
@@ -175,6 +179,19 @@ def _result(walker: Walker, inputs) -> SavedTensors:
         loop_calls=tuple(sorted(walker.loops)),
         segments=tuple(walker.segments),
     )
+
+
+def _called_as_graph(model: keras.Model, input_shapes) -> keras.Model | None:
+    """A subclassed model's call as a functional graph of the same layers (what lets the
+    layers it rematerializes by name be planned as keeping only their inputs); None when it
+    has weights of its own or does not trace so (`segments.call_graph`)."""
+    if internals.own_weights(model):
+        return None
+    inputs = [keras.Input(tuple(t.shape[1:]), dtype=t.dtype)
+              for t in _subclassed_inputs(model, input_shapes)]
+    if not model.built:  # as the first `fit` step would build it
+        model(inputs[0] if len(inputs) == 1 else inputs)
+    return segments.call_graph(model, inputs, (inputs[0] if len(inputs) == 1 else inputs,))
 
 
 def _subclassed_inputs(model, input_shapes) -> list:

@@ -277,15 +277,22 @@ def inner_graph(layer: keras.layers.Layer, node) -> keras.Model | None:
             {id(t): x for t, x in zip(node.input_tensors, inputs)})
         kwargs.pop("training", None)  # given to each sub-layer by the functional call
         if not kwargs:
-            try:
-                with remat.as_written():
-                    outputs = layer.call(*args)
-                graph = keras.Model(inputs, outputs, name=f"{layer.name}_graph")
-            except Exception:  # noqa: BLE001 - not traceable as a graph: the layer stays whole
-                graph = None
-        if graph is not None and not all(
-                None not in tuple(t.shape)[1:] for node in node_order(graph)
-                for t in node.outputs):
-            graph = None  # shapes known only at run time: not planned, so not cut
+            graph = call_graph(layer, inputs, args)
     _INNER[layer] = graph
+    return graph
+
+
+def call_graph(layer: keras.layers.Layer, inputs: list, args: tuple) -> keras.Model | None:
+    """`layer.call(*args)` on the symbolic `inputs` (`keras.Input`s, which `args` hold) as a
+    functional graph; None when it does not trace so (backend ops, Python control flow on
+    values) or a tensor's shape is known only at run time."""
+    try:
+        with remat.as_written():
+            outputs = layer.call(*args)
+        graph = keras.Model(inputs, outputs, name=f"{layer.name}_graph")
+    except Exception:  # noqa: BLE001 - not traceable as a graph: the caller keeps it whole
+        return None
+    if not all(None not in tuple(t.shape)[1:] for node in node_order(graph)
+               for t in node.outputs):
+        return None  # shapes known only at run time: not planned, so not cut
     return graph
