@@ -22,7 +22,8 @@ FC-DenseNet's dense blocks; `full`: `rematerialize="full"`), side by side in one
 - with `--live`, the bytes per sample of the tensors live at the step's peak, from
   TensorFlow's own allocator in a child (`TF_CPU_ALLOCATOR_USE_BFC=true`): what the plan
   counts, without the process heap's caching and fragmentation that the resident set adds
-  (a GPU's allocator is of this kind).
+  (a GPU's allocator is of this kind); with `--serial` too, the step's ops one at a time (one
+  inter-op thread) and its graph not rewritten (Grappler off): the order the plan counts in.
 
 With `KERAS_BACKEND=jax`, each setting in a fresh process: the step's peak at both
 micro-batches (the device's `peak_bytes_in_use` on a GPU/TPU, XLA's memory analysis of the
@@ -127,6 +128,9 @@ def live_child(args, batches: tuple[int, int]) -> None:
     fragmentation of the process's heap), from the peaks at both micro-batches."""
     import tensorflow as tf
 
+    if args.serial:  # one op at a time, in the order of the graph as built: as the plan counts
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+        tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
     peaks = []
     for batch in batches:
         accum = build(args.model, args.image_size,
@@ -141,11 +145,12 @@ def live_child(args, batches: tuple[int, int]) -> None:
     print((peaks[1] - peaks[0]) / (batches[1] - batches[0]))
 
 
-def live_per_sample(name: str, image_size: int, setting: str, batches: tuple[int, int]) -> float:
+def live_per_sample(name: str, image_size: int, setting: str, batches: tuple[int, int],
+                    serial: bool = False) -> float:
     """`live_child`'s answer: the allocator must be chosen before TensorFlow starts."""
     command = [sys.executable, os.path.abspath(__file__), "--model", name, "--image-size",
                str(image_size), "--batches", ",".join(map(str, batches)), "--settings",
-               setting, "--live-child"]
+               setting, "--live-child"] + (["--serial"] if serial else [])
     done = subprocess.run(command, env=dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true"),
                           capture_output=True, text=True, check=False)
     if done.returncode:
@@ -155,7 +160,7 @@ def live_per_sample(name: str, image_size: int, setting: str, batches: tuple[int
 
 
 def row(name: str, image_size: int, setting: str | None, batches: tuple[int, int], steps: int,
-        budget: float, live: bool) -> dict:
+        budget: float, live: bool | str) -> dict:
     accum = build(name, image_size, setting)
     growth = {}
     for batch in batches:
@@ -173,8 +178,8 @@ def row(name: str, image_size: int, setting: str | None, batches: tuple[int, int
                 growth=growth, per_sample=per_sample,
                 fits=int((budget * GIB - fixed) // per_sample),
                 planned=plan.activation_bytes_per_sample + plan.workspace_bytes_per_sample,
-                live=(live_per_sample(name, image_size, setting or "none", batches)
-                      if live else None),
+                live=(live_per_sample(name, image_size, setting or "none", batches,
+                                      serial=live == "serial") if live else None),
                 seconds=seconds_per_sample(accum, image_size, large, steps))
 
 
@@ -292,11 +297,17 @@ def main(argv=None):
     parser.add_argument("--live", action="store_true",
                         help="also the live tensors' bytes per sample at the step's peak, "
                              "from TensorFlow's own allocator (a child process each)")
+    parser.add_argument("--serial", action="store_true",
+                        help="with --live: the step's ops one at a time (one inter-op thread) "
+                             "and its graph not rewritten (Grappler off), the order the plan "
+                             "counts in")
     parser.add_argument("--live-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--jax-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--weights-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     batches = tuple(int(b) for b in args.batches.split(","))
+    if args.serial and not (args.live or args.live_child):
+        parser.error("--serial is a way to measure the live tensors; add --live")
     if args.live_child:
         live_child(args, batches)
         return
@@ -309,9 +320,11 @@ def main(argv=None):
     print(f"{args.model} at {args.image_size} px, Adam, float32, TensorFlow on "
           f"{os.cpu_count()} CPU cores; budget {args.budget:g} GiB of growth")
     rows = [row(args.model, args.image_size, None if setting == "none" else setting, batches,
-                args.steps, args.budget, args.live) for setting in args.settings.split(",")]
+                args.steps, args.budget, args.live and ("serial" if args.serial else "default"))
+            for setting in args.settings.split(",")]
     small, large = batches
-    live_head, live_rule = (" per sample, live (allocator) |", "---:|") if args.live else ("", "")
+    live_head, live_rule = ((f" per sample, live (allocator{', serial' * args.serial}) |",
+                             "---:|") if args.live else ("", ""))
     print(f"| rematerialize | segments | RAM growth @{small} | RAM growth @{large} | per "
           f"sample, measured |{live_head} per sample, planned | largest micro-batch in budget | "
           f"s per sample |")
