@@ -15,6 +15,7 @@ keeps nothing: no backward op is built for it.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Collection
 
 import keras
@@ -181,17 +182,27 @@ def _result(walker: Walker, inputs) -> SavedTensors:
     )
 
 
+# A subclassed model's call traced as a graph, by model: `(input shapes, graph)`.
+_CALLED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _called_as_graph(model: keras.Model, input_shapes) -> keras.Model | None:
     """A subclassed model's call as a functional graph of the same layers (what lets the
-    layers it rematerializes by name be planned as keeping only their inputs); None when it
-    has weights of its own or does not trace so (`segments.call_graph`)."""
+    layers it rematerializes by name be planned as keeping only their inputs), traced once
+    per input shapes; None when it has weights of its own or does not trace so
+    (`segments.call_graph`)."""
     if internals.own_weights(model):
         return None
     inputs = [keras.Input(tuple(t.shape[1:]), dtype=t.dtype)
               for t in _subclassed_inputs(model, input_shapes)]
+    shapes = tuple((tuple(x.shape), x.dtype) for x in inputs)
+    if model in _CALLED and _CALLED[model][0] == shapes:
+        return _CALLED[model][1]
     if not model.built:  # as the first `fit` step would build it
         model(inputs[0] if len(inputs) == 1 else inputs)
-    return segments.call_graph(model, inputs, (inputs[0] if len(inputs) == 1 else inputs,))
+    graph = segments.call_graph(model, inputs, (inputs[0] if len(inputs) == 1 else inputs,))
+    _CALLED[model] = shapes, graph
+    return graph
 
 
 def _subclassed_inputs(model, input_shapes) -> list:
