@@ -116,7 +116,9 @@ def test_demo_trains_on_the_jax_backend(tmp_path):
                        backend="jax")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "keras               3" in result.stdout and "(backend jax)" in result.stdout
-    assert "note: rematerialized, recomputed in the backward pass" in result.stdout
+    # Segments cut and recomputed all the same (the note names them only where some are);
+    # planned as kept, since on a CPU XLA saves nothing by it.
+    assert "note: rematerialized layers planned as kept: on JAX on a CPU" in result.stdout
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["validation"]["accuracy"] > 0.6
     assert len(metrics["history"]["loss"]) == 2

@@ -153,6 +153,21 @@ if __name__ == "__main__":
             checked[name] = [jax_step_checkpoints(accum),
                              sum(len(ranges) for _, ranges in accum.rematerialized_segments)]
         found["checkpoints"] = checked
+    if keras.backend.backend() == "jax":  # planned: no saving on a CPU, one on a GPU
+        from tfmem.memory.levers import levers_for
+
+        planned = {}
+        for device, where in (("cpu", dict(memory_budget=2**30)), ("gpu", dict(device="T4"))):
+            plain_plan = tfmem.plan(chain(None), global_batch_size=16, **where)
+            full_plan = tfmem.plan(chain("full"), global_batch_size=16, **where)
+            planned[device] = {
+                "kind": plain_plan.device_kind,
+                "activations": [plain_plan.activation_bytes_per_sample,
+                                full_plan.activation_bytes_per_sample],
+                "segments": sum(len(ranges) for _, ranges in full_plan.rematerialized),
+                "notes": list(full_plan.notes),
+                "levers": [lever.group for lever in levers_for(chain(None), plain_plan)]}
+        found["planned"] = planned
     if keras.backend.backend() == "jax":  # then over every device (XLA_FLAGS may add some)
         found["replicas"] = tfmem.detect().num_replicas
         found["data_parallel"] = relative_differences(["block"])

@@ -106,6 +106,16 @@ def test_on_the_jax_backend_too():
     # The same under a DataParallel over 8 host devices (tfmem.detect()).
     assert found["replicas"] == 8 and max(found["data_parallel"]) <= 1e-6, found
     assert max(found["data_parallel full"]) <= 1e-6, found
+    # On a CPU, XLA runs each recomputation where it saves nothing: planned as kept, said so,
+    # and not offered when nothing fits; planned for a GPU, the same segments save.
+    cpu, gpu = found["planned"]["cpu"], found["planned"]["gpu"]
+    assert (cpu["kind"], gpu["kind"]) == ("cpu", "gpu")
+    assert cpu["segments"] == gpu["segments"] == 3
+    assert cpu["activations"][1] == cpu["activations"][0] == gpu["activations"][0]
+    assert gpu["activations"][1] < gpu["activations"][0] / 1.5
+    assert ("rematerialized layers planned as kept: on JAX on a CPU, XLA runs the "
+            "recomputation where it saves no memory (only time)") in cpu["notes"]
+    assert "rematerialize" not in cpu["levers"] and "rematerialize" in gpu["levers"]
 
 
 def _two_blocks(rematerialize):

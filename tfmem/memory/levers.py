@@ -20,6 +20,7 @@ import keras
 from tfmem import _keras_internals as internals
 from tfmem.memory.memory_plan import Alternative, MemoryPlan
 from tfmem.memory.optimizer_state import optimizer_slot_bytes
+from tfmem.memory import remat_plan
 from tfmem.memory.plan_settings import PlanSettings
 
 # Combinations of more changes than this are not searched: the answer would not be "a change".
@@ -58,7 +59,8 @@ def levers_for(model: keras.Model, base: MemoryPlan,
     found = []
     graph = internals.functional_of(model)
     if (internals.is_graph_network(graph) and not base.rematerialized
-            and getattr(model, "rematerialize", None) not in ("full", "auto")):
+            and getattr(model, "rematerialize", None) not in ("full", "auto")
+            and remat_plan.saves_memory(base.device_kind)):
         # First: it changes no numerics, only time.
         found.append(Lever("rematerialize full", "rematerialize", _rematerializing))
     if base.precision == "float32":

@@ -168,12 +168,16 @@ def estimate(model: keras.Model, settings: PlanSettings,
     override = _override(model, precision)
     analyses = {} if analyses is None else analyses
     recomputed, ranges = _rematerialized(model, settings, override, analyses)
-    key = (id(model), override, frozenset(frozen), recomputed, ranges)
+    # Where it saves nothing, what is recomputed is planned as kept (the run still cuts it).
+    saves = remat_plan.saves_memory(budget.kind)
+    counted, counted_ranges = (recomputed, ranges) if saves else ((), ())
+    key = (id(model), override, frozenset(frozen), counted, counted_ranges)
     if key not in analyses:
         analyses[key] = saved_tensors(model, compute_dtype=override, frozen=frozen,
                                       input_shapes=settings.input_shape,
-                                      recomputed=recomputed, ranges=ranges,
-                                      inner_graphs=remat_plan.inner_graphs(model, ranges))
+                                      recomputed=counted, ranges=counted_ranges,
+                                      inner_graphs=remat_plan.inner_graphs(model,
+                                                                           counted_ranges))
     saved = analyses[key]
     trainable = [v for v in model.trainable_variables if id(v) not in frozen]
     num_trainable = sum(math.prod(v.shape) for v in trainable)
@@ -202,7 +206,10 @@ def estimate(model: keras.Model, settings: PlanSettings,
                      "bound): " + "; ".join(saved.fallback_calls))
     if saved.loop_calls:
         notes.append("loop intermediates not counted in: " + ", ".join(saved.loop_calls))
-    if (recomputed and not saved.segments
+    if (recomputed or ranges) and not saves:
+        notes.append("rematerialized layers planned as kept: on JAX on a CPU, XLA runs the "
+                     "recomputation where it saves no memory (only time)")
+    elif (recomputed and not saved.segments
             and not internals.is_graph_network(internals.functional_of(model))):
         notes.append("rematerialized layers planned as kept (an upper bound): the call of "
                      f"{type(model).__name__} does not trace as a graph of its layers")
@@ -300,6 +307,9 @@ def _auto(model: keras.Model, plan_settings: PlanSettings, analyses: dict) -> Me
     if plain.fits and plain.micro_batch_size >= target:
         return plain.replace(notes=plain.notes + (
             f"rematerialize auto: not needed, micro-batch {plain.micro_batch_size} fits",))
+    if not remat_plan.saves_memory(plan_settings.budget.kind):
+        return plain.replace(notes=plain.notes + (
+            "rematerialize auto: not used, on JAX on a CPU it saves no memory",))
     graph = internals.functional_of(model)
     if not internals.is_graph_network(graph):
         return plain.replace(notes=plain.notes + (
