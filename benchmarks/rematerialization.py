@@ -10,8 +10,9 @@
 
 For one model of the registry (or `vit-s16`: ViT-S/16 built from Keras layers, keras-hub's
 shapes; `hub-vit-s16`: keras-hub's own `ViTBackbone`, which needs keras-hub), trained as an
-`AccumModel` (k = 1, Adam, float32, TensorFlow) without rematerialization and with each of `--settings` (`blocks`: every layer named `*_dense`,
-FC-DenseNet's dense blocks; `full`: `rematerialize="full"`), side by side in one run:
+`AccumModel` (k = 1, Adam, float32, TensorFlow) without rematerialization and with each of
+`--settings` (`blocks`: every layer named `*_dense`, FC-DenseNet's dense blocks; `full`:
+`rematerialize="full"`), side by side in one run:
 
 - the peak resident set of a fresh process running 2 training steps (`tfmem.memory.probe.
   measure`), above its baseline after importing TensorFlow, at two micro-batches; from them

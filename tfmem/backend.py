@@ -3,7 +3,8 @@
 Like Keras, which picks its trainer class when `keras.models` is imported, tfmem reads
 `keras.backend.backend()` once and takes the matching half of `AccumModel`'s train step, of
 runtime detection, of the planner's gradient trace (and whether rematerialization saves memory
-on a CPU) and of the image metrics' checks inside a compiled function; nothing else in tfmem asks which backend is running.
+on a CPU) and of the image metrics' checks inside a compiled function; nothing else in tfmem
+asks which backend is running.
 """
 
 try:
@@ -40,5 +41,5 @@ else:
         "Set KERAS_BACKEND=tensorflow or KERAS_BACKEND=jax before importing keras."
     )
 
-__all__ = ["NAME", "REMAT_SAVES_ON_CPU", "AccumTrainer", "current_runtime", "detect", "metric_checks", "processes",
-           "rematerialized_call", "trace_call"]
+__all__ = ["NAME", "REMAT_SAVES_ON_CPU", "AccumTrainer", "current_runtime", "detect",
+           "metric_checks", "processes", "rematerialized_call", "trace_call"]

@@ -18,9 +18,9 @@ from collections.abc import Callable, Sequence
 import keras
 
 from tfmem import _keras_internals as internals
+from tfmem.memory import remat_plan
 from tfmem.memory.memory_plan import Alternative, MemoryPlan
 from tfmem.memory.optimizer_state import optimizer_slot_bytes
-from tfmem.memory import remat_plan
 from tfmem.memory.plan_settings import PlanSettings
 
 # Combinations of more changes than this are not searched: the answer would not be "a change".
