@@ -257,3 +257,13 @@ def test_concatenation_reads_the_axis_and_pieces_of_both_kinds_of_concatenate():
              if value is not None for axis, tensors in [value]}
     assert sorted(joins.values()) == sorted([(2, [id(a), id(b)]), (1, [id(a), id(a)])])
     assert sum(value is None for value in found.values()) == 1  # the Dense
+
+
+def test_node_of_is_the_call_that_made_a_tensor():
+    dense = keras.layers.Dense(2)
+    a = keras.Input((4,))
+    first, second = dense(a), dense(keras.ops.relu(a))
+    nodes = [internals.node_of(first), internals.node_of(second)]
+    assert [node.operation for node in nodes] == [dense, dense]
+    assert nodes[0].outputs[0] is first and nodes[1].outputs[0] is second
+    assert nodes[1].input_tensors[0] is not a  # the ReLU's output, not the input

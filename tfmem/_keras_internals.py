@@ -150,6 +150,13 @@ def nodes_by_depth(model: keras.Model) -> dict:
     return _attribute(model, "_nodes_by_depth", "the nodes of a functional graph")
 
 
+def node_of(tensor):
+    """The call (a node of a functional graph) that made the symbolic `tensor`."""
+    history = _attribute(tensor, "_keras_history", "which call made a symbolic tensor")
+    nodes = _attribute(history.operation, "_inbound_nodes", "the calls of a layer")
+    return nodes[history.node_index]
+
+
 def concatenation(node) -> tuple[int, list] | None:
     """`(axis, tensors)` when a graph's call `node` concatenates its tensors along one axis
     (`keras.ops.concatenate`, or a `Concatenate` layer on inputs of one rank); else None.

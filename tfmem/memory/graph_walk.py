@@ -7,6 +7,7 @@ and collects the kept tensors by identity, so that a tensor two calls keep count
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Collection
 
 import keras
@@ -67,6 +68,7 @@ class Walker:
         self.ranges = {path: {start: stop for start, stop in spans} for path, spans in ranges}
         self.inner_graphs = inner_graphs or {}  # id(layer) -> the functional graph of its call
         self.path = ""  # the graph now walked
+        self.node_paths: dict = {}  # id(node) -> its graph's path, in a flattened graph
         self.inner_peaks: list[int] = []  # per top-level call: the largest range inside it
         self.segments: list[tuple[str, int]] = []  # (name, bytes it keeps inside) per one
         self.touched: set = set()  # keys kept by the call now walked
@@ -143,10 +145,20 @@ class Walker:
     def recompute(self, nodes, inputs) -> None:
         """A rematerialized range: what it keeps inside is recomputed in the backward pass,
         one range at a time; only its `inputs` (`range_inputs`) are kept across the passes."""
-        first, last = nodes[0].operation.name, nodes[-1].operation.name
-        name = first if first == last else f"{first}…{last}"
-        self.segments.append((f"{self.path}:{name}" if self.path else name,
+        self.segments.append((self.range_name(nodes),
                               self._recomputed(nodes, inputs, self.call)))
+
+    def range_name(self, nodes) -> str:
+        """`first…last` of a range, each prefixed by the path of the graph it comes from
+        (`node_paths`, else the graph walked): `up4_dense:bn0…concatenate`."""
+        (first, first_path), (last, last_path) = (
+            (node.operation.name, self.node_paths.get(id(node), self.path))
+            for node in (nodes[0], nodes[-1]))
+        if first_path != last_path:
+            return (f"{first_path}:{first}" if first_path else first) + "…" + (
+                f"{last_path}:{last}" if last_path else last)
+        name = first if first == last else f"{first}…{last}"
+        return f"{first_path}:{name}" if first_path else name
 
     def _recomputed(self, nodes, inputs, call) -> int:
         """Walks `nodes` and drops what they keep but their `inputs`, which are kept across
@@ -365,12 +377,25 @@ class Walker:
         return result
 
 
+# Graphs whose calls run in an order of their own (`flat_graph`'s), by graph.
+_ORDERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def node_order(graph) -> list:
     """The layer calls of a functional graph in the order Keras runs them (a topological
-    order: every call's inputs come from the graph's inputs or from calls before it)."""
+    order: every call's inputs come from the graph's inputs or from calls before it), or
+    the order set for it (`set_node_order`)."""
+    if graph in _ORDERS:
+        return list(_ORDERS[graph])
     by_depth = internals.nodes_by_depth(graph)
     return [node for depth in sorted(by_depth, reverse=True) for node in by_depth[depth]
             if node.operation is not None and not node.is_input]
+
+
+def set_node_order(graph, nodes) -> None:
+    """Makes `nodes` (all of `graph`'s calls, in a topological order) the order `node_order`
+    gives for `graph`: a graph made of several graphs' calls keeps each one's together."""
+    _ORDERS[graph] = tuple(nodes)
 
 
 def range_inputs(nodes, ranges) -> dict[int, tuple[list, list]]:

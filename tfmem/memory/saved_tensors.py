@@ -21,7 +21,7 @@ from collections.abc import Collection
 import keras
 
 from tfmem import _keras_internals as internals
-from tfmem.memory import segments
+from tfmem.memory import flat_graph, segments
 from tfmem.memory.graph_walk import Walker, itemsize, sample_bytes
 from tfmem.training import remat
 
@@ -97,6 +97,11 @@ def saved_tensors(model: keras.Model, *, compute_dtype: str | None = None,
             return _result(walker, called.inputs)
         return traced_saved_tensors(model, compute_dtype=compute_dtype, frozen=frozen,
                                     input_shapes=input_shapes)
+    flat = flat_graph.flattened(model, ranges) if ranges else None
+    if flat is not None:  # the layers cut inside made part of the graph, as AccumModel runs
+        walker = _walked(flat.graph, compute_dtype, frozen, recomputed, (("", flat.ranges),),
+                         None, flat.paths)
+        return _result(walker, flat.graph.inputs)
     walker = _walked(graph, compute_dtype, frozen, recomputed, ranges, inner_graphs)
     return _result(walker, graph.inputs)
 
@@ -160,9 +165,11 @@ def _walker(compute_dtype, frozen, recomputed=(), ranges=(), inner_graphs=None) 
     return Walker(compute_dtype, frozen, backend.trace_call, recomputed, ranges, inner_graphs)
 
 
-def _walked(graph, compute_dtype, frozen, recomputed, ranges, inner_graphs) -> Walker:
+def _walked(graph, compute_dtype, frozen, recomputed, ranges, inner_graphs,
+            node_paths=None) -> Walker:
     """A walker that has walked the functional `graph` node by node."""
     walker = _walker(compute_dtype, frozen, recomputed, ranges, inner_graphs)
+    walker.node_paths = node_paths or {}
     walker.model_inputs = {walker.key(t) for t in graph.inputs}
     with remat.as_written():  # what each layer keeps inside; the walk counts the recompute
         walker.walk(graph)

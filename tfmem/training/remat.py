@@ -150,9 +150,21 @@ class _Variables:
 
 def apply_spec(model: keras.Model, spec) -> None:
     """Cuts the segments of a spec (`tfmem.memory.remat_plan`): ranges of `model`'s graph,
-    and of the graphs inside its layers, at any depth (a subclassed layer then runs its
-    traced graph in training calls). Replaces what an earlier spec cut."""
-    _apply_inside(internals.functional_of(model), tuple(spec))
+    and of the graphs inside its layers, at any depth. In training calls the model then runs
+    the graph with those layers made part of it (`tfmem.memory.flat_graph`), so that a
+    segment makes a concatenation again from pieces made in other layers; where they cannot
+    be, layer by layer (a subclassed layer running its traced graph). Replaces what an
+    earlier spec cut."""
+    from tfmem.memory import flat_graph
+    from tfmem.memory.graph_walk import node_order
+
+    graph = internals.functional_of(model)
+    flat = flat_graph.flattened(model, spec)
+    _apply_inside(graph, () if flat is not None else tuple(spec))
+    if flat is not None:
+        internals.replace_graph_runner(graph, _runner(
+            node_order(flat.graph), flat.graph.inputs, flat.graph.outputs,
+            internals.functional_structs(graph)[1], flat.ranges, _original_runner(graph)))
     model._tfmem_spec = tuple(spec)
 
 
@@ -202,26 +214,43 @@ def apply_ranges(graph: keras.Model, ranges: Sequence[tuple[int, int]]) -> None:
     Keras runs them, `tfmem.memory.graph_walk.node_order`): each range runs as one
     recomputed function in training calls. Replaces any ranges set before; () removes them.
     """
-    from keras import tree
+    from tfmem.memory.graph_walk import node_order
 
-    from tfmem.backend import rematerialized_call
-    from tfmem.memory.graph_walk import last_uses, node_order, range_inputs
+    original = _original_runner(graph)
+    if not ranges:
+        internals.replace_graph_runner(graph, original)
+        return
+    internals.replace_graph_runner(graph, _runner(
+        node_order(graph), graph.inputs, graph.outputs, internals.functional_structs(graph)[1],
+        ranges, original))
 
+
+def _original_runner(graph: keras.Model):
+    """The graph runner `graph` was built with (kept the first time it is replaced, when its
+    `call` starts recording its `training` argument)."""
     original = getattr(graph, "_tfmem_graph_runner", None)
     if original is None:
         original = internals.graph_runner(graph)
         graph._tfmem_graph_runner = original
         graph.call = _telling_training(graph.call)  # this instance only
-    if not ranges:
-        internals.replace_graph_runner(graph, original)
-        return
-    nodes = node_order(graph)
+    return original
+
+
+def _runner(nodes, graph_inputs, graph_outputs, outputs_struct, ranges, original):
+    """A graph runner over `nodes` (from `graph_inputs` to `graph_outputs`, packed as
+    `outputs_struct`) that runs each of `ranges` as one recomputed function in training
+    calls, and `original` otherwise."""
+    from keras import tree
+
+    from tfmem.backend import rematerialized_call
+    from tfmem.memory.graph_walk import last_uses, range_inputs
+
     starts = {start: stop for start, stop in ranges}
     units = []  # (nodes, inputs, joins, outputs, variables) per range; (node,) per plain call
     position = 0
     taken = range_inputs(nodes, ranges)
     last_use = last_uses(nodes, ranges, taken)
-    wanted = {id(t) for t in tree.flatten(graph.outputs)}
+    wanted = {id(t) for t in graph_outputs}
     made_at = {id(t): p for p, node in enumerate(nodes) for t in node.outputs}
     # The pieces later ranges make their concatenations from, passed through every range in
     # between (as the same buffer): each piece then has one user per range, and the backward
@@ -258,7 +287,7 @@ def apply_ranges(graph: keras.Model, ranges: Sequence[tuple[int, int]]) -> None:
         if (call_fn is not None or internals.any_symbolic(flat, {})
                 or not is_training_call()):
             return original(inputs, operation_fn=operation_fn, call_fn=call_fn)
-        values = {id(x): y for x, y in zip(graph.inputs, flat)}
+        values = {id(x): y for x, y in zip(graph_inputs, flat)}
         for unit in units:
             if len(unit) == 1:
                 _run_node(unit[0], values, operation_fn)
@@ -278,10 +307,9 @@ def apply_ranges(graph: keras.Model, ranges: Sequence[tuple[int, int]]) -> None:
             results = rematerialized_call(variables, run)(
                 *[values[id(t)] for t in unit_inputs])
             values.update({id(t): y for t, y in zip(unit_outputs, results)})
-        return tree.pack_sequence_as(internals.functional_structs(graph)[1],
-                                     [values[id(x)] for x in graph.outputs])
+        return tree.pack_sequence_as(outputs_struct, [values[id(x)] for x in graph_outputs])
 
-    internals.replace_graph_runner(graph, run_through_graph)
+    return run_through_graph
 
 
 # The `training` argument of the functional calls now running, innermost last: JAX's trainer
