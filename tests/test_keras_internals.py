@@ -267,3 +267,17 @@ def test_node_of_is_the_call_that_made_a_tensor():
     assert [node.operation for node in nodes] == [dense, dense]
     assert nodes[0].outputs[0] is first and nodes[1].outputs[0] is second
     assert nodes[1].input_tensors[0] is not a  # the ReLU's output, not the input
+
+
+def test_in_xla_compilation_tells_a_jit_compiled_function():
+    seen = {}
+
+    def traced(name):
+        def function(x):
+            seen[name] = internals.in_xla_compilation()
+            return x + 1.0
+        return function
+
+    tf.function(traced("xla"), jit_compile=True)(tf.ones(2))
+    tf.function(traced("graph"))(tf.ones(2))
+    assert seen == {"xla": True, "graph": False}

@@ -250,6 +250,16 @@ def any_symbolic(args, kwargs) -> bool:
     return check(args, kwargs)
 
 
+def in_xla_compilation() -> bool:
+    """Whether the TensorFlow graph being built is compiled by XLA (`jit_compile=True`)."""
+    import tensorflow as tf
+
+    check = _module_attribute("tensorflow.python.ops.control_flow_util",
+                              "GraphOrParentsInXlaContext",
+                              "whether a graph is compiled by XLA")
+    return bool(check(tf.compat.v1.get_default_graph()))
+
+
 def drop_jax_state(model: keras.Model) -> None:
     """JAX trainer: forgets the state `fit` held between steps, after a step that failed.
 

@@ -1,4 +1,4 @@
-"""Rematerialization on TensorFlow: `tf.recompute_grad`, with the forward pass's state.
+"""Rematerialization on TensorFlow: a recomputed function, with the forward pass's state.
 
 `tf.recompute_grad` runs the layer again when the gradient is taken; Keras's own `keras.remat`
 lets that second run update BatchNormalization's statistics again and advance the Dropout
@@ -14,7 +14,7 @@ from tfmem.training import remat
 
 
 def rematerialized_call(layer, original):
-    """The `call` of `layer` that `tf.recompute_grad` runs again in the backward pass."""
+    """The `call` of `layer` that is run again in the backward pass (`recompute_grad`)."""
 
     def call(*args, **kwargs):
         if internals.any_symbolic(args, kwargs) or not remat.is_training_call():
@@ -24,7 +24,7 @@ def rematerialized_call(layer, original):
         flat = tf.nest.flatten(args)
         runs = []
 
-        @tf.recompute_grad
+        @recompute_grad
         def run(*tensors):
             rebuilt = tf.nest.pack_sequence_as(args, list(tensors))
             if not runs:  # the forward pass: its updates are the step's
@@ -37,3 +37,47 @@ def rematerialized_call(layer, original):
         return run(*flat)
 
     return call
+
+
+def recompute_grad(function):
+    """`tf.recompute_grad` without its copy of every argument.
+
+    The recomputation must wait for the gradient it serves, or TensorFlow's executor runs it
+    as soon as its inputs exist and it saves nothing. `tf.recompute_grad` orders it by
+    adding a value made from that gradient to each argument: a copy of every argument, held
+    while the segment is recomputed (all the pieces a segment makes its stacks from). Here the
+    arguments wait on the gradient through control dependencies, which copy nothing; under
+    XLA (`jit_compile=True`), which does not keep control dependencies, through the same
+    addition, which XLA fuses into the ops that read it.
+    """
+
+    @tf.custom_gradient
+    def inner(*args):
+        result = function(*args)
+
+        def grad(*upstream, variables=None):
+            variables = list(variables or [])
+            with tf.GradientTape() as tape:
+                ordered = _after(upstream[0], args)
+                tape.watch(ordered)
+                tape.watch(variables)
+                recomputed = function(*ordered)
+            grads = tape.gradient(recomputed, ordered + variables, output_gradients=upstream,
+                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            return grads[:len(ordered)], grads[len(ordered):]
+
+        return result, grad
+
+    return inner
+
+
+def _after(dependency, tensors) -> list:
+    """`tensors` as they are, made only once `dependency` exists."""
+    if internals.in_xla_compilation():
+        # The first element of the gradient (one read, not the whole tensor): 0, or NaN
+        # where the gradient is NaN, as `tf.recompute_grad` does.
+        first = tf.reduce_max(tf.reshape(dependency, [-1])[:1])
+        zero = tf.where(tf.math.is_nan(tf.cast(first, tf.float32)), float("nan"), 0.0)
+        return [tensor + tf.cast(zero, tensor.dtype) for tensor in tensors]
+    with tf.control_dependencies([dependency]):
+        return [tf.identity(tensor) for tensor in tensors]
