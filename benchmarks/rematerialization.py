@@ -15,8 +15,9 @@ shapes; `hub-vit-s16`: keras-hub's own `ViTBackbone`, which needs keras-hub), tr
 `rematerialize="full"`), side by side in one run:
 
 - the peak resident set of a fresh process running 2 training steps (`tfmem.memory.probe.
-  measure`), above its baseline after importing TensorFlow, at two micro-batches; from them
-  the bytes per sample and the largest micro-batch whose growth fits `--budget`;
+  measure`), above its baseline after importing TensorFlow, at two micro-batches (the median
+  of `--repeats` processes each); from them the bytes per sample and the largest micro-batch
+  whose growth fits `--budget`;
 - the planner's bytes per sample for the same model (its activations and workspace);
 - seconds per sample over `--steps` timed steps at the larger micro-batch (after one untimed;
   the smaller one times per-call overheads more than the compute);
@@ -161,15 +162,20 @@ def live_per_sample(name: str, image_size: int, setting: str, batches: tuple[int
 
 
 def row(name: str, image_size: int, setting: str | None, batches: tuple[int, int], steps: int,
-        budget: float, live: bool | str) -> dict:
+        budget: float, live: bool | str, repeats: int = 1) -> dict:
     accum = build(name, image_size, setting)
     growth = {}
     for batch in batches:
-        result = measure(accum, micro_batch_size=batch, input_shape=(image_size, image_size, 3),
-                         memory_limit=int(20 * GIB), optimizer="adam", num_steps=2)
-        if result.stopped:
-            raise SystemExit(f"the step at micro-batch {batch} was stopped: {result.reason}")
-        growth[batch] = result.peak_bytes - result.baseline_bytes
+        runs = []
+        for _ in range(repeats):  # the median: one process's resident set moves by ±10-30%
+            result = measure(accum, micro_batch_size=batch,
+                             input_shape=(image_size, image_size, 3),
+                             memory_limit=int(20 * GIB), optimizer="adam", num_steps=2)
+            if result.stopped:
+                raise SystemExit(f"the step at micro-batch {batch} was stopped: "
+                                 f"{result.reason}")
+            runs.append(result.peak_bytes - result.baseline_bytes)
+        growth[batch] = float(np.median(runs))
     small, large = batches
     per_sample = (growth[large] - growth[small]) / (large - small)
     fixed = growth[small] - per_sample * small
@@ -293,6 +299,9 @@ def main(argv=None):
     parser.add_argument("--batches", default="2,8", help="two micro-batches: small,large")
     parser.add_argument("--budget", type=float, default=8.0, help="GiB of growth allowed")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="fresh processes measured per micro-batch (TensorFlow, resident "
+                             "set): the median of their growths")
     parser.add_argument("--settings", default="none,blocks,full",
                         help="rematerialize settings compared (none, blocks, full)")
     parser.add_argument("--live", action="store_true",
@@ -321,7 +330,8 @@ def main(argv=None):
     print(f"{args.model} at {args.image_size} px, Adam, float32, TensorFlow on "
           f"{os.cpu_count()} CPU cores; budget {args.budget:g} GiB of growth")
     rows = [row(args.model, args.image_size, None if setting == "none" else setting, batches,
-                args.steps, args.budget, args.live and ("serial" if args.serial else "default"))
+                args.steps, args.budget, args.live and ("serial" if args.serial else "default"),
+                args.repeats)
             for setting in args.settings.split(",")]
     small, large = batches
     live_head, live_rule = ((f" per sample, live (allocator{', serial' * args.serial}) |",
