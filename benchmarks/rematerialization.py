@@ -20,7 +20,8 @@ shapes; `hub-vit-s16`: keras-hub's own `ViTBackbone`, which needs keras-hub), tr
   whose growth fits `--budget`;
 - the planner's bytes per sample for the same model (its activations and workspace);
 - seconds per sample over `--steps` timed steps at the larger micro-batch (after one untimed;
-  the smaller one times per-call overheads more than the compute);
+  the smaller one times per-call overheads more than the compute), each setting in fresh
+  processes that take turns, the median of `--time-rounds`;
 - with `--live`, the bytes per sample of the tensors live at the step's peak, from
   TensorFlow's own allocator in a child (`TF_CPU_ALLOCATOR_USE_BFC=true`): what the plan
   counts, without the process heap's caching and fragmentation that the resident set adds
@@ -124,6 +125,31 @@ def _batch(accum, image_size: int, batch: int):
     return x, y
 
 
+def time_child(args, batches: tuple[int, int]) -> None:
+    """In a fresh process: prints the seconds per sample of one setting (`seconds_per_sample`
+    at the larger micro-batch)."""
+    accum = build(args.model, args.image_size, None if args.settings == "none" else args.settings)
+    print(seconds_per_sample(accum, args.image_size, batches[1], args.steps))
+
+
+def timed(args, settings: list[str]) -> dict[str, float]:
+    """Seconds per sample of each setting: each timed in fresh processes, the settings taking
+    turns (`--time-rounds` rounds, the order reversed every other round, so that a machine
+    whose speed drifts slows each alike), the median of each one's rounds."""
+    times: dict[str, list[float]] = {setting: [] for setting in settings}
+    for round_ in range(args.time_rounds):
+        for setting in settings if round_ % 2 == 0 else settings[::-1]:
+            command = [sys.executable, os.path.abspath(__file__), "--model", args.model,
+                       "--image-size", str(args.image_size), "--batches", args.batches,
+                       "--steps", str(args.steps), "--settings", setting, "--time-child"]
+            done = subprocess.run(command, capture_output=True, text=True, check=False)
+            if done.returncode:
+                last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+                raise SystemExit(f"error: timing {setting} failed: {last}")
+            times[setting].append(float(done.stdout.strip().splitlines()[-1]))
+    return {setting: float(np.median(values)) for setting, values in times.items()}
+
+
 def live_child(args, batches: tuple[int, int]) -> None:
     """In a child with `TF_CPU_ALLOCATOR_USE_BFC=true`: prints the bytes per sample of the
     tensors live at a training step's peak (TensorFlow's allocator: no caching, no
@@ -187,7 +213,7 @@ def row(name: str, image_size: int, setting: str | None, batches: tuple[int, int
                 planned=plan.activation_bytes_per_sample + plan.workspace_bytes_per_sample,
                 live=(live_per_sample(name, image_size, setting or "none", batches,
                                       serial=live == "serial") if live else None),
-                seconds=seconds_per_sample(accum, image_size, large, steps))
+                seconds=None)  # timed afterwards, alone: `timed`
 
 
 def jax_child(args, batches: tuple[int, int]) -> None:
@@ -311,7 +337,10 @@ def main(argv=None):
                         help="with --live: the step's ops one at a time (one inter-op thread) "
                              "and its graph not rewritten (Grappler off), the order the plan "
                              "counts in")
+    parser.add_argument("--time-rounds", type=int, default=3,
+                        help="TensorFlow: fresh processes timed per setting, taking turns")
     parser.add_argument("--live-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--time-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--jax-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--weights-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -320,6 +349,9 @@ def main(argv=None):
         parser.error("--serial is a way to measure the live tensors; add --live")
     if args.live_child:
         live_child(args, batches)
+        return
+    if args.time_child:
+        time_child(args, batches)
         return
     if args.jax_child:
         jax_child(args, batches)
@@ -333,6 +365,8 @@ def main(argv=None):
                 args.steps, args.budget, args.live and ("serial" if args.serial else "default"),
                 args.repeats)
             for setting in args.settings.split(",")]
+    for r, seconds in zip(rows, timed(args, args.settings.split(",")).values()):
+        r["seconds"] = seconds
     small, large = batches
     live_head, live_rule = ((f" per sample, live (allocator{', serial' * args.serial}) |",
                              "---:|") if args.live else ("", ""))
