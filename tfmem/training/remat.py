@@ -9,7 +9,7 @@ between the two passes. What makes it exact, unlike `keras.remat`:
 - what the recomputation would update is dropped: BatchNormalization's statistics are
   updated once per step, by the forward pass.
 
-The backend's half (`remat_tf`: `tf.recompute_grad`; `remat_jax`: `jax.checkpoint` over a
+The backend's half (`remat_tf`: a recomputed custom gradient; `remat_jax`: `jax.checkpoint` over a
 stateless call) is chosen in `tfmem.backend`. Only training calls are rematerialized.
 """
 
