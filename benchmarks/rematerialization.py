@@ -42,6 +42,7 @@ whose steps hold more than that (gigabytes), or the slope between them means not
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
@@ -241,16 +242,34 @@ def jax_child(args, batches: tuple[int, int]) -> None:
         xla.append(None if device[-1] is not None
                    else compiled_step_memory(accum, (x, y))["peak_bytes"])
         print(f"{args.settings}: micro-batch {batch} done", file=sys.stderr, flush=True)
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        accum.train_on_batch(x, y)
-    seconds = (time.perf_counter() - start) / (args.steps * batches[1])
+    with _timing_lock(args.time_lock):
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            accum.train_on_batch(x, y)
+        seconds = (time.perf_counter() - start) / (args.steps * batches[1])
     np.save(args.weights_out, np.stack([initial, _flat_weights(accum)]))
     plan = tfmem.plan(accum, global_batch_size=batches[0], memory_budget=int(20 * GIB))
     print(json.dumps(dict(
         xla=xla, device=device, seconds=seconds,
         segments=sum(len(ranges) for _, ranges in accum.rematerialized_segments),
         planned=plan.activation_bytes_per_sample + plan.workspace_bytes_per_sample)))
+
+
+@contextlib.contextmanager
+def _timing_lock(path: str | None):
+    """Holds an exclusive lock on `path` (none without one): processes that compile at once
+    time their steps one at a time."""
+    if path is None:
+        yield
+        return
+    import fcntl
+
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _flat_weights(model) -> np.ndarray:
@@ -276,19 +295,31 @@ def jax_table(args, batches: tuple[int, int]) -> None:
           f"| per sample, planned | largest micro-batch in budget | ms per sample |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|", flush=True)
     rows = []
+    settings = args.settings.split(",")
     with tempfile.TemporaryDirectory() as folder:
-        for setting in args.settings.split(","):
-            weights = os.path.join(folder, f"{setting}.npy")
+        lock = args.time_lock or (os.path.join(folder, "timing.lock") if args.parallel else None)
+
+        def start(setting):
             command = [sys.executable, os.path.abspath(__file__), "--model", args.model,
                        "--image-size", str(args.image_size), "--batches", args.batches,
                        "--steps", str(args.steps), "--settings", setting, "--jax-child",
-                       "--weights-out", weights]
-            done = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=False)
-            if done.returncode:
+                       "--weights-out", os.path.join(folder, f"{setting}.npy")]
+            if lock:
+                command += ["--time-lock", lock]
+            return subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+
+        started = {s: start(s) for s in settings} if args.parallel else {}
+        for setting in settings:
+            child = started.get(setting) or start(setting)
+            output, _ = child.communicate()
+            if child.returncode:
+                for other in started.values():
+                    other.kill()
                 raise SystemExit(f"error: the JAX measurement of {setting} failed (exit "
-                                 f"{done.returncode}); its messages are above")
-            r = json.loads(done.stdout.strip().splitlines()[-1])
-            r["setting"], r["weights"] = setting, np.load(weights)
+                                 f"{child.returncode}); its messages are above")
+            r = json.loads(output.strip().splitlines()[-1])
+            r["setting"] = setting
+            r["weights"] = np.load(os.path.join(folder, f"{setting}.npy"))
             r["peaks"] = r["device"] if r["device"][0] is not None else r["xla"]
             r["per_sample"] = (r["peaks"][1] - r["peaks"][0]) / (large - small)
             fixed = r["peaks"][0] - r["per_sample"] * small
@@ -339,6 +370,12 @@ def main(argv=None):
                              "counts in")
     parser.add_argument("--time-rounds", type=int, default=3,
                         help="TensorFlow: fresh processes timed per setting, taking turns")
+    parser.add_argument("--parallel", action="store_true",
+                        help="JAX: the settings' processes at once (a deep model's step "
+                             "compiles for minutes on a GPU), their timed steps one at a time")
+    parser.add_argument("--time-lock", metavar="FILE",
+                        help="JAX: a file locked around each process's timed steps, so that "
+                             "runs sharing it (other models' at once) time one at a time")
     parser.add_argument("--live-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--time-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--jax-child", action="store_true", help=argparse.SUPPRESS)
@@ -356,6 +393,9 @@ def main(argv=None):
     if args.jax_child:
         jax_child(args, batches)
         return
+    if (args.parallel or args.time_lock) and keras.backend.backend() != "jax":
+        parser.error("--parallel and --time-lock are for KERAS_BACKEND=jax; TensorFlow's "
+                     "processes are measured one at a time")
     if keras.backend.backend() == "jax":
         jax_table(args, batches)
         return
