@@ -221,11 +221,16 @@ def jax_child(args, batches: tuple[int, int]) -> None:
     """On JAX, one setting in a fresh process (the device's peak counter cannot be reset):
     XLA's memory analysis of the compiled step and the device's peak after two steps at each
     micro-batch (smaller first, so each peak is that micro-batch's), the planner's bytes per
-    sample, seconds per sample at the larger one; the weights after all these steps go to
-    `--weights-out` so that the parent can compare the settings' arithmetic."""
+    sample for a device of this kind, seconds per sample at the larger one; the weights after
+    all these steps go to `--weights-out` so that the parent can compare the settings'
+    arithmetic. With `--sync-dir`, it times only once all `--sync-count` processes have
+    measured, one at a time."""
     import json
 
+    import jax
+
     from tfmem.memory.probe_jax import compiled_step_memory, peak_bytes_in_use
+    from tfmem.runtime.budget import Budget
 
     setting = None if args.settings == "none" else args.settings
     accum = build(args.model, args.image_size, setting)
@@ -242,13 +247,16 @@ def jax_child(args, batches: tuple[int, int]) -> None:
         xla.append(None if device[-1] is not None
                    else compiled_step_memory(accum, (x, y))["peak_bytes"])
         print(f"{args.settings}: micro-batch {batch} done", file=sys.stderr, flush=True)
-    with _timing_lock(args.time_lock):
+    # Planned for this device's kind (a budget in bytes alone would be planned as host RAM).
+    first = jax.devices()[0]
+    plan = tfmem.plan(accum, global_batch_size=batches[0],
+                      budget=Budget(first.device_kind, first.platform, int(20 * GIB), 1))
+    with _measured_then_alone(args.sync_dir, args.sync_count, args.settings):
         start = time.perf_counter()
         for _ in range(args.steps):
             accum.train_on_batch(x, y)
         seconds = (time.perf_counter() - start) / (args.steps * batches[1])
     np.save(args.weights_out, np.stack([initial, _flat_weights(accum)]))
-    plan = tfmem.plan(accum, global_batch_size=batches[0], memory_budget=int(20 * GIB))
     print(json.dumps(dict(
         xla=xla, device=device, seconds=seconds,
         segments=sum(len(ranges) for _, ranges in accum.rematerialized_segments),
@@ -256,15 +264,18 @@ def jax_child(args, batches: tuple[int, int]) -> None:
 
 
 @contextlib.contextmanager
-def _timing_lock(path: str | None):
-    """Holds an exclusive lock on `path` (none without one): processes that compile at once
-    time their steps one at a time."""
-    if path is None:
+def _measured_then_alone(folder: str | None, count: int, name: str):
+    """With `folder` (processes run at once): says this one has measured, waits until all
+    `count` have, then holds a lock, so that each times its steps alone on the device."""
+    if folder is None:
         yield
         return
     import fcntl
 
-    with open(path, "a") as handle:
+    open(os.path.join(folder, f"measured.{name}"), "w").close()
+    while sum(entry.startswith("measured.") for entry in os.listdir(folder)) < count:
+        time.sleep(0.5)
+    with open(os.path.join(folder, "timing.lock"), "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
@@ -297,15 +308,14 @@ def jax_table(args, batches: tuple[int, int]) -> None:
     rows = []
     settings = args.settings.split(",")
     with tempfile.TemporaryDirectory() as folder:
-        lock = args.time_lock or (os.path.join(folder, "timing.lock") if args.parallel else None)
 
         def start(setting):
             command = [sys.executable, os.path.abspath(__file__), "--model", args.model,
                        "--image-size", str(args.image_size), "--batches", args.batches,
                        "--steps", str(args.steps), "--settings", setting, "--jax-child",
                        "--weights-out", os.path.join(folder, f"{setting}.npy")]
-            if lock:
-                command += ["--time-lock", lock]
+            if args.parallel:
+                command += ["--sync-dir", folder, "--sync-count", str(len(settings))]
             return subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
 
         started = {s: start(s) for s in settings} if args.parallel else {}
@@ -372,10 +382,10 @@ def main(argv=None):
                         help="TensorFlow: fresh processes timed per setting, taking turns")
     parser.add_argument("--parallel", action="store_true",
                         help="JAX: the settings' processes at once (a deep model's step "
-                             "compiles for minutes on a GPU), their timed steps one at a time")
-    parser.add_argument("--time-lock", metavar="FILE",
-                        help="JAX: a file locked around each process's timed steps, so that "
-                             "runs sharing it (other models' at once) time one at a time")
+                             "compiles for minutes on a GPU); each times its steps alone, "
+                             "once all have measured")
+    parser.add_argument("--sync-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--sync-count", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--live-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--time-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--jax-child", action="store_true", help=argparse.SUPPRESS)
@@ -393,8 +403,8 @@ def main(argv=None):
     if args.jax_child:
         jax_child(args, batches)
         return
-    if (args.parallel or args.time_lock) and keras.backend.backend() != "jax":
-        parser.error("--parallel and --time-lock are for KERAS_BACKEND=jax; TensorFlow's "
+    if args.parallel and keras.backend.backend() != "jax":
+        parser.error("--parallel is for KERAS_BACKEND=jax; TensorFlow's "
                      "processes are measured one at a time")
     if keras.backend.backend() == "jax":
         jax_table(args, batches)
