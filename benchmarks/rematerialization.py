@@ -36,7 +36,15 @@ without rematerialization. XLA:CPU's analysis does not show what `jax.checkpoint
 plain JAX chain of 12 tanh layers under 4 checkpoints plans 256 MiB of temporaries instead of
 208): JAX's savings are for a GPU or TPU to measure. On a GPU, the compiler's autotuning
 allocates on the device while it compiles and counts in the same peak: choose micro-batches
-whose steps hold more than that (gigabytes), or the slope between them means nothing.
+whose steps hold more than that (gigabytes), or the slope between them means nothing, or turn
+it off (`XLA_FLAGS=--xla_gpu_autotune_level=0`: it also compiles a deep model's step in
+minutes, but runs the convolutions with default algorithms, the same for every setting).
+`--parallel` compiles the settings at once, each then timing its steps alone:
+
+    KERAS_BACKEND=jax XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    XLA_FLAGS=--xla_gpu_autotune_level=0 python benchmarks/rematerialization.py \
+        --model tiramisu-103 --image-size 224 --batches 4,12 --settings none,full --steps 5 \
+        --budget 16 --parallel
 """
 
 from __future__ import annotations
