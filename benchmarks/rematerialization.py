@@ -317,11 +317,14 @@ def jax_table(args, batches: tuple[int, int]) -> None:
     settings = args.settings.split(",")
     with tempfile.TemporaryDirectory() as folder:
 
+        def weights_file(setting):
+            return os.path.join(folder, f"{setting}.npy")
+
         def start(setting):
             command = [sys.executable, os.path.abspath(__file__), "--model", args.model,
                        "--image-size", str(args.image_size), "--batches", args.batches,
                        "--steps", str(args.steps), "--settings", setting, "--jax-child",
-                       "--weights-out", os.path.join(folder, f"{setting}.npy")]
+                       "--weights-out", weights_file(setting)]
             if args.parallel:
                 command += ["--sync-dir", folder, "--sync-count", str(len(settings))]
             return subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
@@ -337,7 +340,7 @@ def jax_table(args, batches: tuple[int, int]) -> None:
                                  f"{child.returncode}); its messages are above")
             r = json.loads(output.strip().splitlines()[-1])
             r["setting"] = setting
-            r["weights"] = np.load(os.path.join(folder, f"{setting}.npy"))
+            r["weights"] = np.load(weights_file(setting))
             r["peaks"] = r["device"] if r["device"][0] is not None else r["xla"]
             r["per_sample"] = (r["peaks"][1] - r["peaks"][0]) / (large - small)
             fixed = r["peaks"][0] - r["per_sample"] * small
