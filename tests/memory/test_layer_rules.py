@@ -142,3 +142,24 @@ def test_a_rule_layers_transient_is_the_layer_traced_at_its_own_size(case):
     assert not walked.traced_calls  # the rules covered every layer
     assert alone.transient_bytes > 2 * walked.largest_tensor_bytes
     assert walked.workspace_bytes == alone.transient_bytes
+
+
+@pytest.mark.parametrize("case", ["BatchNormalization", "Softmax"])
+def test_a_wide_rule_layer_is_traced_narrower_and_counted_at_least_as_at_its_own_size(case):
+    # 200 channels: the copy is traced at 64. Per channel (BatchNorm) that is the same
+    # multiple of the input; a softmax's two reductions along the axis are 1/64 of the input
+    # each there instead of 1/200: over by 2 × (1/64 - 1/200) of the input at most.
+    from tfmem.memory import gradient_trace
+
+    shape = (6, 6, 200)
+    inputs = keras.Input(shape)
+    layer = SHAPE_KEEPING[case]()
+    walked = saved_tensors(keras.Model(inputs, layer(L.Conv2D(200, 1)(inputs))))
+    alone = gradient_trace.trace_call_tensorflow(
+        lambda xs: layer(xs[0], training=True), [(shape, "float32")], differentiable=[True],
+        trainable=layer.trainable_weights, non_trainable=layer.non_trainable_weights)
+    over = walked.workspace_bytes - alone.transient_bytes
+    if case == "BatchNormalization":
+        assert over == 0
+    else:
+        assert 0 < over <= 2 * (1 / 64 - 1 / 200) * 4 * 6 * 6 * 200 + 4

@@ -124,9 +124,11 @@ def test_demo_trains_on_the_jax_backend(tmp_path):
     assert len(metrics["history"]["loss"]) == 2
 
 
-def test_killed_run_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path, finetune_cli):
-    common = ["--epochs", "2", "--global-batch-size", "32", "--accumulation-steps", "2",
-              "--save-every-steps", "4", "--deterministic"]
+def test_killed_run_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path, finetune_cli,
+                                                                   written_sets):
+    # 512 demo records: 16 updates an epoch, a resume point every 4.
+    common = ["--data", written_sets["demo512"], "--epochs", "2", "--global-batch-size", "32",
+              "--accumulation-steps", "2", "--save-every-steps", "4", "--deterministic"]
     straight = _finetune("--output", str(tmp_path / "straight"), *common)
     assert straight.returncode == 0, straight.stderr[-3000:]
 
@@ -160,7 +162,7 @@ def test_killed_run_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path, fin
     actual = keras.models.load_model(output / "model.keras")
     for want, got in zip(expected.get_weights(), actual.get_weights()):
         np.testing.assert_array_equal(got, want)
-    assert int(actual.optimizer.iterations) == int(expected.optimizer.iterations) == 2 * 64
+    assert int(actual.optimizer.iterations) == int(expected.optimizer.iterations) == 2 * 16
 
 
 @pytest.fixture(scope="module")
@@ -299,8 +301,10 @@ def _foreign(path, labels, broken=()):
 def written_sets(tmp_path_factory):
     directory = tmp_path_factory.mktemp("sets")
     demo = tfmem.make_demo_dataset(directory / "demo", num_examples=64, image_size=32)
+    demo512 = tfmem.make_demo_dataset(directory / "demo512", num_examples=512, image_size=32)
     return {
         "demo": demo.directory,
+        "demo512": demo512.directory,
         "labels": _foreign(directory / "labels.tfrec", [0, 1, 2, 3] * 16),
         "broken": _foreign(directory / "broken.tfrec", [0, 1, 2, 3] * 16, broken=(5,)),
     }

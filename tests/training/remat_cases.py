@@ -88,15 +88,24 @@ def _headed(inputs, x, rematerialize, accumulation_steps, jit_compile):
 def chain_differences(rematerialize, build=chain, **options):
     """Relative differences of the weights of `build`'s model after 3 steps with and
     without, and the segments the rematerialized one cut."""
+    differences, accum = _fitted_against_plain(rematerialize, build, **options)
+    return differences, accum.rematerialized_segments
+
+
+def _fitted_against_plain(rematerialize, build, **options):
+    """`chain_differences`'s differences, and its rematerialized model, fitted."""
     x, y = data()
     runs = []
     for setting in (None, rematerialize):
         accum = build(setting, **options)
         accum.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
         runs.append(accum)
-    differences = [float(np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-12))
-                   for a, b in zip(runs[0].get_weights(), runs[1].get_weights(), strict=True)]
-    return differences, runs[1].rematerialized_segments
+    return _differences(runs[0].get_weights(), runs[1].get_weights()), runs[1]
+
+
+def _differences(plain, recomputed):
+    return [float(np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-12))
+            for a, b in zip(plain, recomputed, strict=True)]
 
 
 def jax_step_checkpoints(accum) -> int:
@@ -125,11 +134,10 @@ def trained(rematerialize):
     return accum.get_weights(), Counted.calls
 
 
-def relative_differences(rematerialize):
-    plain, _ = trained(None)
-    recomputed, _ = trained(rematerialize)
-    return [float(np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-12))
-            for a, b in zip(plain, recomputed, strict=True)]
+def relative_differences(rematerialize, plain=None):
+    """Relative differences of `trained` weights with and without (`plain`, if trained)."""
+    plain = trained(None)[0] if plain is None else plain
+    return _differences(plain, trained(rematerialize)[0])
 
 
 if __name__ == "__main__":
@@ -137,22 +145,19 @@ if __name__ == "__main__":
     plain, _ = trained(None)
     found = {
         "backend": keras.backend.backend(),
-        "block": relative_differences(["block"]),
-        "layers": relative_differences(["pointwise", "block"]),
+        "block": relative_differences(["block"], plain),
+        "layers": relative_differences(["pointwise", "block"], plain),
         "changed": [bool(np.any(a != b)) for a, b in zip(initial, plain)],
+        "checkpoints": {},
     }
-    differences, cut = chain_differences("full")
-    found["chain full"] = {"differences": differences, "segments": cut}
-    differences, cut = chain_differences("full", dense)
-    found["dense full"] = {"differences": differences, "segments": cut}
-    if keras.backend.backend() == "jax":  # each segment is one jax.checkpoint in the step
-        checked = {}
-        for name, build in (("chain", chain), ("dense", dense)):
-            accum = build("full")
-            accum.fit(*data(), batch_size=16, epochs=1, shuffle=False, verbose=0)
-            checked[name] = [jax_step_checkpoints(accum),
-                             sum(len(ranges) for _, ranges in accum.rematerialized_segments)]
-        found["checkpoints"] = checked
+    for name, build in (("chain", chain), ("dense", dense)):
+        differences, accum = _fitted_against_plain("full", build)
+        found[f"{name} full"] = {"differences": differences,
+                                 "segments": accum.rematerialized_segments}
+        if keras.backend.backend() == "jax":  # each segment is one jax.checkpoint in the step
+            found["checkpoints"][name] = [
+                jax_step_checkpoints(accum),
+                sum(len(ranges) for _, ranges in accum.rematerialized_segments)]
     if keras.backend.backend() == "jax":  # planned: no saving on a CPU, one on a GPU
         from tfmem.memory.levers import levers_for
 

@@ -101,6 +101,7 @@ def test_on_the_jax_backend_too():
     assert found["dense full"]["segments"][0][0] == "backbone/dense"
     # They are recomputed: the JAX step traces one jax.checkpoint per segment (k = 2: the
     # micro-step is traced once per step function).
+    assert set(found["checkpoints"]) == {"chain", "dense"}
     for name, (checkpoints, cut) in found["checkpoints"].items():
         assert cut >= 2 and checkpoints >= cut, (name, checkpoints, cut)
     # The same under a DataParallel over 8 host devices (tfmem.detect()).

@@ -38,6 +38,11 @@ _TRACES: dict = {}
 _MAX_TRACES = 4096
 # A rule layer's transient over its largest tensor, by configuration (`Walker.rule_transient`).
 _TRANSIENTS: dict = {}
+# The widest last axis a rule layer's small copy is traced at, where the copy keeps its shape
+# there too: a per-element or per-channel transient is the same multiple of the input at any
+# width, and a reduction along that axis (softmax, layer norm) is then counted as at least
+# 1/64 of the input, on the safe side. One trace serves every width above it.
+_SMALL_LAST_AXIS = 64
 
 
 class Walker:
@@ -221,26 +226,34 @@ class Walker:
             return
         dtype = keras.backend.standardize_dtype(inputs[0].dtype)
         grad_in = self.key(inputs[0]) in self.needs_grad
-        # Every axis between the batch and the last one made small: the last (channels,
-        # features, a softmax's classes) stays, so that a reduction along it is sized too.
-        small = (None,) + (4,) * (len(inputs[0].shape) - 2) + tuple(inputs[0].shape[-1:])
+        # Every axis between the batch and the last one made small; the last (channels,
+        # features, a softmax's classes) at most `_SMALL_LAST_AXIS`, so that a reduction
+        # along it is sized too.
+        last = inputs[0].shape[-1]
+        small = ((None,) + (4,) * (len(inputs[0].shape) - 2)
+                 + ((min(last, _SMALL_LAST_AXIS) if last else last),))
         key = (self.trace_call.__name__, type(layer), _config_key(layer), dtype,
                str(getattr(layer, "compute_dtype", "")), small, grad_in, has_trainable)
         if key not in _TRANSIENTS:
             if len(_TRANSIENTS) >= _MAX_TRACES:
                 _TRANSIENTS.clear()
-            _TRANSIENTS[key] = self._small_transient(layer, dtype, small, grad_in,
+            _TRANSIENTS[key] = self._small_transient(layer, dtype, small, last, grad_in,
                                                      has_trainable)
         ratio = _TRANSIENTS[key]
         if ratio:
             self.transient = max(self.transient, int(ratio * max(
                 self.sample_bytes(inputs[0]), self.sample_bytes(outputs[0]))))
 
-    def _small_transient(self, layer, dtype, small, grad_in, has_trainable) -> float:
+    def _small_transient(self, layer, dtype, small, last, grad_in, has_trainable) -> float:
         """`layer`'s transient over its largest tensor, from a copy traced at the `small`
-        input shape; 0 when no copy can be made or traced."""
+        input shape, or with its own `last` axis where the copy does not keep the narrower
+        shape (a `Dense` as wide as its input); 0 when no copy can be made or traced."""
         try:
             copy = type(layer).from_config(layer.get_config())
+            if small[-1] != last and tuple(copy.compute_output_spec(
+                    keras.KerasTensor(small, dtype=dtype)).shape) != small:
+                small = small[:-1] + (last,)
+                copy = type(layer).from_config(layer.get_config())
             copy.build(small)
         except Exception:  # noqa: BLE001 - no copy of it: its transient stays uncounted
             return 0.0
