@@ -250,8 +250,7 @@ class Walker:
         shape (a `Dense` as wide as its input); 0 when no copy can be made or traced."""
         try:
             copy = type(layer).from_config(layer.get_config())
-            if small[-1] != last and tuple(copy.compute_output_spec(
-                    keras.KerasTensor(small, dtype=dtype)).shape) != small:
+            if small[-1] != last and not _keeps_shape(copy, small, dtype):
                 small = small[:-1] + (last,)
                 copy = type(layer).from_config(layer.get_config())
             copy.build(small)
@@ -490,6 +489,15 @@ def last_uses(nodes, ranges=(), taken=None) -> dict[int, int]:
 
 def _placeholder(value):
     return "<tensor>" if isinstance(value, keras.KerasTensor) else value
+
+
+def _keeps_shape(layer, shape, dtype) -> bool:
+    """Whether `layer`, unbuilt, maps an input of `shape` to an output of the same shape."""
+    try:
+        return tuple(layer.compute_output_spec(keras.KerasTensor(shape, dtype=dtype)).shape) \
+            == tuple(shape)
+    except Exception:  # noqa: BLE001 - it cannot say: traced at its own width
+        return False
 
 
 def _config_key(operation) -> str:
