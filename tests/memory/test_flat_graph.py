@@ -83,6 +83,9 @@ def test_a_stack_made_across_the_layer_trains_to_the_same_weights():
         accum.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
         weights.append(accum.get_weights())
     assert accum.rematerialized_segments == _SPEC.ranges
+    # Grappler's dependency optimizer, on, made this differ in a few runs of a hundred.
+    import tensorflow as tf
+    assert tf.config.optimizer.get_experimental_options()["dependency_optimization"] is False
     differences = [np.linalg.norm(a - b) / np.linalg.norm(a) for a, b in zip(*weights)]
     assert len(differences) == 8 and max(differences) <= 1e-6, differences
 
