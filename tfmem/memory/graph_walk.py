@@ -252,6 +252,7 @@ class Walker:
             copy = type(layer).from_config(layer.get_config())
             if small[-1] != last and not _keeps_shape(copy, small, dtype):
                 small = small[:-1] + (last,)
+                # Anew: asking for its output spec may have built the copy at the narrow width.
                 copy = type(layer).from_config(layer.get_config())
             copy.build(small)
         except Exception:  # noqa: BLE001 - no copy of it: its transient stays uncounted
