@@ -94,11 +94,24 @@ def make_demo_dataset(
             f"The demo set needs num_examples >= 1 and image_size >= 8 (shapes need a few "
             f"pixels), got num_examples={num_examples}, image_size={image_size}."
         )
+    def chunks(size: int = 256) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        # A few hundred images per trip from Python into tf.data, not one: an element of
+        # `from_generator` costs about as much as drawing a 32-pixel image.
+        images, labels = [], []
+        for image, label in demo_examples(num_examples, image_size, seed):
+            images.append(image)
+            labels.append(label)
+            if len(images) == size:
+                yield np.stack(images), np.array(labels, np.int64)
+                images, labels = [], []
+        if images:
+            yield np.stack(images), np.array(labels, np.int64)
+
     examples = tf.data.Dataset.from_generator(
-        lambda: demo_examples(num_examples, image_size, seed),
-        output_signature=(tf.TensorSpec((image_size, image_size, 3), tf.uint8),
-                          tf.TensorSpec((), tf.int64)),
-    ).apply(tf.data.experimental.assert_cardinality(num_examples))
+        chunks,
+        output_signature=(tf.TensorSpec((None, image_size, image_size, 3), tf.uint8),
+                          tf.TensorSpec((None,), tf.int64)),
+    ).unbatch().apply(tf.data.experimental.assert_cardinality(num_examples))
     return tfrecords.write_image_tfrecords(
         examples, output_dir, shard_size_mb=shard_size_mb, class_names=CLASS_NAMES,
         overwrite=overwrite, progress=progress)
