@@ -10,7 +10,9 @@ arithmetic and everything downstream (planner, AccumModel, scripts) do not chang
 - strategy: a `keras.distribution.DataParallel` over them, installed with
   `keras.distribution.set_distribution` (Keras then shards each global batch over the devices,
   replicates the variables, and XLA inserts the gradient all-reduce); `runtime.scope()` is its
-  scope;
+  scope. One device of the default kind in one process is Keras's own single-device path
+  instead (`OneDevice`, no distribution installed): a `DataParallel` over one device makes JAX
+  compile the train step again at every epoch;
 - memory per replica: the device's own `bytes_limit` — what JAX's allocator may use, which on
   a GPU is by default 75% of the card (`XLA_PYTHON_CLIENT_MEM_FRACTION`), less than the
   TensorFlow path's `nvidia-smi` total, because that is all a JAX process can get — else the
@@ -25,6 +27,7 @@ arithmetic and everything downstream (planner, AccumModel, scripts) do not chang
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -128,6 +131,21 @@ def _wait_for(address: str, timeout: float, rank: int) -> None:
             time.sleep(0.5)
 
 
+class OneDevice:
+    """The strategy of a runtime of one JAX device in one process: no `keras.distribution` is
+    installed, and Keras places everything on JAX's default device, as it does by itself."""
+
+    def __init__(self, device: jax.Device):
+        self.device = device
+
+    def scope(self):
+        """Nothing to enter: variables go to JAX's default device, which is `device`."""
+        return contextlib.nullcontext()
+
+    def __repr__(self) -> str:
+        return f"OneDevice({self.device})"
+
+
 class ProcessDataParallel(keras.distribution.DataParallel):
     """Keras's `DataParallel`, which also takes a dataset already split by process as it is.
 
@@ -218,7 +236,9 @@ def detect(prefer: str | None = None, *, timeout: float = 300) -> Runtime:
         timeout: seconds every process has to start, with several processes.
 
     Returns:
-        A `Runtime` whose `strategy` is the installed `keras.distribution.DataParallel`.
+        A `Runtime` whose `strategy` is the installed `keras.distribution.DataParallel`, or,
+        for one device of JAX's default kind in one process, `OneDevice` (nothing installed:
+        Keras's single-device path, where the train step compiles once for the run).
 
     Raises:
         ValueError: `prefer` is not one of the kinds; the processes' variables are partial or
@@ -245,15 +265,24 @@ def detect(prefer: str | None = None, *, timeout: float = 300) -> Runtime:
             "(`pip install 'jax[tpu]'` on a TPU VM, `pip install 'jax[cuda12]'` for NVIDIA "
             "GPUs), or call detect() without `prefer`."
         ) from None
-    distribution = ProcessDataParallel(devices=found)
-    keras.distribution.set_distribution(distribution)
-    runtime = _describe(found, distribution, num_replicas=len(found))
+    if len(found) == 1 and jax.process_count() == 1 and found[0] == jax.devices()[0]:
+        # One device, and the one JAX computes on anyway: Keras's own single-device path.
+        # A DataParallel over one device hands a step's state back with its mesh's sharding
+        # while a fresh state (the first step, metrics reset each epoch) has none, and JAX
+        # compiles the train step again at every epoch.
+        keras.distribution.set_distribution(None)
+        strategy = OneDevice(found[0])
+    else:
+        strategy = ProcessDataParallel(devices=found)
+        keras.distribution.set_distribution(strategy)
+    runtime = _describe(found, strategy, num_replicas=len(found))
     logging.info(
-        "tfmem: JAX backend, %d × %s (%s) over %d process(es), DataParallel installed.",
+        "tfmem: JAX backend, %d × %s (%s) over %d process(es), %s.",
         runtime.num_replicas,
         runtime.device_name,
         runtime.kind,
         runtime.num_workers,
+        "one device" if isinstance(strategy, OneDevice) else "DataParallel installed",
     )
     return runtime
 
@@ -270,7 +299,7 @@ def current_runtime(model=None) -> Runtime:
     """
     distribution = keras.distribution.distribution()
     if distribution is None:
-        return _describe(jax.devices()[:1], None, num_replicas=1)
+        return _describe(jax.devices()[:1], OneDevice(jax.devices()[0]), num_replicas=1)
     mesh = distribution.device_mesh
     found = list(mesh.backend_mesh.devices.flat)
     batch_shards = int(mesh.shape[mesh.axis_names.index(distribution.batch_dim_name)])

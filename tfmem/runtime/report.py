@@ -81,6 +81,8 @@ def _strategy_name(strategy) -> str:
     cls = type(strategy)
     if cls.__name__ == "_DefaultDistributionStrategy":
         return "none (TensorFlow's default: one device)"
+    if cls.__name__ == "OneDevice":
+        return "none (Keras's default on JAX: one device)"
     for package, public in (("tensorflow", "tf.distribute"), ("keras", "keras.distribution")):
         if cls.__module__.split(".")[0] == package:
             return f"{public}.{cls.__name__}"
