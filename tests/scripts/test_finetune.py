@@ -23,11 +23,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "finetune.py"
 
 
-def _finetune(*args, timeout=600, backend="tensorflow", cwd=ROOT):
+def _finetune(*args, timeout=600, backend="tensorflow", cwd=ROOT, **env):
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True,
                           text=True, timeout=timeout, cwd=cwd,
                           env=dict(os.environ, KERAS_BACKEND=backend,
-                                   PYTHONPATH=str(ROOT)))
+                                   PYTHONPATH=str(ROOT), **env))
 
 
 def _newest_point(backup):
@@ -44,7 +44,8 @@ def _error_line(stderr):
     return errors[0]
 
 
-def test_demo_trains_clearly_above_chance_and_writes_its_outputs(tmp_path):
+def test_demo_trains_clearly_above_chance_and_writes_its_outputs(tmp_path, finetune_cli,
+                                                                 monkeypatch):
     # No --output: the run goes to runs/<model> under the working directory.
     result = _finetune("--epochs", "2", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -97,11 +98,13 @@ def test_demo_trains_clearly_above_chance_and_writes_its_outputs(tmp_path):
         "a new --output for another run, or more --epochs to train this one further.\n")
     assert {name: (output / name).read_bytes() for name in written} == written
     assert (output / "run.json").stat().st_mtime_ns == recorded
-    # Another experiment in the same directory stops, naming what differs.
-    other = _finetune("--optimizer", "rmsprop", "--learning-rate", "0.01", "--seed", "7",
-                      cwd=tmp_path)
-    assert other.returncode == 2
-    assert _error_line(other.stderr) == (
+    # Another experiment in the same directory stops, naming what differs (checked in this
+    # process: without a memory limit there is no training process to start).
+    monkeypatch.chdir(tmp_path)
+    status, _, stderr = finetune_cli("--optimizer", "rmsprop", "--learning-rate", "0.01",
+                                     "--seed", "7", "--memory-limit", "none")
+    assert status == 2
+    assert _error_line(stderr) == (
         "error: runs/small-cnn holds a run with other settings (learning_rate 0.001 → 0.01, "
         "optimizer 'adam' → 'rmsprop', seed 0 → 7); start it with its own settings to resume "
         "it, use a new --output for a new run, or pass --overwrite to discard it and start "
@@ -113,9 +116,14 @@ def test_demo_trains_on_the_jax_backend(tmp_path):
     # Today's TPU VMs train Keras on JAX; the same script, tf.data feeding it, KERAS_BACKEND=jax;
     # rematerialized in the segments the plan cuts (exact: it trains as well).
     result = _finetune("--output", str(tmp_path), "--epochs", "2", "--rematerialize", "full",
-                       backend="jax")
+                       backend="jax", JAX_LOG_COMPILES="1")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "keras               3" in result.stdout and "(backend jax)" in result.stdout
+    # One device: Keras's own path, where the train step compiles once for the whole run
+    # (a DataParallel over one device compiled it again at every epoch).
+    assert re.search(r"strategy +none \(Keras's default on JAX: one device\)", result.stdout)
+    assert result.stderr.count("Finished XLA compilation of jit(train_step)") == 1, \
+        result.stderr[-3000:]
     # Segments cut and recomputed all the same (the note names them only where some are);
     # planned as kept, since on a CPU XLA saves nothing by it.
     assert "note: rematerialized layers planned as kept: on JAX on a CPU" in result.stdout
@@ -129,8 +137,10 @@ def test_killed_run_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path, fin
     # 512 demo records: 16 updates an epoch, a resume point every 4.
     common = ["--data", written_sets["demo512"], "--epochs", "2", "--global-batch-size", "32",
               "--accumulation-steps", "2", "--save-every-steps", "4", "--deterministic"]
-    straight = _finetune("--output", str(tmp_path / "straight"), *common)
-    assert straight.returncode == 0, straight.stderr[-3000:]
+    # The run it must equal, made in this process (no memory limit: no training process).
+    status, _, stderr = finetune_cli("--output", str(tmp_path / "straight"), *common,
+                                     "--memory-limit", "none")
+    assert status == 0, stderr[-3000:]
 
     output = tmp_path / "killed"
     process = subprocess.Popen([sys.executable, str(SCRIPT), "--output", str(output), *common],
@@ -385,10 +395,10 @@ def test_a_failure_while_training_is_one_line_with_status_1(finetune_cli, writte
 
 
 def test_skip_corrupt_trains_on_and_names_what_it_skipped(finetune_cli, written_sets, tmp_path):
-    output = tmp_path / "run"
+    output = tmp_path / "run"  # trained in this process: no memory limit, no training process
     status, out, err = finetune_cli(
         "--data", written_sets["broken"], "--num-classes", "4", "--global-batch-size", "16",
-        "--epochs", "2", "--output", str(output), "--skip-corrupt")
+        "--epochs", "2", "--output", str(output), "--skip-corrupt", "--memory-limit", "none")
     assert status == 0, err
     assert f"tfmem: skipped record 5 of {written_sets['broken']}: it cannot be decoded" in err
     summary = (f"skipped 1 record(s) in 1 shard(s):\n  {written_sets['broken']}: record 5: it "
@@ -403,7 +413,7 @@ def test_skip_corrupt_trains_on_and_names_what_it_skipped(finetune_cli, written_
 
 def test_overwrite_discards_the_run_and_starts_again(finetune_cli, written_sets, tmp_path):
     common = ["--data", written_sets["demo"], "--global-batch-size", "32", "--epochs", "1",
-              "--output", str(tmp_path)]
+              "--output", str(tmp_path), "--memory-limit", "none"]  # in this process
     assert finetune_cli(*common)[0] == 0
     status, _, err = finetune_cli(*common, "--learning-rate", "0.01")
     assert status == 2 and "learning_rate 0.001 → 0.01" in err
@@ -446,7 +456,7 @@ def test_the_run_is_one_library_call_with_the_flags_as_its_settings(finetune_mai
 # stopped, and the run goes on with a smaller micro-batch.
 @pytest.mark.parametrize("backend, limit", [("tensorflow", 1.45), ("jax", 2.2)])
 def test_a_run_over_its_memory_limit_resumes_with_a_smaller_micro_batch(tmp_path, backend,
-                                                                        limit):
+                                                                        limit, finetune_cli):
     data = _foreign(tmp_path / "train.tfrec", [0, 1, 2, 3] * 64)  # 256 records: 4 updates
     # SGD: its update is linear in the gradient, so summing 1 or k micro-batches differs only by
     # the order of float32 sums (Adam's normalisation can magnify that on tiny gradients).
@@ -473,9 +483,14 @@ def test_a_run_over_its_memory_limit_resumes_with_a_smaller_micro_batch(tmp_path
     assert (metrics["micro_batch_size"] * k, metrics["global_batch_size"]) == (64, 64)
     assert k == recoveries[-1]["to_accumulation_steps"] >= 2
     # The same run with that k from the start and no limit: the same weights.
-    straight = _finetune(*common, "--accumulation-steps", str(k), "--memory-limit", "none",
-                         "--output", str(tmp_path / "straight"), backend=backend)
-    assert straight.returncode == 0, straight.stderr[-3000:]
+    straight = [*common, "--accumulation-steps", str(k), "--memory-limit", "none",
+                "--output", str(tmp_path / "straight")]
+    if backend == keras.backend.backend():  # in this process
+        status, _, stderr = finetune_cli(*straight)
+        assert status == 0, stderr[-3000:]
+    else:
+        result = _finetune(*straight, backend=backend)
+        assert result.returncode == 0, result.stderr[-3000:]
     expected = keras.models.load_model(tmp_path / "straight" / "model.keras")
     actual = keras.models.load_model(tmp_path / "limited" / "model.keras")
     # Updates made before the stop summed 1 micro-batch, the others k: the same numbers up to

@@ -8,7 +8,7 @@ distributed runtime and an AccumModel (k = 2) trains on global batches of 16 wit
 MODE "resumable": the same with `fit_resumable(BACKUP_DIR)`, 2 epochs, a resume point after
 every update; process 1 SIGKILLs itself after KILL_AT updates (0: never).
 MODE "plain": one process, one device, a plain `keras.Model` trained with `fit` on the same
-global batches (3 per epoch; EPOCHS from KILL_AT's place: 1 or 2).
+global batches (3 per epoch; EPOCHS from KILL_AT's place), its weights after each epoch kept.
 MODES "images" (several processes, AccumModel) and "plain-images" (one process, plain model):
 the global batches come from `tfmem.image_dataset(DATA_DIR, seed=epoch)` (BACKUP_DIR's place).
 MODES "read" and "plain-read": no training; the SHA-1 of each image of each batch of one epoch
@@ -98,10 +98,12 @@ if mode == "resumable":
     tfmem.fit_resumable(model, make_dataset, epochs=2, steps_per_epoch=STEPS,
                         backup_dir=sys.argv[3], save_every_steps=1, callbacks=[Kill()],
                         verbose=0)
-else:
+by_epoch = []  # the weights after each epoch
+if mode != "resumable":
     epochs = int(sys.argv[4]) if len(sys.argv) > 4 else 1
     for epoch in range(epochs):
         model.fit(make_dataset(epoch), epochs=1, verbose=0)
+        by_epoch.append([w.tolist() for w in model.get_weights()])
 unseeded = planned = None
 if mode == "images":
     run = model.plan_memory(make_dataset(0))  # the guard counts every process's rows
@@ -114,6 +116,7 @@ if mode == "images":
 with open(out_path, "w") as file:
     json.dump({"unseeded": unseeded, "planned": planned,
                "batches": images_read() if images else None, "weights": [w.tolist() for w in model.get_weights()],
+               "weights_by_epoch": by_epoch,
                "process": (runtime.num_workers if runtime else 1,
                            int(os.environ.get("JAX_PROCESS_ID", 0))),
                "replicas": (runtime.num_replicas, runtime.local_replicas) if runtime else None,
