@@ -94,12 +94,12 @@ class Kill(keras.callbacks.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+by_epoch = []  # the weights after each epoch of `fit`
 if mode == "resumable":
     tfmem.fit_resumable(model, make_dataset, epochs=2, steps_per_epoch=STEPS,
                         backup_dir=sys.argv[3], save_every_steps=1, callbacks=[Kill()],
                         verbose=0)
-by_epoch = []  # the weights after each epoch
-if mode != "resumable":
+else:
     epochs = int(sys.argv[4]) if len(sys.argv) > 4 else 1
     for epoch in range(epochs):
         model.fit(make_dataset(epoch), epochs=1, verbose=0)

@@ -94,6 +94,7 @@ def make_demo_dataset(
             f"The demo set needs num_examples >= 1 and image_size >= 8 (shapes need a few "
             f"pixels), got num_examples={num_examples}, image_size={image_size}."
         )
+
     def chunks(size: int = 256) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         # A few hundred images per trip from Python into tf.data, not one: an element of
         # `from_generator` costs about as much as drawing a 32-pixel image.

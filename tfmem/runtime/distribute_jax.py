@@ -299,7 +299,8 @@ def current_runtime(model=None) -> Runtime:
     """
     distribution = keras.distribution.distribution()
     if distribution is None:
-        return _describe(jax.devices()[:1], OneDevice(jax.devices()[0]), num_replicas=1)
+        default = jax.devices()[0]
+        return _describe([default], OneDevice(default), num_replicas=1)
     mesh = distribution.device_mesh
     found = list(mesh.backend_mesh.devices.flat)
     batch_shards = int(mesh.shape[mesh.axis_names.index(distribution.batch_dim_name)])
