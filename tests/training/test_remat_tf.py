@@ -53,9 +53,10 @@ def _graph_ops(wrap):
 def test_arguments_are_not_copied_and_the_recomputation_waits_for_its_gradient():
     ops = _graph_ops(recompute_grad)
     # TensorFlow's own adds a value made from the gradient to each argument (2 copies);
-    # here no addition at all: the block's matmul and ReLU need none.
+    # here the one addition is to the kernel's gradient (below), none to an argument.
     assert sum(op.type == "AddV2" for op in _graph_ops(tf.recompute_grad)) >= 2
-    assert not [op for op in ops if op.type in ("AddV2", "Add")]
+    additions = [op for op in ops if op.type in ("AddV2", "Add")]
+    assert [op.outputs[0].shape.as_list() for op in additions] == [[6, 5]]
     # The recomputed concatenation reads the arguments through identities that wait on the
     # incoming gradient; the forward one reads them directly.
     concats = [op for op in ops if op.type == "ConcatV2"]
@@ -63,3 +64,41 @@ def test_arguments_are_not_copied_and_the_recomputation_waits_for_its_gradient()
     waiting = [op for op in concats if all(
         t.op.type == "Identity" and t.op.control_inputs for t in op.inputs[:2])]
     assert len(waiting) == 1
+
+
+def _data_ancestors(op) -> set:
+    """The ops whose outputs `op` reads, directly or through others (no control edges)."""
+    seen, stack = set(), [op]
+    while stack:
+        for tensor in stack.pop().inputs:
+            if tensor.op not in seen:
+                seen.add(tensor.op)
+                stack.append(tensor.op)
+    return seen
+
+
+@pytest.mark.parametrize("wrap", [lambda f: f, recompute_grad], ids=["plain", "recomputed"])
+def test_a_kernels_gradient_waits_for_every_read_of_the_kernel(wrap):
+    # A linear layer's kernel gradient is its input times its output's gradient: it needs no
+    # read of the kernel. The recomputation reads the kernel again (for the gradient it passes
+    # on to its inputs); only a control edge would keep the kernel's update after that read,
+    # and Grappler's dependency optimizer may drop it: the update then comes first, and the
+    # gradient passed on is made with the updated kernel. So the kernel's gradient depends,
+    # through its data, on the recomputation (and so on every read of the kernel).
+    w = tf.Variable(tf.ones((6, 5)))
+
+    @tf.function
+    def step(a, b):
+        with tf.GradientTape() as tape:
+            tape.watch([a, b])
+            y = wrap(lambda a, b: tf.concat([a, b], axis=-1) @ w)(a, b)
+            loss = tf.reduce_sum(y * y)
+        return tape.gradient(loss, [w, a])
+
+    spec = tf.TensorSpec((4, 3), tf.float32)
+    graph = step.get_concrete_function(spec, spec).graph
+    reads = [op for op in graph.get_operations()  # those read by any op (the others never run)
+             if op.type == "ReadVariableOp" and op.outputs[0].consumers()]
+    assert len(reads) >= (3 if wrap is recompute_grad else 1)  # the forward pass's, again
+    kernel_gradient = graph.outputs[0].op
+    assert set(reads) <= _data_ancestors(kernel_gradient)

@@ -19,7 +19,6 @@ def rematerialized_call(layer, original):
     def call(*args, **kwargs):
         if internals.any_symbolic(args, kwargs) or not remat.is_training_call():
             return original(*args, **kwargs)
-        _keep_dependencies()
         state = list(layer.non_trainable_variables)
         seen = [tf.identity(variable.value) for variable in state]  # before the forward pass
         flat = tf.nest.flatten(args)
@@ -65,7 +64,7 @@ def recompute_grad(function):
                 recomputed = function(*ordered)
             grads = tape.gradient(recomputed, ordered + variables, output_gradients=upstream,
                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            return grads[:len(ordered)], grads[len(ordered):]
+            return grads[:len(ordered)], _after_reads(recomputed, grads[len(ordered):])
 
         return result, grad
 
@@ -84,14 +83,30 @@ def _after(dependency, tensors) -> list:
         return [tf.identity(tensor) for tensor in tensors]
 
 
-def _keep_dependencies() -> None:
-    """Turns off TensorFlow's dependency optimizer (a Grappler rewrite) for this process.
+def _after_reads(recomputed, gradients) -> list:
+    """The variables' `gradients`, made only once the recomputation that read them has run.
 
-    With it on, a training step whose segments make concatenations again from pieces passed
-    through other segments gave different gradients in one step of a thousand to one of
-    fifty on two CPU cores (never with one inter-op thread, never with the rewrite off).
-    Called while the step is traced: TensorFlow reads the option when the traced step first
-    runs. The rewrite prunes control edges and identities; the rest of Grappler stays on.
+    The recomputation reads each variable again, but the gradient of a variable (the input
+    of its update) does not need that read: a Dense kernel's gradient is its input times the
+    output's gradient. Nothing but a control edge then keeps the optimizer from updating the
+    kernel before the recomputation reads it, and Grappler's dependency optimizer may drop
+    that edge: the gradient the recomputation passes on to earlier layers is then made with
+    the updated kernel (in up to a third of the steps on two CPU cores). Here each gradient
+    waits, through its data, for the first element of every recomputed output: 0, or NaN
+    where that is NaN (one addition over the weights' size, which XLA fuses).
     """
-    if tf.config.optimizer.get_experimental_options().get("dependency_optimization") is not False:
-        tf.config.optimizer.set_experimental_options({"dependency_optimization": False})
+    firsts = [tf.cast(tf.reshape(output, [-1])[:1], tf.float32)  # none of an empty batch
+              for output in tf.nest.flatten(recomputed)]
+    if not firsts:
+        return list(gradients)
+    first = tf.reduce_max(tf.concat(firsts, axis=0))  # -inf if there is none: 0 all the same
+    zero = tf.where(tf.math.is_nan(first), float("nan"), 0.0)
+    return [_plus(gradient, zero) for gradient in gradients]
+
+
+def _plus(gradient, zero):
+    """`gradient + zero` in the gradient's dtype; an IndexedSlices (a gather's) stays one."""
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(gradient.values + tf.cast(zero, gradient.values.dtype),
+                                gradient.indices, gradient.dense_shape)
+    return gradient + tf.cast(zero, gradient.dtype)
