@@ -96,7 +96,10 @@ def _after_reads(recomputed, gradients) -> list:
     where that is NaN (one addition over the weights' size, which XLA fuses).
     """
     firsts = [tf.cast(tf.reshape(output, [-1])[:1], tf.float32)  # none of an empty batch
-              for output in tf.nest.flatten(recomputed)]
+              for output in tf.nest.flatten(recomputed)  # dense numbers (not sparse, ragged)
+              if isinstance(output, tf.Tensor) and (output.dtype.is_floating
+                                                    or output.dtype.is_integer
+                                                    or output.dtype == tf.bool)]
     if not firsts:
         return list(gradients)
     first = tf.reduce_max(tf.concat(firsts, axis=0))  # -inf if there is none: 0 all the same
