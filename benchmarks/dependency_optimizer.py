@@ -85,6 +85,16 @@ def child(setting: str, model_name: str, image_size: int, batch: int, steps: int
     return (time.perf_counter() - start) / steps
 
 
+def _in_child(flags: list[str], name: str, **env) -> float:
+    """The number a fresh process of this script started with `flags` prints last; exits with
+    its stderr's end if it fails."""
+    result = subprocess.run([sys.executable, __file__, *flags], env=dict(os.environ, **env),
+                            capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        sys.exit(f"error: {name} failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiramisu-56")
@@ -106,28 +116,20 @@ def main() -> None:
         print(json.dumps(child(args.child, args.model, args.image_size, args.batch,
                                args.steps)))
         return
+    model = ["--model", args.model, "--image-size", str(args.image_size)]
     per_sample = {}
     for setting in SETTINGS if live_batches else ():
-        result = subprocess.run(
-            [sys.executable, __file__, "--live-child", setting, "--model", args.model,
-             "--image-size", str(args.image_size), "--live", args.live],
-            env=dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true"), capture_output=True,
-            text=True, check=False)
-        if result.returncode != 0:
-            sys.exit(f"error: the {setting!r} allocator process failed:\n{result.stderr[-3000:]}")
-        per_sample[setting] = json.loads(result.stdout.strip().splitlines()[-1])
+        per_sample[setting] = _in_child(["--live-child", setting, *model, "--live", args.live],
+                                        f"the {setting!r} allocator process",
+                                        TF_CPU_ALLOCATOR_USE_BFC="true")
         print(f"{setting}: {per_sample[setting] / 2**20:.1f} MiB per sample live at the peak",
               flush=True)
     times = {setting: [] for setting in SETTINGS}
     for round_ in range(args.rounds):
         for setting in SETTINGS if round_ % 2 == 0 else SETTINGS[::-1]:
-            result = subprocess.run(
-                [sys.executable, __file__, "--child", setting, "--model", args.model,
-                 "--image-size", str(args.image_size), "--batch", str(args.batch),
-                 "--steps", str(args.steps)], capture_output=True, text=True, check=False)
-            if result.returncode != 0:
-                sys.exit(f"error: the {setting!r} process failed:\n{result.stderr[-3000:]}")
-            times[setting].append(json.loads(result.stdout.strip().splitlines()[-1]))
+            times[setting].append(_in_child(
+                ["--child", setting, *model, "--batch", str(args.batch), "--steps",
+                 str(args.steps)], f"the {setting!r} process"))
             print(f"round {round_ + 1}, {setting}: {times[setting][-1]:.3f} s per step",
                   flush=True)
     if per_sample:

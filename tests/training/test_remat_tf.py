@@ -36,18 +36,23 @@ def test_gradients_are_those_of_the_function_as_written(jit_compile):
     assert np.abs(plain[2]).sum() > 0  # the kernel's gradient is not all zero
 
 
-def _graph_ops(wrap):
-    w = tf.Variable(tf.ones((6, 5)))
+def _step_graph(wrap, block, w, loss=tf.reduce_sum):
+    """The traced step taking the gradients of `loss(wrap(block)(a, b))` for `[w, a, b]`."""
 
     @tf.function
     def step(a, b):
         with tf.GradientTape() as tape:
             tape.watch([a, b])
-            loss = tf.reduce_sum(wrap(_block(w))(a, b))
-        return tape.gradient(loss, [a, b, w])
+            value = loss(wrap(block)(a, b))
+        return tape.gradient(value, [w, a, b])
 
     spec = tf.TensorSpec((4, 3), tf.float32)
-    return step.get_concrete_function(spec, spec).graph.get_operations()
+    return step.get_concrete_function(spec, spec).graph
+
+
+def _graph_ops(wrap):
+    w = tf.Variable(tf.ones((6, 5)))
+    return _step_graph(wrap, _block(w), w).get_operations()
 
 
 def test_arguments_are_not_copied_and_the_recomputation_waits_for_its_gradient():
@@ -86,17 +91,8 @@ def test_a_kernels_gradient_waits_for_every_read_of_the_kernel(wrap):
     # gradient passed on is made with the updated kernel. So the kernel's gradient depends,
     # through its data, on the recomputation (and so on every read of the kernel).
     w = tf.Variable(tf.ones((6, 5)))
-
-    @tf.function
-    def step(a, b):
-        with tf.GradientTape() as tape:
-            tape.watch([a, b])
-            y = wrap(lambda a, b: tf.concat([a, b], axis=-1) @ w)(a, b)
-            loss = tf.reduce_sum(y * y)
-        return tape.gradient(loss, [w, a])
-
-    spec = tf.TensorSpec((4, 3), tf.float32)
-    graph = step.get_concrete_function(spec, spec).graph
+    graph = _step_graph(wrap, lambda a, b: tf.concat([a, b], axis=-1) @ w, w,
+                        loss=lambda y: tf.reduce_sum(y * y))
     reads = [op for op in graph.get_operations()  # those read by any op (the others never run)
              if op.type == "ReadVariableOp" and op.outputs[0].consumers()]
     assert len(reads) >= (3 if wrap is recompute_grad else 1)  # the forward pass's, again

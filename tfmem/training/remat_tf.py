@@ -73,11 +73,8 @@ def recompute_grad(function):
 
 def _after(dependency, tensors) -> list:
     """`tensors` as they are, made only once `dependency` exists."""
-    if internals.in_xla_compilation():
-        # The first element of the gradient (one read, not the whole tensor): 0, or NaN
-        # where the gradient is NaN, as `tf.recompute_grad` does.
-        first = tf.reduce_max(tf.reshape(dependency, [-1])[:1])
-        zero = tf.where(tf.math.is_nan(tf.cast(first, tf.float32)), float("nan"), 0.0)
+    if internals.in_xla_compilation():  # as `tf.recompute_grad` does
+        zero = _zero_after([dependency])
         return [tensor + tf.cast(zero, tensor.dtype) for tensor in tensors]
     with tf.control_dependencies([dependency]):
         return [tf.identity(tensor) for tensor in tensors]
@@ -92,19 +89,28 @@ def _after_reads(recomputed, gradients) -> list:
     kernel before the recomputation reads it, and Grappler's dependency optimizer may drop
     that edge: the gradient the recomputation passes on to earlier layers is then made with
     the updated kernel (in up to a third of the steps on two CPU cores). Here each gradient
-    waits, through its data, for the first element of every recomputed output: 0, or NaN
-    where that is NaN (one addition over the weights' size, which XLA fuses).
+    waits, through its data, for every recomputed output (one addition over the weights'
+    size, which XLA fuses).
     """
-    firsts = [tf.cast(tf.reshape(output, [-1])[:1], tf.float32)  # none of an empty batch
-              for output in tf.nest.flatten(recomputed)  # dense numbers (not sparse, ragged)
-              if isinstance(output, tf.Tensor) and (output.dtype.is_floating
-                                                    or output.dtype.is_integer
-                                                    or output.dtype == tf.bool)]
-    if not firsts:
+    zero = _zero_after(tf.nest.flatten(recomputed))
+    if zero is None:
         return list(gradients)
-    first = tf.reduce_max(tf.concat(firsts, axis=0))  # -inf if there is none: 0 all the same
-    zero = tf.where(tf.math.is_nan(first), float("nan"), 0.0)
     return [_plus(gradient, zero) for gradient in gradients]
+
+
+def _zero_after(tensors):
+    """A float32 0 that exists only once `tensors` do (NaN where a first element is NaN):
+    made from the first element of each (one read, not the whole tensor). None when none is
+    a dense tensor of numbers (sparse and ragged ones are passed over)."""
+    firsts = [tf.cast(tf.reshape(tensor, [-1])[:1], tf.float32)  # none of an empty batch
+              for tensor in tensors
+              if isinstance(tensor, tf.Tensor) and (tensor.dtype.is_floating
+                                                    or tensor.dtype.is_integer
+                                                    or tensor.dtype == tf.bool)]
+    if not firsts:
+        return None
+    first = tf.reduce_max(tf.concat(firsts, axis=0))  # -inf if there is none: 0 all the same
+    return tf.where(tf.math.is_nan(first), float("nan"), 0.0)
 
 
 def _plus(gradient, zero):
