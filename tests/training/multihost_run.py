@@ -25,7 +25,8 @@ os.environ["KERAS_BACKEND"] = "jax"
 mode, out_path = sys.argv[1], sys.argv[2]
 single = mode.startswith("plain")
 if not single:
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                + " --xla_force_host_platform_device_count=2")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402

@@ -28,7 +28,8 @@ class _Case:
         env = dict(os.environ)
         env.update(
             KERAS_BACKEND="jax",
-            XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}",
+            XLA_FLAGS=(env.get("XLA_FLAGS", "")
+                       + f" --xla_force_host_platform_device_count={num_devices}"),
             PYTHONPATH=os.pathsep.join([str(ROOT), str(CASES), env.get("PYTHONPATH", "")]),
             TF_CPP_MIN_LOG_LEVEL="2",
             JAX_PLATFORMS="cpu",

@@ -85,7 +85,8 @@ def test_the_setting_is_saved_with_the_model(tmp_path):
 
 def test_on_the_jax_backend_too():
     env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
+               + " --xla_force_host_platform_device_count=8",
                PYTHONPATH=os.pathsep.join([os.getcwd(), *sys.path]))
     result = subprocess.run([sys.executable, CASES], env=env, capture_output=True, text=True,
                             timeout=300)
