@@ -87,12 +87,14 @@ def test_demo_trains_clearly_above_chance_and_writes_its_outputs(tmp_path, finet
     assert run["config"]["model"] == "small-cnn" and run["config"]["learning_rate"] == 1e-3
     assert run["complete"]["epochs"] == 2
 
-    # Started again, the finished run is left as it is, run.json untouched, in one line.
+    # Started again (in this process: the same command line), the finished run is left as it
+    # is, run.json untouched, in one line; nothing is started.
     written = {name: (output / name).read_bytes() for name in ("metrics.json", "model.keras")}
     recorded = (output / "run.json").stat().st_mtime_ns
-    again = _finetune("--epochs", "2", cwd=tmp_path)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stdout == (
+    monkeypatch.chdir(tmp_path)
+    status, out, stderr = finetune_cli("--epochs", "2")
+    assert status == 0, stderr[-3000:]
+    assert out == (
         "finetune: the run in runs/small-cnn is complete (2 epochs); its results are "
         "runs/small-cnn/metrics.json and runs/small-cnn/model.keras. Nothing was changed: use "
         "a new --output for another run, or more --epochs to train this one further.\n")
@@ -100,7 +102,6 @@ def test_demo_trains_clearly_above_chance_and_writes_its_outputs(tmp_path, finet
     assert (output / "run.json").stat().st_mtime_ns == recorded
     # Another experiment in the same directory stops, naming what differs (checked in this
     # process: without a memory limit there is no training process to start).
-    monkeypatch.chdir(tmp_path)
     status, _, stderr = finetune_cli("--optimizer", "rmsprop", "--learning-rate", "0.01",
                                      "--seed", "7", "--memory-limit", "none")
     assert status == 2
@@ -165,9 +166,10 @@ def test_killed_run_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path, fin
     killed_at = _newest_point(output / "backup")
     assert killed_at["step"] > 0 and not (output / "metrics.json").exists()
 
-    resumed = _finetune("--output", str(output), *common)  # the killed run's lock is gone
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"Resuming from {output / 'backup'}: epoch {killed_at['epoch'] + 1}" in resumed.stdout
+    # The killed run's lock is gone; started again (in this process: the same command line).
+    status, out, stderr = finetune_cli("--output", str(output), *common)
+    assert status == 0, stderr[-3000:]
+    assert f"Resuming from {output / 'backup'}: epoch {killed_at['epoch'] + 1}" in out
     expected = keras.models.load_model(tmp_path / "straight" / "model.keras")
     actual = keras.models.load_model(output / "model.keras")
     for want, got in zip(expected.get_weights(), actual.get_weights()):
@@ -451,6 +453,15 @@ def test_the_run_is_one_library_call_with_the_flags_as_its_settings(finetune_mai
         finetune.FinetuneConfig(learning_rate=float("nan"))
 
 
+def _command(finetune_cli, backend, *args):
+    """The command's exit status, stdout and stderr: run in this process on its backend (the
+    training processes it starts are its own), in a process of its own on the other."""
+    if backend == keras.backend.backend():
+        return finetune_cli(*args)
+    result = _finetune(*args, backend=backend)
+    return result.returncode, result.stdout, result.stderr
+
+
 # At 128 px the small CNN holds about 1.8 GiB at micro-batch 64 and 1.1 GiB at 16 on
 # TensorFlow, 2.6 GiB at 64 and 1.7 GiB at 32 on JAX: under these limits the first process is
 # stopped, and the run goes on with a smaller micro-batch.
@@ -469,11 +480,12 @@ def test_a_run_over_its_memory_limit_resumes_with_a_smaller_micro_batch(tmp_path
     # Another process on the machine, holding 64 MiB all along.
     bystander = subprocess.Popen([sys.executable, "-c", "import sys, time\nheld = bytearray("
                                   "64 * 2**20)\ntime.sleep(600)"])
-    limited = _finetune(*common, "--accumulation-steps", "1", "--memory-limit", f"{limit}GiB",
-                        "--output", str(tmp_path / "limited"), backend=backend)
+    status, out, stderr = _command(finetune_cli, backend, *common, "--accumulation-steps", "1",
+                                   "--memory-limit", f"{limit}GiB",
+                                   "--output", str(tmp_path / "limited"))
     assert bystander.poll() is None  # untouched by the limit
     bystander.kill()
-    assert limited.returncode == 0, limited.stderr[-3000:]
+    assert status == 0, stderr[-3000:]
     metrics = json.loads((tmp_path / "limited" / "metrics.json").read_text())
     recoveries = metrics["memory_recoveries"]
     assert recoveries and recoveries[0]["micro_batch_size"] == 64
@@ -481,20 +493,15 @@ def test_a_run_over_its_memory_limit_resumes_with_a_smaller_micro_batch(tmp_path
     assert re.search(
         rf"finetune: memory limit {limit:.2f} GiB reached at micro-batch 64 × 1 accumulation step "
         rf"\([\d.]+ GiB held\); resuming from the last resume point with micro-batch 32 × 2 "
-        r"accumulation steps, the same global batch 64", limited.stdout), limited.stdout
+        r"accumulation steps, the same global batch 64", out), out
     assert first["held_bytes"] >= first["limit_bytes"] == int(limit * 2**30)
     k = metrics["accumulation_steps"]
     assert (metrics["micro_batch_size"] * k, metrics["global_batch_size"]) == (64, 64)
     assert k == recoveries[-1]["to_accumulation_steps"] >= 2
     # The same run with that k from the start and no limit: the same weights.
-    straight = [*common, "--accumulation-steps", str(k), "--memory-limit", "none",
-                "--output", str(tmp_path / "straight")]
-    if backend == keras.backend.backend():  # in this process
-        status, _, stderr = finetune_cli(*straight)
-        assert status == 0, stderr[-3000:]
-    else:
-        result = _finetune(*straight, backend=backend)
-        assert result.returncode == 0, result.stderr[-3000:]
+    status, _, stderr = _command(finetune_cli, backend, *common, "--accumulation-steps", str(k),
+                                 "--memory-limit", "none", "--output", str(tmp_path / "straight"))
+    assert status == 0, stderr[-3000:]
     expected = keras.models.load_model(tmp_path / "straight" / "model.keras")
     actual = keras.models.load_model(tmp_path / "limited" / "model.keras")
     # Updates made before the stop summed 1 micro-batch, the others k: the same numbers up to
@@ -519,20 +526,22 @@ def test_a_memory_limit_below_the_framework_stops_with_one_line(finetune_cli, tm
                                    "800MB, or auto or none\n")
 
 
-def test_when_micro_batch_one_reaches_the_limit_the_plan_for_it_is_the_answer(tmp_path):
+def test_when_micro_batch_one_reaches_the_limit_the_plan_for_it_is_the_answer(tmp_path,
+                                                                             finetune_cli):
     data = _foreign(tmp_path / "train.tfrec", [0, 1, 2, 3] * 2)
     # At 1024 px one image's activations take about 0.5 GB: TensorFlow's 0.65 GB and the model
-    # stay under 1 GiB, a step of micro-batch 1 does not.
-    result = _finetune("--data", data, "--num-classes", "4", "--image-size", "1024",
-                       "--global-batch-size", "2", "--accumulation-steps", "1", "--epochs", "1",
-                       "--memory-limit", "1GiB", "--output", str(tmp_path / "run"))
-    assert result.returncode == 2
-    assert ("finetune: memory limit 1.00 GiB reached at micro-batch 2 × 1 accumulation step"
-            in result.stdout)
+    # stay under 1 GiB, a step of micro-batch 1 does not. (The command runs in this process,
+    # its training processes under the limit.)
+    status, out, stderr = finetune_cli(
+        "--data", data, "--num-classes", "4", "--image-size", "1024", "--global-batch-size",
+        "2", "--accumulation-steps", "1", "--epochs", "1", "--memory-limit", "1GiB",
+        "--output", str(tmp_path / "run"))
+    assert status == 2
+    assert "finetune: memory limit 1.00 GiB reached at micro-batch 2 × 1 accumulation step" in out
     assert re.fullmatch(
         r"error: micro-batch 1 × 2 accumulation steps still reached --memory-limit 1\.00 GiB "
         r"\([\d.]+ GiB held\), and nothing smaller can be tried; the plan for that budget: "
         r"nothing fits, not even micro-batch 1: .* None of the changes checked fits \(.*\): the "
         r"model needs a device with more memory per replica, or more replicas\.\n",
-        _error_line(result.stderr) + "\n"), result.stderr[-2000:]
+        _error_line(stderr) + "\n"), stderr[-2000:]
     assert not (tmp_path / "run" / "metrics.json").exists()
