@@ -9,9 +9,9 @@ affected: it places everything on CPU:0 as usual.
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-# XLA's CPU code generation at LLVM's -O1 rather than its default: the same HLO passes and
-# buffers (a step's memory analysis is the same), rounding that may differ in the last bits,
-# and about a tenth of the compile time. The tests' models are tiny: they compile far more
+# XLA's CPU code generation at LLVM's -O1 rather than its default: the same buffers (a step's
+# memory analysis is the same), rounding that may differ in the last bits, and about a tenth
+# of the compile time. The tests' models are tiny: they compile far more
 # than they run. Every process the tests start (JAX programs, TensorFlow's jit_compile,
 # notebooks' kernels) inherits it.
 XLA_COMPILE_FLAG = "--xla_backend_optimization_level=1"

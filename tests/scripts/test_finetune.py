@@ -88,7 +88,7 @@ def test_demo_trains_clearly_above_chance_and_writes_its_outputs(tmp_path, finet
     assert run["complete"]["epochs"] == 2
 
     # Started again (in this process: the same command line), the finished run is left as it
-    # is, run.json untouched, in one line; nothing is started.
+    # is, run.json untouched, in one line.
     written = {name: (output / name).read_bytes() for name in ("metrics.json", "model.keras")}
     recorded = (output / "run.json").stat().st_mtime_ns
     monkeypatch.chdir(tmp_path)
