@@ -33,6 +33,7 @@ LAYERS = {
     "none": lambda x: x,
     "batchnorm": lambda x: keras.layers.BatchNormalization()(x),
     "relu": lambda x: keras.ops.relu(x),
+    "swish": lambda x: keras.layers.Activation("swish")(x),
     "conv3x3": lambda x: keras.layers.Conv2D(16, 3, padding="same")(x),
     "dropout": lambda x: keras.layers.Dropout(0.2)(x),
     "bn-relu-conv": lambda x: keras.layers.Conv2D(16, 3, padding="same")(

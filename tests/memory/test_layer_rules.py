@@ -117,6 +117,46 @@ def test_transient_bytes_holds_each_tensor_until_its_last_reader_by_hand():
     assert transient_bytes(graph.get_operations(), per_sample) == 3 * 40
 
 
+def test_transient_bytes_runs_only_the_ops_the_results_need_by_hand():
+    import tensorflow as tf
+
+    from tfmem.memory.gradient_trace import transient_bytes
+
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, (None, 10))  # 40 bytes per sample
+        a = tf.exp(x)
+        unused = tf.square(x) * 3.0  # nothing returned reads it: a function never runs it
+        b = a * 2.0
+
+    def per_sample(tensor):
+        shape = tensor.shape
+        return 4 * shape[1:].num_elements() if shape.rank and shape[0] is None else 0
+
+    assert unused.shape[1:] == (10,)
+    # Every op: x, a and the square at once (x is read until the square). Only what b needs:
+    # x and a, then a and b.
+    assert transient_bytes(graph.get_operations(), per_sample) == 3 * 40
+    assert transient_bytes(graph.get_operations(), per_sample, [b]) == 2 * 40
+
+
+def test_swish_transient_leaves_out_the_gradient_of_its_constant_beta():
+    # tf.nn.silu's custom gradient also returns beta's gradient (three tensors of the input's
+    # size: x², times the incoming gradient, times sigmoid), which no step computes: beta is
+    # a constant. What runs, by hand: the backward recomputes sigmoid(beta·x) and holds at
+    # its peak the incoming gradient, sigmoid, beta·x, 1 - sigmoid and beta·x·(1 - sigmoid):
+    # 5 tensors of the input's size. The input, which the backward keeps, is counted with the
+    # kept tensors, so the transient is the peak less it: 4 (5 with beta's gradient).
+    from tfmem.memory import gradient_trace
+
+    layer = L.Activation("silu")
+    traced = gradient_trace.trace_call_tensorflow(
+        lambda xs: layer(xs[0]), [((10,), "float32")], differentiable=[True],
+        trainable=[], non_trainable=[])
+    assert traced.kept_inputs == (0,)
+    assert traced.transient_bytes == 4 * 40
+
+
 # Layers that keep their input's shape: their transient is traced once on a small copy and
 # scaled; each is over the `2 × largest` the workspace counted before, so the test can fail.
 SHAPE_KEEPING = {

@@ -226,7 +226,8 @@ def _trace_tensorflow(call, specs, differentiable, trainable, non_trainable, *, 
             + sum(outputs[i] for i in kept_outputs) + sum(b for b, _ in internal.values()))
     # Sized without marking the trace ambiguous: a gradient's temporary whose shape the
     # graph leaves open (broadcast to a computed shape) counts as nothing.
-    transient = transient_bytes(operations, _sized(nbytes, batch)) - kept
+    results = list(graph.outputs) + list(graph.control_outputs) + list(boundary["outputs"])
+    transient = transient_bytes(operations, _sized(nbytes, batch), results) - kept
     return _Trace(frozenset(kept_inputs), frozenset(kept_outputs), internal, forward, outputs,
                   has_loop, ambiguous, max(transient, 0))
 
@@ -252,11 +253,16 @@ def _sized(nbytes, batch):
     return size
 
 
-def transient_bytes(operations, nbytes) -> int:
+def transient_bytes(operations, nbytes, results=None) -> int:
     """The most bytes the tensors of `operations` hold at once, run one at a time in the
     order they were built (the forward, then the backward the tape built in reverse): a
     tensor is held from the op that makes it to the last op that reads it (not counting ops
     that read only its shape), and a view (`_ALIASING_OPS`) holds nothing of its own.
+
+    With `results` (the tensors the run returns or hands on: the call's outputs and the
+    gradients), only the ops they need run, as a TensorFlow function prunes the others: a
+    custom gradient computes gradients for every input, also a constant's (swish's `beta`:
+    three tensors of the input's size that no step computes).
 
     TensorFlow's executor runs ops as soon as their inputs are ready, on more than one
     thread, so this is an estimate of its peak, not a bound. For Keras's BatchNormalization
@@ -265,6 +271,9 @@ def transient_bytes(operations, nbytes) -> int:
     CPU (`TF_CPU_ALLOCATOR_USE_BFC=true`), and 4 to 8 inside whole training steps, with the
     micro-batches it is read between (docs/benchmarks.md).
     """
+    if results is not None:
+        needed = _needed(results)
+        operations = [op for op in operations if op.name in needed]
     last = {}
     for position, op in enumerate(operations):
         if op.type in _SHAPE_OPS:
@@ -283,6 +292,18 @@ def transient_bytes(operations, nbytes) -> int:
         peak = max(peak, held)
         held -= freed.pop(position, 0)
     return peak
+
+
+def _needed(results) -> set:
+    """The names of the ops `results` (tensors or ops) depend on, through data or control."""
+    needed, stack = set(), [getattr(r, "op", r) for r in results]
+    while stack:
+        op = stack.pop()
+        if op.name not in needed:
+            needed.add(op.name)
+            stack.extend(t.op for t in op.inputs)
+            stack.extend(op.control_inputs)
+    return needed
 
 
 def _folds_batch(op) -> bool:
