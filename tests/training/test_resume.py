@@ -4,6 +4,7 @@ import errno
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -121,12 +122,22 @@ def test_run_killed_mid_epoch_resumes_to_the_uninterrupted_weights(tmp_path, str
         "backup-9.weights.h5"]
 
 
-@pytest.mark.parametrize("damage", ["truncated weights", "empty record"])
-def test_a_damaged_newest_point_falls_back_to_the_one_before(tmp_path, straight, damage):
-    killed = _run(tmp_path, "resumed", kill_at=30)  # epoch 3, step 6: points 7 (step 5), 6
+@pytest.fixture(scope="module")
+def killed_late(tmp_path_factory):
+    """The backup directory of the program killed at update 30 (epoch 3, step 6): points 7
+    (step 5) and 6 (the end of epoch 2). Each test damages a copy of it."""
+    directory = tmp_path_factory.mktemp("killed")
+    killed = _run(directory, "resumed", kill_at=30)
     assert killed.returncode == -signal.SIGKILL
+    assert sorted(_points(directory / "resumed")) == [6, 7]
+    return directory / "resumed"
+
+
+@pytest.mark.parametrize("damage", ["truncated weights", "empty record"])
+def test_a_damaged_newest_point_falls_back_to_the_one_before(tmp_path, straight, killed_late,
+                                                             damage):
     directory = tmp_path / "resumed"
-    assert sorted(_points(directory)) == [6, 7]
+    shutil.copytree(killed_late, directory)
     if damage == "truncated weights":
         weights = directory / "backup-7.weights.h5"
         weights.write_bytes(weights.read_bytes()[:-100])
