@@ -4,15 +4,15 @@ Usage: python multihost_run.py MODE OUT_JSON [BACKUP_DIR KILL_AT]
 
 MODE "accum": this process is one of several (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
 JAX_PROCESS_ID are set by the caller), each with 2 CPU devices; `tfmem.detect()` starts JAX's
-distributed runtime and an AccumModel (k = 2) trains on global batches of 16 with `fit`.
+distributed runtime and an AccumModel (k = 2) trains on global batches of 16 with `fit`;
+given a DATA_DIR (BACKUP_DIR's place), it then records the SHA-1 of each image of each batch
+of one epoch of that image set, as this process reads it (which the image modes record too).
 MODE "resumable": the same with `fit_resumable(BACKUP_DIR)`, 2 epochs, a resume point after
 every update; process 1 SIGKILLs itself after KILL_AT updates (0: never).
 MODE "plain": one process, one device, a plain `keras.Model` trained with `fit` on the same
 global batches (3 per epoch; EPOCHS from KILL_AT's place), its weights after each epoch kept.
 MODES "images" (several processes, AccumModel) and "plain-images" (one process, plain model):
 the global batches come from `tfmem.image_dataset(DATA_DIR, seed=epoch)` (BACKUP_DIR's place).
-MODES "read" and "plain-read": no training; the SHA-1 of each image of each batch of one epoch
-of that dataset, as this process reads it (which the image modes record too).
 Each process writes its weights and its runtime to OUT_JSON (with its process index).
 """
 
@@ -37,6 +37,7 @@ import tfmem  # noqa: E402
 GLOBAL_BATCH, STEPS = 16, 3
 runtime = None if single else tfmem.detect(timeout=60)
 images = mode.endswith("images")
+reads = mode == "accum" and len(sys.argv) > 3  # after training, reads this image set
 if mode.startswith("plain-"):  # one process keeps the order the several processes keep
     tf.config.experimental.enable_op_determinism()
 
@@ -51,11 +52,6 @@ def images_read():
     return [[hashlib.sha1(image.tobytes()).hexdigest() for image in batch.numpy()]
             for batch, _ in read]
 
-
-if mode.endswith("read"):
-    with open(out_path, "w") as file:
-        json.dump({"batches": images_read()}, file)
-    sys.exit(0)
 
 keras.utils.set_random_seed(0)
 if images:
@@ -116,7 +112,8 @@ if mode == "images":
         unseeded = str(error)
 with open(out_path, "w") as file:
     json.dump({"unseeded": unseeded, "planned": planned,
-               "batches": images_read() if images else None, "weights": [w.tolist() for w in model.get_weights()],
+               "batches": images_read() if images or reads else None,
+               "weights": [w.tolist() for w in model.get_weights()],
                "weights_by_epoch": by_epoch,
                "process": (runtime.num_workers if runtime else 1,
                            int(os.environ.get("JAX_PROCESS_ID", 0))),

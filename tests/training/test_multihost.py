@@ -109,13 +109,9 @@ def test_two_processes_train_on_image_dataset_as_one(tmp_path):
     assert [a + b for a, b in zip(*parts, strict=True)] == reference["batches"]
 
 
-def test_with_enough_shards_each_process_reads_only_its_own(tmp_path):
-    data, counts = _demo_set(tmp_path / "data", shard_size_mb=0.005)
-    assert counts == [6] * 8  # each process's 4 shards hold the epoch's 3 steps × 8 rows
-    parts = []
-    for status, output, out in _finish(_start(tmp_path, "read", "read", data)):
-        assert status == 0, output[-3000:]
-        parts.append(json.loads(out.read_text())["batches"])
+def test_with_enough_shards_each_process_reads_only_its_own(two_processes):
+    data, results = two_processes
+    parts = [json.loads(out.read_text())["batches"] for _, _, out in results]
     assert [len(part) for part in parts] == [3, 3]  # the same steps in each process
     assert all(len(batch) == 8 for part in parts for batch in part)
     # No image twice, all 48 read, and each process read the images of its own shards.
@@ -133,10 +129,21 @@ def _assert_close(actual, expected):
         assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b)
 
 
-def test_two_processes_train_as_one_big_batch(tmp_path, plain):
-    results = _finish(_start(tmp_path, "accum", "accum"))
-    for rank, (status, output, out) in enumerate(results):
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """Two processes that train an AccumModel on arrays, then read an image set of 8 shards
+    (each process's 4 hold the epoch's 3 steps × 8 rows); the set and `_finish`'s results."""
+    directory = tmp_path_factory.mktemp("two")
+    data, counts = _demo_set(directory / "data", shard_size_mb=0.005)
+    assert counts == [6] * 8
+    results = _finish(_start(directory, "accum", "accum", data))
+    for status, output, _ in results:
         assert status == 0, output[-3000:]
+    return data, results
+
+
+def test_two_processes_train_as_one_big_batch(two_processes, plain):
+    for rank, (_, output, out) in enumerate(two_processes[1]):
         assert (f"tfmem: starting JAX's distributed runtime (process {rank} of 2, coordinator "
                 "localhost:") in output
         outcome = json.loads(out.read_text())
