@@ -153,6 +153,8 @@ def run(config: FinetuneConfig) -> dict:
         return _run(config, _Attempt(config.accumulation_steps))
     spec = _spec(config)
     data = _Data.of(config, spec)  # a wrong model or data stops here, before any process
+    with cli.usage_errors():  # and an image size the model cannot take
+        models.input_shape(spec.name, data.image_size)
     # This process holds the run directory for its training processes, one after the other.
     with run_directory.lock(_output(config, spec), "--output"):
         return _supervise(config, cap, data)

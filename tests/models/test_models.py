@@ -222,6 +222,16 @@ def test_unknown_name_lists_valid_names():
 def test_bad_image_size(name, image_size, message):
     with pytest.raises(ValueError, match=message):
         models.build(name, num_classes=2, image_size=image_size)
+    with pytest.raises(ValueError, match=message):  # the same check, nothing built
+        models.input_shape(name, image_size)
+
+
+def test_input_shape_is_the_built_models():
+    assert models.input_shape("unet", (32, 48)) == (32, 48, 3)
+    assert models.input_shape("resnet50") == (224, 224, 3)  # its training size
+    with models.shapes_only():
+        built = models.build("unet", num_classes=2, image_size=(32, 48))
+    assert tuple(built.input_shape[1:]) == models.input_shape("unet", (32, 48))
 
 
 def test_bad_arguments(tmp_path):

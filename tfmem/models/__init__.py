@@ -24,7 +24,8 @@ from keras import layers
 from tfmem import _keras_internals as internals
 from tfmem.models import applications, efficientnetv2_xl, tiramisu, unet as unet_module
 
-__all__ = ["MODELS", "ModelSpec", "build", "spec", "set_backbone_trainable", "shapes_only"]
+__all__ = ["MODELS", "ModelSpec", "build", "input_shape", "spec", "set_backbone_trainable",
+           "shapes_only"]
 
 _RAW_PIXELS = (0.0, 255.0)
 
@@ -130,6 +131,18 @@ def spec(name: str) -> ModelSpec:
         f"Unknown model {name!r}.{hint} Valid names: {', '.join(sorted(_SPECS))}.")
 
 
+def input_shape(name: str, image_size=None) -> tuple[int, int, int]:
+    """The input shape `build(name, image_size=image_size)` makes, `(height, width, 3)`,
+    checked without building the model.
+
+    Raises:
+        ValueError: an unknown name, or an image size the model cannot take (under its
+            smallest, or not a multiple of what it pools by).
+        TypeError: `image_size` is neither an int nor `(height, width)` ints.
+    """
+    return _image_shape(spec(name), image_size)
+
+
 def _image_shape(model_spec: ModelSpec, image_size) -> tuple[int, int, int]:
     if image_size is None:
         image_size = model_spec.default_image_size
@@ -218,7 +231,7 @@ def build(
         2
     """
     model_spec = spec(name)
-    input_shape = _image_shape(model_spec, image_size)
+    image_shape = _image_shape(model_spec, image_size)
     if include_top and (not isinstance(num_classes, int) or num_classes < 1):
         raise ValueError(
             f"`num_classes` must be a positive int when include_top=True; got "
@@ -236,13 +249,13 @@ def build(
                 f"{name} is trained from scratch as one network and has no pretrained "
                 "backbone to freeze; use freeze_backbone=False.")
         model = _SEGMENTATION_BUILDERS[name](
-            input_shape=input_shape, num_classes=num_classes, dropout=dropout,
+            input_shape=image_shape, num_classes=num_classes, dropout=dropout,
             include_top=include_top, classifier_activation=classifier_activation,
             name=name)
     else:
         if family is not None:
             try:
-                backbone = family.backbone(input_shape, backbone_weights)
+                backbone = family.backbone(image_shape, backbone_weights)
             except ValueError as error:
                 if backbone_weights is None:
                     raise
@@ -254,10 +267,10 @@ def build(
                      if family.preprocessing else None)
         else:  # the one classification model not in keras.applications
             backbone = efficientnetv2_xl.efficientnetv2_backbone(
-                efficientnetv2_xl.XL_BLOCKS, input_shape=input_shape,
+                efficientnetv2_xl.XL_BLOCKS, input_shape=image_shape,
                 name="efficientnetv2-xl_backbone")
             scale = layers.Rescaling(1.0 / 128.0, offset=-1.0, name="preprocess")
-        model = _classifier(name, backbone, scale, input_shape, num_classes, dropout,
+        model = _classifier(name, backbone, scale, image_shape, num_classes, dropout,
                             include_top, classifier_activation)
     if weights and weights.endswith(".weights.h5"):
         try:
