@@ -521,7 +521,8 @@ def _train(config: FinetuneConfig, spec, runtime: Runtime, precision: str, outpu
     if validation is not None:
         loss, accuracy = accum.evaluate(validation, verbose=0)
         results["validation"] = {"loss": loss, "accuracy": accuracy}
-        print(f"finetune: validation accuracy {accuracy:.3f} after {config.epochs} epochs "
+        epochs = f"{config.epochs} epoch{'s' if config.epochs != 1 else ''}"
+        print(f"finetune: validation accuracy {accuracy:.3f} after {epochs} "
               f"(chance {1 / data.num_classes:.3f})")
     if skipped is not None:
         results["skipped"] = skipped.summary()

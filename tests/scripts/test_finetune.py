@@ -54,7 +54,8 @@ def test_demo_trains_clearly_above_chance_and_writes_its_outputs(tmp_path, finet
     assert metrics["model"] == "small-cnn" and metrics["num_classes"] == 4
     # 4 balanced classes: chance is 0.25; the demo must be learnable in 2 short epochs.
     assert metrics["validation"]["accuracy"] > 0.6
-    assert f"validation accuracy {metrics['validation']['accuracy']:.3f}" in result.stdout
+    assert (f"validation accuracy {metrics['validation']['accuracy']:.3f} after 2 epochs "
+            "(chance 0.250)") in result.stdout
     assert metrics["global_batch_size"] == (metrics["micro_batch_size"]
                                             * metrics["accumulation_steps"]
                                             * metrics["num_replicas"])
