@@ -3,6 +3,7 @@ against what the planner counts for it.
 
     python benchmarks/layer_peaks.py
     python benchmarks/layer_peaks.py --layers batchnorm,relu --channels 240 --image-size 64
+    python benchmarks/layer_peaks.py --layers batchnorm,swish --serial
 
 Each case is a 1×1 convolution to `--channels` maps of `--image-size`² (so that a gradient
 flows into the layer), the layer, and a pooled 4-class head, trained as an `AccumModel` (k = 1,
@@ -11,7 +12,9 @@ the bytes its tensors hold (`tf.config.experimental.get_memory_info`), so the pe
 training step is the live tensors', not the process's resident set (no allocator caching or
 fragmentation in it). Per sample: the difference of the peaks at two micro-batches. Beside it:
 the plan's activations and workspace for the same model, and the size of one `--channels` map
-stack, the unit the rows are easiest to read in.
+stack, the unit the rows are easiest to read in. With `--serial`, the step's ops run one at a
+time (one inter-op thread) and its graph is not rewritten (Grappler off): the order the plan
+counts in.
 """
 
 from __future__ import annotations
@@ -70,14 +73,22 @@ def main(argv=None):
     parser.add_argument("--channels", type=int, default=240)
     parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--batches", default="4,12", help="two micro-batches: small,large")
+    parser.add_argument("--serial", action="store_true",
+                        help="one op at a time, in the order of the graph as built")
     args = parser.parse_args(argv)
+    if args.serial:
+        import tensorflow as tf
+
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+        tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
     small, large = (int(b) for b in args.batches.split(","))
     unknown = [name for name in args.layers.split(",") if name not in LAYERS]
     if unknown:
         parser.error(f"unknown layer {', '.join(unknown)}; choose from {', '.join(LAYERS)}")
     stack = args.image_size**2 * args.channels * 4 / MIB
     print(f"{args.channels} maps of {args.image_size}² (one stack: {stack:.2f} MiB per sample), "
-          "Adam, float32, TensorFlow's BFC allocator on the CPU")
+          "Adam, float32, TensorFlow's BFC allocator on the CPU"
+          + (", one op at a time, Grappler off" if args.serial else ""))
     print("| layer | peak per sample, measured | activations, planned | workspace, planned | "
           "measured / planned |")
     print("|---|---:|---:|---:|---:|")
