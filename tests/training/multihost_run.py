@@ -104,8 +104,8 @@ else:
 unseeded = planned = None
 if mode == "images":
     run = model.plan_memory(make_dataset(0))  # the guard counts every process's rows
-    planned = [run.global_batch_size, run.micro_batch_size, run.accumulation_steps]  # an unseeded shuffle would differ from process to process
-    try:
+    planned = [run.global_batch_size, run.micro_batch_size, run.accumulation_steps]
+    try:  # an unseeded shuffle would differ from process to process
         tfmem.image_dataset(sys.argv[3], image_size=(16, 16), batch_size=GLOBAL_BATCH,
                             training=True)
     except ValueError as error:
