@@ -58,10 +58,12 @@ def _graph_ops(wrap):
 def test_arguments_are_not_copied_and_the_recomputation_waits_for_its_gradient():
     ops = _graph_ops(recompute_grad)
     # TensorFlow's own adds a value made from the gradient to each argument (2 copies);
-    # here the one addition is to the kernel's gradient (below), none to an argument.
+    # here the additions are to gradients: the kernel's, then the arguments' (below), none
+    # to an argument.
     assert sum(op.type == "AddV2" for op in _graph_ops(tf.recompute_grad)) >= 2
     additions = [op for op in ops if op.type in ("AddV2", "Add")]
-    assert [op.outputs[0].shape.as_list() for op in additions] == [[6, 5]]
+    assert [op.outputs[0].shape.as_list() for op in additions] == [[6, 5], [4, 3], [4, 3]]
+    assert not any(op.inputs[0].op.type == "Placeholder" for op in additions)
     # The recomputed concatenation reads the arguments through identities that wait on the
     # incoming gradient; the forward one reads them directly.
     concats = [op for op in ops if op.type == "ConcatV2"]
@@ -98,3 +100,42 @@ def test_a_kernels_gradient_waits_for_every_read_of_the_kernel(wrap):
     assert len(reads) >= (3 if wrap is recompute_grad else 1)  # the forward pass's, again
     kernel_gradient = graph.outputs[0].op
     assert set(reads) <= _data_ancestors(kernel_gradient)
+
+
+def _ancestors(op) -> set:
+    """The ops `op` waits for, through data or control edges."""
+    seen, stack = set(), [op]
+    while stack:
+        current = stack.pop()
+        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return seen
+
+
+def test_a_segment_is_recomputed_after_the_weights_gradients_of_the_one_after_it():
+    # The second segment's recomputed tensors are read by its kernel's gradient. The first
+    # segment's recomputation waits for the gradient the second passes on, which waits, through
+    # its data, for that kernel's gradient: the two segments' recomputed tensors are not held at
+    # once (TensorFlow's executor runs whatever is ready side by side).
+    w1, w2 = tf.Variable(tf.ones((6, 5))), tf.Variable(tf.ones((5, 4)))
+    first = recompute_grad(lambda a, b: tf.nn.relu(tf.concat([a, b], axis=-1) @ w1))
+    second = recompute_grad(lambda h: tf.nn.relu(h @ w2))
+
+    @tf.function
+    def step(a, b):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(second(first(a, b)))
+        return tape.gradient(loss, [w1, w2])
+
+    spec = tf.TensorSpec((4, 3), tf.float32)
+    graph = step.get_concrete_function(spec, spec).graph
+    recomputed = [op for op in graph.get_operations() if op.type == "ConcatV2" and all(
+        t.op.type == "Identity" and t.op.control_inputs for t in op.inputs[:2])]
+    assert len(recomputed) == 1
+    second_kernel_gradient = [op for op in graph.get_operations()
+                              if op.type == "MatMul" and op.get_attr("transpose_a")
+                              and op.outputs[0].shape.as_list() == [5, 4]]
+    assert len(second_kernel_gradient) == 1
+    assert second_kernel_gradient[0] in _ancestors(recomputed[0])

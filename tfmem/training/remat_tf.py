@@ -49,6 +49,11 @@ def recompute_grad(function):
     arguments wait on the gradient through control dependencies, which copy nothing; under
     XLA (`jit_compile=True`), which does not keep control dependencies, through the same
     addition, which XLA fuses into the ops that read it.
+
+    The gradients it passes on to its arguments wait, through their data, for the weights'
+    gradients, which read the recomputed tensors: the segment before this one (whose
+    recomputation waits for those gradients) is recomputed only once this one's tensors can
+    be freed, not side by side with them, as TensorFlow's executor would run it.
     """
 
     @tf.custom_gradient
@@ -64,7 +69,8 @@ def recompute_grad(function):
                 recomputed = function(*ordered)
             grads = tape.gradient(recomputed, ordered + variables, output_gradients=upstream,
                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            return grads[:len(ordered)], _after_reads(recomputed, grads[len(ordered):])
+            weights = _after_reads(recomputed, grads[len(ordered):])
+            return _after_values(weights, grads[:len(ordered)]), weights
 
         return result, grad
 
@@ -92,10 +98,17 @@ def _after_reads(recomputed, gradients) -> list:
     waits, through its data, for every recomputed output (one addition over the weights'
     size, which XLA fuses).
     """
-    zero = _zero_after(tf.nest.flatten(recomputed))
+    return _after_values(tf.nest.flatten(recomputed), gradients)
+
+
+def _after_values(dependencies, tensors) -> list:
+    """`tensors` plus a 0 that exists only once `dependencies` do (an addition TensorFlow
+    makes in place where the tensor has no other reader); as they are if no dependency is a
+    number. A None (no gradient) stays None."""
+    zero = _zero_after(dependencies)
     if zero is None:
-        return list(gradients)
-    return [_plus(gradient, zero) for gradient in gradients]
+        return list(tensors)
+    return [None if tensor is None else _plus(tensor, zero) for tensor in tensors]
 
 
 def _zero_after(tensors):
