@@ -73,14 +73,18 @@ def test_arguments_are_not_copied_and_the_recomputation_waits_for_its_gradient()
     assert len(waiting) == 1
 
 
-def _data_ancestors(op) -> set:
-    """The ops whose outputs `op` reads, directly or through others (no control edges)."""
+def _ancestors(op, control=False) -> set:
+    """The ops whose outputs `op` reads, directly or through others; with `control`, also
+    those it waits for through control edges."""
     seen, stack = set(), [op]
     while stack:
-        for tensor in stack.pop().inputs:
-            if tensor.op not in seen:
-                seen.add(tensor.op)
-                stack.append(tensor.op)
+        current = stack.pop()
+        parents = [t.op for t in current.inputs] + (list(current.control_inputs)
+                                                    if control else [])
+        for parent in parents:
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
     return seen
 
 
@@ -99,19 +103,7 @@ def test_a_kernels_gradient_waits_for_every_read_of_the_kernel(wrap):
              if op.type == "ReadVariableOp" and op.outputs[0].consumers()]
     assert len(reads) >= (3 if wrap is recompute_grad else 1)  # the forward pass's, again
     kernel_gradient = graph.outputs[0].op
-    assert set(reads) <= _data_ancestors(kernel_gradient)
-
-
-def _ancestors(op) -> set:
-    """The ops `op` waits for, through data or control edges."""
-    seen, stack = set(), [op]
-    while stack:
-        current = stack.pop()
-        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
-            if parent not in seen:
-                seen.add(parent)
-                stack.append(parent)
-    return seen
+    assert set(reads) <= _ancestors(kernel_gradient)
 
 
 def test_a_segment_is_recomputed_after_the_weights_gradients_of_the_one_after_it():
@@ -138,4 +130,4 @@ def test_a_segment_is_recomputed_after_the_weights_gradients_of_the_one_after_it
                               if op.type == "MatMul" and op.get_attr("transpose_a")
                               and op.outputs[0].shape.as_list() == [5, 4]]
     assert len(second_kernel_gradient) == 1
-    assert second_kernel_gradient[0] in _ancestors(recomputed[0])
+    assert second_kernel_gradient[0] in _ancestors(recomputed[0], control=True)

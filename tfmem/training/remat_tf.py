@@ -80,8 +80,7 @@ def recompute_grad(function):
 def _after(dependency, tensors) -> list:
     """`tensors` as they are, made only once `dependency` exists."""
     if internals.in_xla_compilation():  # as `tf.recompute_grad` does
-        zero = _zero_after([dependency])
-        return [tensor + tf.cast(zero, tensor.dtype) for tensor in tensors]
+        return _after_values([dependency], tensors)
     with tf.control_dependencies([dependency]):
         return [tf.identity(tensor) for tensor in tensors]
 
