@@ -308,13 +308,13 @@ def test_pairs_and_full_are_planned_by_hand_counts():
         ("", ((0, 1),)),)
 
 
-def _stacked(rematerialize=None):
+def _stacked(rematerialize=None, layers=3):
     """A dense block of Dense layers: each takes the stack of the input and every earlier
     layer's 16 new values, concatenated."""
     keras.utils.set_random_seed(0)
     inputs = keras.Input((64,))
     stack = inputs
-    for i in range(3):
+    for i in range(layers):
         new = keras.layers.Dense(16, name=f"d{i}")(stack)
         stack = keras.layers.Concatenate(name=f"cat{i}")([stack, new])
     accum = tfmem.AccumModel(inputs, keras.layers.Dense(3, name="head")(stack),
@@ -352,6 +352,35 @@ def test_a_stack_is_made_again_from_its_pieces_and_planned_so():
     assert [id(t) for t in inputs] == [id(made["cat0"]), id(made["d1"])] and len(joins) == 1
     inputs, joins = range_inputs(nodes, [(6, 6)])[6]
     assert [id(t) for t in inputs] == [id(made["cat1"]), id(made["d2"])] and len(joins) == 1
+
+
+def test_a_pieces_gradients_are_added_range_by_range_after_grapplers_rewrites():
+    # Each of 5 ranges (d_i, cat_i) makes its stack again from the input and the new values
+    # before it: the input's gradient is a sum over the 5 ranges of a slice of their stacks'
+    # gradients. TensorFlow's arithmetic optimizer folds a chain of additions whose sums have
+    # one reader each into one addition, made once every term exists: all 5 held at once.
+    # Each range's sum is read twice, so no addition takes more than the two slices one
+    # range adds (4 without: every slice but the first range's, which adds the input whole).
+    from tensorflow.core.protobuf import config_pb2
+    from tensorflow.python.grappler import tf_optimizer
+
+    layers = 5
+    accum = _stacked([(f"d{i}", f"cat{i}") for i in range(layers)], layers=layers)
+    x, y = tf.ones((8, 64)), tf.range(8) % 3
+    accum.train_on_batch(x, y)  # builds the optimizer's variables
+    graph = tf.function(accum.train_step).get_concrete_function((x, y)).graph
+    exported = tf.compat.v1.train.export_meta_graph(
+        graph_def=graph.as_graph_def(add_shapes=True), graph=graph)
+    exported.collection_def["train_op"].node_list.value.extend(
+        [t.op.name for t in graph.outputs] + [op.name for op in graph.control_outputs])
+    optimized = tf_optimizer.OptimizeGraph(config_pb2.ConfigProto(), exported)
+    types = {node.name: node.op for node in optimized.node}
+    additions = [[types.get(name.split(":")[0]) for name in node.input
+                  if not name.startswith("^")]
+                 for node in optimized.node if node.op in ("AddN", "AddV2", "Add")]
+    assert any(node.name.startswith("ArithmeticOptimizer/") for node in optimized.node)
+    assert sum("Slice" in inputs for inputs in additions) >= layers - 1
+    assert max(inputs.count("Slice") for inputs in additions) <= 2
 
 
 @pytest.mark.parametrize("precision", ["float32", "mixed_float16"])
