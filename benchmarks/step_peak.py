@@ -11,6 +11,9 @@ each allocation and deallocation it makes while the profiler runs (`MemoryAlloca
 bytes in use after it). Replaying them finds the moment the bytes in use were highest and
 prints what was live then: op, shape, MiB asked for, MiB of the chunk. Allocations made before
 the traced step (weights, the optimizer's slots) are in the bytes in use but not in the list.
+Also the most bytes the step's own tensors asked for at once: without the chunks' rounding (a
+free chunk under twice the size asked is not split), which moves the allocator's count from
+run to run.
 """
 
 from __future__ import annotations
@@ -58,18 +61,21 @@ def _events(logdir: str) -> list[tuple[int, str, dict]]:
     return sorted(events, key=lambda event: event[0])
 
 
-def peak(events) -> tuple[int, str, dict]:
-    """(bytes in use at the peak, the op that allocated then, `address → (asked, chunk, op,
-    shape)` of what was live)."""
+def peak(events, asked: bool = False) -> tuple[int, str, dict]:
+    """(the highest bytes in use, the op that allocated then, `address → (asked, chunk, op,
+    shape)` of what was live then). Bytes in use are the allocator's (its chunks, and what
+    was allocated before the trace), or with `asked`, the bytes the step's tensors asked for."""
     live, highest, at, then = {}, -1, "", {}
+    total = 0
     for _, name, stats in events:
+        address = stats.get("addr")
+        total -= live.pop(address, (0,))[0]
         if name == "MemoryAllocation":
-            live[stats.get("addr")] = (int(stats.get("requested_bytes") or 0),
-                                       int(stats.get("allocation_bytes") or 0),
-                                       stats.get("tf_op") or "?", stats.get("shape") or "")
-        else:
-            live.pop(stats.get("addr"), None)
-        in_use = int(stats.get("bytes_allocated") or 0)
+            live[address] = (int(stats.get("requested_bytes") or 0),
+                             int(stats.get("allocation_bytes") or 0),
+                             stats.get("tf_op") or "?", stats.get("shape") or "")
+            total += live[address][0]
+        in_use = total if asked else int(stats.get("bytes_allocated") or 0)
         if in_use > highest:
             highest, at, then = in_use, stats.get("tf_op") or "?", dict(live)
     return highest, at, then
@@ -82,9 +88,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--setting", choices=("none", "full"), default="full")
     parser.add_argument("--top", type=int, default=30, help="live tensors to list")
+    parser.add_argument("--one-thread", action="store_true",
+                        help="run the step's ops one at a time (Grappler's rewrites kept)")
     args = parser.parse_args()
 
     import tensorflow as tf
+
+    if args.one_thread:
+        tf.config.threading.set_inter_op_parallelism_threads(1)
 
     import dependency_optimizer
 
@@ -95,11 +106,15 @@ def main() -> None:
         tf.profiler.experimental.start(logdir)
         accum.train_on_batch(x, y)
         tf.profiler.experimental.stop()
-        highest, at, live = peak(_events(logdir))
+        events = _events(logdir)
+    highest, at, live = peak(events)
     asked = sum(entry[0] for entry in live.values())
+    most, most_at, _ = peak(events, asked=True)
     print(f"{args.model} at {args.image_size} px, micro-batch {args.batch}, rematerialize "
-          f"{args.setting}: {highest / MIB:.1f} MiB in use at the peak (allocating {at}); "
-          f"{len(live)} tensors of the step live there, {asked / MIB:.1f} MiB asked for")
+          f"{args.setting}: {highest / MIB:.1f} MiB in use at the allocator's peak (allocating "
+          f"{at}); {len(live)} tensors of the step live there, {asked / MIB:.1f} MiB asked for. "
+          f"At most {most / MIB:.1f} MiB asked for by the step's live tensors (allocating "
+          f"{most_at}).")
     print("| MiB asked | MiB chunk | op | shape |\n|---:|---:|---|---|")
     for requested, chunk, op, shape in sorted(live.values(), reverse=True)[:args.top]:
         print(f"| {requested / MIB:.1f} | {chunk / MIB:.1f} | {op} | {shape} |")

@@ -54,6 +54,14 @@ def recompute_grad(function):
     gradients, which read the recomputed tensors: the segment before this one (whose
     recomputation waits for those gradients) is recomputed only once this one's tensors can
     be freed, not side by side with them, as TensorFlow's executor would run it.
+
+    They also wait for each other, which reads each of them twice. A segment's gradient for a
+    piece it passes on to later segments (`remat._runner`) is the sum of its own and theirs;
+    read only by the next such sum, the whole chain would be folded by Grappler's arithmetic
+    optimizer into one addition, made once the last segment's gradient exists: every
+    segment's gradient for the piece held until then (in FC-DenseNet's last dense block, 4 of
+    each of its input's pieces). Read twice, each sum is made as soon as its segment has its
+    own.
     """
 
     @tf.custom_gradient
@@ -70,7 +78,8 @@ def recompute_grad(function):
             grads = tape.gradient(recomputed, ordered + variables, output_gradients=upstream,
                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
             weights = _after_reads(recomputed, grads[len(ordered):])
-            return _each_after_values(weights, grads[:len(ordered)]), weights
+            passed = grads[:len(ordered)]
+            return _after_values(weights + passed, passed), weights
 
         return result, grad
 
@@ -104,41 +113,21 @@ def _after_values(dependencies, tensors) -> list:
     """`tensors` plus a 0 that exists only once `dependencies` do (an addition TensorFlow
     makes in place where the tensor has no other reader); as they are if no dependency is a
     number. A None (no gradient) stays None."""
-    zero = _zero_of(_firsts(dependencies))
+    zero = _zero_after(dependencies)
     if zero is None:
         return list(tensors)
     return [None if tensor is None else _plus(tensor, zero) for tensor in tensors]
 
 
-def _each_after_values(dependencies, tensors) -> list:
-    """Each of `tensors` plus a 0 that exists only once `dependencies` and that tensor do.
-
-    A segment's gradient for a piece it passes on to later segments (`remat._runner`) is the
-    sum of its own and theirs. Read only by that sum, it would be folded by Grappler's
-    arithmetic optimizer into one addition of every segment's gradient for the piece, made
-    once the last of them exists: all of them held side by side (in FC-DenseNet's last dense
-    block, 4 gradients of each of its input's pieces). Read twice (here, its first element
-    too), each sum is made as soon as its segment's gradient exists."""
-    shared = _firsts(dependencies)
-    zeros = [_zero_of(shared + _firsts([tensor])) for tensor in tensors]
-    return [tensor if tensor is None or zero is None else _plus(tensor, zero)
-            for tensor, zero in zip(tensors, zeros)]
-
-
-def _firsts(tensors) -> list:
-    """The first element of each dense tensor of numbers in `tensors` (none of an empty one),
-    as float32 vectors."""
-    return [tf.cast(tf.reshape(tensor, [-1])[:1], tf.float32)
-            for tensor in tensors
-            if isinstance(tensor, tf.Tensor) and (tensor.dtype.is_floating
-                                                  or tensor.dtype.is_integer
-                                                  or tensor.dtype == tf.bool)]
-
-
-def _zero_of(firsts):
-    """A float32 0 that exists only once `firsts` (`_firsts`: one read of each tensor, not
-    the whole of it) do; NaN where one is NaN; None when there are none (no dense tensor of
-    numbers: sparse and ragged ones are passed over)."""
+def _zero_after(tensors):
+    """A float32 0 that exists only once `tensors` do (NaN where a first element is NaN):
+    made from the first element of each (one read, not the whole tensor). None when none is
+    a dense tensor of numbers (sparse and ragged ones are passed over)."""
+    firsts = [tf.cast(tf.reshape(tensor, [-1])[:1], tf.float32)  # none of an empty batch
+              for tensor in tensors
+              if isinstance(tensor, tf.Tensor) and (tensor.dtype.is_floating
+                                                    or tensor.dtype.is_integer
+                                                    or tensor.dtype == tf.bool)]
     if not firsts:
         return None
     first = tf.reduce_max(tf.concat(firsts, axis=0))  # -inf if there is none: 0 all the same
