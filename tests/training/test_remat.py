@@ -358,8 +358,8 @@ def test_a_pieces_gradients_are_added_range_by_range_after_grapplers_rewrites():
     # Each of 5 ranges (d_i, cat_i) makes its stack again from the input and the new values
     # before it: the input's gradient is a sum over the 5 ranges of a slice of their stacks'
     # gradients. TensorFlow's arithmetic optimizer folds a chain of additions whose sums have
-    # one reader each into one addition, made once every term exists: all 5 held at once.
-    # Each range's sum is read twice, so no addition takes more than the two slices one
+    # one reader each into one addition, made once every term exists: all of them held at
+    # once. Each range's sum is read twice, so no addition takes more than the two slices one
     # range adds (4 without: every slice but the first range's, which adds the input whole).
     from tensorflow.core.protobuf import config_pb2
     from tensorflow.python.grappler import tf_optimizer
