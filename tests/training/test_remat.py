@@ -361,19 +361,11 @@ def test_a_pieces_gradients_are_added_range_by_range_after_grapplers_rewrites():
     # one reader each into one addition, made once every term exists: all of them held at
     # once. Each range's sum is read twice, so no addition takes more than the two slices one
     # range adds (4 without: every slice but the first range's, which adds the input whole).
-    from tensorflow.core.protobuf import config_pb2
-    from tensorflow.python.grappler import tf_optimizer
-
     layers = 5
     accum = _stacked([(f"d{i}", f"cat{i}") for i in range(layers)], layers=layers)
     x, y = tf.ones((8, 64)), tf.range(8) % 3
     accum.train_on_batch(x, y)  # builds the optimizer's variables
-    graph = tf.function(accum.train_step).get_concrete_function((x, y)).graph
-    exported = tf.compat.v1.train.export_meta_graph(
-        graph_def=graph.as_graph_def(add_shapes=True), graph=graph)
-    exported.collection_def["train_op"].node_list.value.extend(
-        [t.op.name for t in graph.outputs] + [op.name for op in graph.control_outputs])
-    optimized = tf_optimizer.OptimizeGraph(config_pb2.ConfigProto(), exported)
+    optimized = _after_grappler(tf.function(accum.train_step).get_concrete_function((x, y)).graph)
     types = {node.name: node.op for node in optimized.node}
     additions = [[types.get(name.split(":")[0]) for name in node.input
                   if not name.startswith("^")]
@@ -381,6 +373,68 @@ def test_a_pieces_gradients_are_added_range_by_range_after_grapplers_rewrites():
     assert any(node.name.startswith("ArithmeticOptimizer/") for node in optimized.node)
     assert sum("Slice" in inputs for inputs in additions) >= layers - 1
     assert max(inputs.count("Slice") for inputs in additions) <= 2
+
+
+def _after_grappler(graph):
+    """The GraphDef of a traced step as Grappler's default rewrites leave it (its outputs and
+    control outputs kept)."""
+    from tensorflow.core.protobuf import config_pb2
+    from tensorflow.python.grappler import tf_optimizer
+
+    exported = tf.compat.v1.train.export_meta_graph(
+        graph_def=graph.as_graph_def(add_shapes=True), graph=graph)
+    exported.collection_def["train_op"].node_list.value.extend(
+        [t.op.name for t in graph.outputs] + [op.name for op in graph.control_outputs])
+    return tf_optimizer.OptimizeGraph(config_pb2.ConfigProto(), exported)
+
+
+def _ancestors(graph_def, name) -> set:
+    """The nodes `name` waits for in `graph_def`, through data or control edges."""
+    inputs = {node.name: [i.lstrip("^").split(":")[0] for i in node.input]
+              for node in graph_def.node}
+    seen, todo = set(), [name]
+    while todo:
+        for parent in inputs.get(todo.pop(), ()):
+            if parent not in seen:
+                seen.add(parent)
+                todo.append(parent)
+    return seen
+
+
+def test_inside_a_segment_a_layers_input_gradient_waits_for_its_weights_gradients():
+    # In the segment (a_hidden, a_out), a_out's kernel gradient reads its input, a_hidden's
+    # 512 outputs; a_hidden's gradients need only a_out's input gradient. Made first, that
+    # input gradient lets a_hidden's backward run while a_out's input is still held; made
+    # after a_out's kernel gradient, as now, the input is freed first: a_hidden's kernel
+    # gradient waits for a_out's, in the traced step and after Grappler's rewrites.
+    accum = _dense_chain([("a_hidden", "a_out")])
+    accum.compile(keras.optimizers.SGD(0.1),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = tf.ones((8, 64)), tf.range(8) % 3
+    accum.train_on_batch(x, y)  # cuts the segment
+    kernels = {v.path: i for i, v in enumerate(accum.trainable_variables)}
+
+    @tf.function
+    def gradients(x, y):
+        with tf.GradientTape() as tape:
+            loss = accum.compute_loss(x=x, y=y, y_pred=accum(x, training=True))
+        return tape.gradient(loss, accum.trainable_variables)
+
+    graph = gradients.get_concrete_function(x, y).graph
+    for graph_def in (graph.as_graph_def(), _after_grappler(graph)):
+        nodes = {node.name: node for node in graph_def.node}
+
+        def made(path):  # what the returned gradient of `path` waits for
+            return _ancestors(graph_def, graph.outputs[kernels[path]].op.name)
+
+        def kernel_gradients(names):  # input^T × output's gradient: a Dense kernel's
+            return {name for name in names if "MatMul" in nodes[name].op
+                    and nodes[name].attr["transpose_a"].b}
+
+        a_out = kernel_gradients(made("a_out/kernel"))
+        assert len(a_out) == 1 and a_out <= made("a_hidden/kernel")
+        # outside the segment nothing is reordered: b's layers run as Keras runs them
+        assert not kernel_gradients(made("b_out/kernel")) & made("b_hidden/kernel")
 
 
 @pytest.mark.parametrize("precision", ["float32", "mixed_float16"])

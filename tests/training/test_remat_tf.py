@@ -132,3 +132,36 @@ def test_a_segment_is_recomputed_after_the_weights_gradients_of_the_one_after_it
                               and op.outputs[0].shape.as_list() == [5, 4]]
     assert len(second_kernel_gradient) == 1
     assert second_kernel_gradient[0] in _ancestors(recomputed[0], control=True)
+
+
+def test_only_calls_that_read_no_tensor_twice_have_their_gradients_ordered():
+    # A wrapped call's gradient adds up, inside it, the gradients of a tensor it reads twice,
+    # in another order than the whole segment's gradient would: so only calls that read
+    # each tensor once (a Dense, a convolution) are wrapped; a normalization (its input for
+    # the moments and the normalization) and an attention on one tensor are not.
+    import keras
+
+    from tfmem.training.remat_tf import WeightsFirst
+
+    def one_tensor(layer):
+        return lambda x: layer(x, x)
+
+    x4, x3 = tf.ones((2, 6, 6, 4)), tf.ones((2, 5, 4))
+    cases = {"dense": (keras.layers.Dense(3, activation="relu"), x3),
+             "conv": (keras.layers.Conv2D(3, 3), x4),
+             "batch_norm": (keras.layers.BatchNormalization(), x4),
+             "layer_norm": (keras.layers.LayerNormalization(), x3),
+             "attention": (one_tensor(keras.layers.MultiHeadAttention(2, 4)), x3)}
+    calls = WeightsFirst()
+
+    @tf.function
+    def forward():
+        return [calls.observed(name, layer)(x * 1.0, training=True)
+                if name.endswith("norm") else calls.observed(name, layer)(x * 1.0)
+                for name, (layer, x) in cases.items()]
+
+    forward.get_concrete_function()
+    assert {name: calls.plain[id(name)] for name in cases} == {
+        "dense": False, "conv": False, "batch_norm": True,
+                           "layer_norm": True, "attention": True}
+    assert WeightsFirst().ordered("dense", len) is len  # a call the forward pass did not see

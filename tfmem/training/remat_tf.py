@@ -23,15 +23,18 @@ def rematerialized_call(layer, original):
         seen = [tf.identity(variable.value) for variable in state]  # before the forward pass
         flat = tf.nest.flatten(args)
         runs = []
+        calls = WeightsFirst()
 
         @recompute_grad
         def run(*tensors):
             rebuilt = tf.nest.pack_sequence_as(args, list(tensors))
             if not runs:  # the forward pass: its updates are the step's
                 runs.append("forward")
-                return original(*rebuilt, **kwargs)
+                with remat.segment_calls(calls.observed):
+                    return original(*rebuilt, **kwargs)
             runs.append("recomputed")
-            with internals.stateless_scope(list(zip(state, seen))):
+            with internals.stateless_scope(list(zip(state, seen))), \
+                    remat.segment_calls(calls.ordered):
                 return original(*rebuilt, **kwargs)
 
         return run(*flat)
@@ -84,6 +87,135 @@ def recompute_grad(function):
         return result, grad
 
     return inner
+
+
+class WeightsFirst:
+    """The calls of layers with weights in a recomputed segment, whose gradients for their
+    inputs are made only once those for their weights are.
+
+    A layer's weights' gradient reads its input (a convolution's kernel gradient is made from
+    it and the output's gradient); its input's gradient does not. TensorFlow's executor runs
+    whichever is ready, so the layers before it in the segment may run their backward pass
+    while the kernel's gradient has not read the input yet, and the input is held through
+    theirs: in FC-DenseNet's last dense block, the BatchNormalization-ReLU output a
+    convolution reads, the width of the block's stack, held while the BatchNormalization
+    before it makes its gradients. Ordered by control edges (which copy nothing), the input is
+    freed first. Run eagerly, or under XLA (which drops control edges), calls run as they are.
+
+    The recomputed call is wrapped in a custom gradient whose gradients are those of the call
+    (the same ops). Only a call that reads no tensor twice is: one that does (a
+    BatchNormalization reads its input for the mean, the variance and the normalization; an
+    attention, one tensor for query, key and value) adds that tensor's gradient up in its own
+    gradient, in an order other than the one TensorFlow takes for the whole segment: a
+    difference of rounding, which Adam turns into steps of the learning rate's size for a
+    weight whose gradient is 0 but for rounding (an attention's key bias). The forward pass
+    runs each call as written and tells which do (`observed`), so none is run twice.
+    """
+
+    def __init__(self):
+        self.plain = {}  # id(node) → whether the call reads a tensor twice
+
+    def observed(self, node, call):
+        """`call` as it is, noting whether it reads a tensor twice."""
+
+        if tf.executing_eagerly() or internals.in_xla_compilation():
+            return call  # ops run as they come; XLA drops control edges
+
+        def observing(*args, **kwargs):
+            inputs = _float_inputs(args, kwargs)
+            before = [set(tensor.consumers()) for tensor in inputs]
+            result = call(*args, **kwargs)
+            self.plain[id(node)] = not all(
+                isinstance(output, tf.Tensor) for output in tf.nest.flatten(result)
+            ) or _reads_twice(inputs, before)
+            return result
+
+        return observing
+
+    def ordered(self, node, call):
+        """`call`, its input gradients made after its weights' (as it is where the forward
+        pass found it reading a tensor twice, or did not see it)."""
+        if self.plain.get(id(node), True):
+            return call
+
+        def ordering(*args, **kwargs):
+            flat = tf.nest.flatten((args, kwargs))
+            inputs = _float_inputs(args, kwargs)
+            if not inputs:
+                return call(*args, **kwargs)
+            made = []
+
+            @tf.custom_gradient
+            def inner(*tensors):
+                by_id = dict(zip((id(tensor) for tensor in inputs), tensors))
+                filled = [by_id.get(id(item), item) for item in flat]
+                with tf.GradientTape() as tape:
+                    tape.watch(tensors)
+                    filled_args, filled_kwargs = tf.nest.pack_sequence_as((args, kwargs),
+                                                                          filled)
+                    result = call(*filled_args, **filled_kwargs)
+                made.append(result)
+                outputs = tf.nest.flatten(result)
+
+                def grad(*upstream, variables=None):
+                    variables = list(variables or [])
+                    pairs = [(output, up) for output, up in zip(outputs, upstream)
+                             if output.dtype.is_floating]
+                    grads = tape.gradient(
+                        [output for output, _ in pairs], list(tensors) + variables,
+                        output_gradients=[tf.zeros_like(output) if up is None else up
+                                          for output, up in pairs])
+                    weights = grads[len(tensors):]
+                    first = [g for g in weights if isinstance(g, (tf.Tensor, tf.IndexedSlices))]
+                    if not first:
+                        return grads[:len(tensors)], weights
+                    with tf.control_dependencies([g.values if isinstance(g, tf.IndexedSlices)
+                                                  else g for g in first]):
+                        return [_identity(g) for g in grads[:len(tensors)]], weights
+
+                return outputs, grad
+
+            outputs = inner(*inputs)
+            return tf.nest.pack_sequence_as(made[0], outputs)
+
+        return ordering
+
+
+def _float_inputs(args, kwargs) -> list:
+    """The floating-point tensors of a call's arguments, each once."""
+    return list({id(item): item for item in tf.nest.flatten((args, kwargs))
+                 if isinstance(item, tf.Tensor) and item.dtype.is_floating}.values())
+
+
+_SHAPE_ONLY = frozenset({"Shape", "ShapeN", "Rank", "Size"})
+
+
+def _reads_twice(inputs, before) -> bool:
+    """Whether two ops made since `before` (the inputs' consumers then) read one tensor:
+    an input, or one made from them since."""
+    todo = [(tensor, seen) for tensor, seen in zip(inputs, before)]
+    visited = set()
+    while todo:
+        tensor, seen = todo.pop()
+        readers = [op for op in tensor.consumers()
+                   if op not in seen and op.type not in _SHAPE_ONLY]
+        if len(readers) > 1:
+            return True
+        for op in readers:
+            if op not in visited:
+                visited.add(op)
+                todo.extend((output, ()) for output in op.outputs)
+    return False
+
+
+def _identity(gradient):
+    """`gradient` as it is, made within the control dependencies around it (None stays)."""
+    if gradient is None:
+        return None
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.identity(gradient.values), gradient.indices,
+                                gradient.dense_shape)
+    return tf.identity(gradient)
 
 
 def _after(dependency, tensors) -> list:
