@@ -243,6 +243,19 @@ def stateless_scope(state_mapping):
     return scope(state_mapping=state_mapping)
 
 
+def keep_keras_masks(originals, replacements) -> None:
+    """Sets on each of `replacements` the Keras mask of the tensor it stands for (in
+    `originals`), as Keras's layers set them on their outputs."""
+    get = _module_attribute("keras.src.backend.common.masking", "get_keras_mask",
+                            "Keras's mask of a tensor")
+    put = _module_attribute("keras.src.backend.common.masking", "set_keras_mask",
+                            "Keras's mask of a tensor")
+    for original, replacement in zip(originals, replacements):
+        mask = get(original)
+        if mask is not None:
+            put(replacement, mask)
+
+
 def any_symbolic(args, kwargs) -> bool:
     """Whether a call's arguments hold symbolic tensors (a functional model being built)."""
     check = _module_attribute("keras.src.backend.common.keras_tensor", "any_symbolic_tensors",

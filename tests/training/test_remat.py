@@ -437,6 +437,38 @@ def test_inside_a_segment_a_layers_input_gradient_waits_for_its_weights_gradient
         assert not kernel_gradients(made("b_out/kernel")) & made("b_hidden/kernel")
 
 
+def test_a_masked_sequence_trains_to_the_same_weights():
+    # The segment takes the Embedding's padding mask (a bool tensor) as an input: it has no
+    # gradient to pass on (it was given a 0 added to it, a TypeError), and the GRU in it
+    # reads it again when recomputed.
+    def build(rematerialize):
+        keras.utils.set_random_seed(3)
+        tokens = keras.Input((10,), dtype="int32")
+        x = keras.layers.Embedding(20, 8, mask_zero=True, name="embed")(tokens)
+        x = keras.layers.Dense(8, name="d1")(x)
+        x = keras.layers.GRU(8, return_sequences=True, name="gru")(x)
+        x = keras.layers.Dense(8, name="d2")(x)
+        x = keras.layers.GlobalAveragePooling1D(name="pool")(x)
+        accum = tfmem.AccumModel(tokens, keras.layers.Dense(3, name="head")(x),
+                                 rematerialize=rematerialize, accumulation_steps=2)
+        accum.compile(keras.optimizers.SGD(0.1),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return accum
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(1, 20, size=(32, 10)).astype("int32")
+    x[:, 6:] = 0  # padding, masked
+    y = np.arange(32) % 3
+    weights = []
+    for setting in (None, [("d1", "head")]):
+        accum = build(setting)
+        accum.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        weights.append(accum.get_weights())
+    assert accum.rematerialized_segments == (("", ((2, 6),)),)
+    assert max(np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-12)
+               for a, b in zip(*weights, strict=True)) <= 1e-6
+
+
 @pytest.mark.parametrize("precision", ["float32", "mixed_float16"])
 def test_a_stack_made_again_trains_to_the_same_weights(precision):
     x = np.random.default_rng(0).normal(size=(48, 64)).astype("float32")

@@ -81,7 +81,8 @@ def recompute_grad(function):
             grads = tape.gradient(recomputed, ordered + variables, output_gradients=upstream,
                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
             weights = _after_reads(recomputed, grads[len(ordered):])
-            passed = grads[:len(ordered)]
+            passed = [gradient if _differentiable(argument) else None  # a mask, token ids
+                      for argument, gradient in zip(args, grads[:len(ordered)])]
             return _after_values(weights + passed, passed), weights
 
         return result, grad
@@ -176,6 +177,7 @@ class WeightsFirst:
                 return outputs, grad
 
             outputs = inner(*inputs)
+            internals.keep_keras_masks(tf.nest.flatten(made[0]), outputs)
             return tf.nest.pack_sequence_as(made[0], outputs)
 
         return ordering
@@ -216,6 +218,12 @@ def _identity(gradient):
         return tf.IndexedSlices(tf.identity(gradient.values), gradient.indices,
                                 gradient.dense_shape)
     return tf.identity(gradient)
+
+
+def _differentiable(tensor) -> bool:
+    """Whether `tensor` has a gradient: floating point or complex (not a bool mask or ids)."""
+    dtype = getattr(tensor, "dtype", None)
+    return dtype is not None and (dtype.is_floating or dtype.is_complex)
 
 
 def _after(dependency, tensors) -> list:
