@@ -156,7 +156,8 @@ def timed(args, settings: list[str]) -> dict[str, float]:
                 last = (done.stderr.strip().splitlines() or ["no output"])[-1]
                 raise SystemExit(f"error: timing {setting} failed: {last}")
             times[setting].append(float(done.stdout.strip().splitlines()[-1]))
-    return {setting: float(np.median(values)) for setting, values in times.items()}
+    return {setting: float(np.median(values)) if values else None  # `--time-rounds 0`
+            for setting, values in times.items()}
 
 
 def live_child(args, batches: tuple[int, int]) -> None:
@@ -440,7 +441,7 @@ def main(argv=None):
         print(f"| {r['setting']} | {r['segments']} | "
               f"{r['growth'][small] / GIB:.2f} GiB | {r['growth'][large] / GIB:.2f} GiB | "
               f"{r['per_sample'] / MIB:.0f} MiB |{live} {r['planned'] / MIB:.0f} MiB | "
-              f"{r['fits']} | {r['seconds']:.3f} |")
+              f"{r['fits']} | {'—' if r['seconds'] is None else format(r['seconds'], '.3f')} |")
     plain = rows[0]
     for r in rows:
         line = (f"{r['setting']}: planned / measured per sample "
@@ -448,8 +449,9 @@ def main(argv=None):
         if args.live:
             line += f", planned / live {r['planned'] / r['live']:.2f}"
         if r is not plain:
-            line += (f"; / {plain['setting']}: micro-batch {r['fits'] / plain['fits']:.2f}×, "
-                     f"time per sample {r['seconds'] / plain['seconds']:.2f}×")
+            line += f"; / {plain['setting']}: micro-batch {r['fits'] / plain['fits']:.2f}×"
+            if r["seconds"] is not None and plain["seconds"] is not None:
+                line += f", time per sample {r['seconds'] / plain['seconds']:.2f}×"
             if args.live:
                 line += f", live per sample {plain['live'] / r['live']:.2f}× less"
         print(line)
