@@ -114,10 +114,12 @@ class WeightsFirst:
     """
 
     def __init__(self):
-        self.plain = {}  # id(node) → whether the call reads a tensor twice
+        self.plain = {}  # id(node) → run as written: no floating input, or one read twice
 
     def observed(self, node, call):
-        """`call` as it is, noting whether it reads a tensor twice."""
+        """`call` as it is, noting whether it is to run as written in the recomputation: it
+        takes no floating-point tensor, returns something other than tensors, or reads a
+        tensor twice."""
 
         if tf.executing_eagerly() or internals.in_xla_compilation():
             return call  # ops run as they come; XLA drops control edges
@@ -126,7 +128,7 @@ class WeightsFirst:
             inputs = _float_inputs(args, kwargs)
             before = [set(tensor.consumers()) for tensor in inputs]
             result = call(*args, **kwargs)
-            self.plain[id(node)] = not all(
+            self.plain[id(node)] = not inputs or not all(
                 isinstance(output, tf.Tensor) for output in tf.nest.flatten(result)
             ) or _reads_twice(inputs, before)
             return result
@@ -135,15 +137,13 @@ class WeightsFirst:
 
     def ordered(self, node, call):
         """`call`, its input gradients made after its weights' (as it is where the forward
-        pass found it reading a tensor twice, or did not see it)."""
+        pass found it to run as written, or did not see it)."""
         if self.plain.get(id(node), True):
             return call
 
         def ordering(*args, **kwargs):
             flat = tf.nest.flatten((args, kwargs))
-            inputs = _float_inputs(args, kwargs)
-            if not inputs:
-                return call(*args, **kwargs)
+            inputs = _float_inputs(args, kwargs)  # some: the forward pass saw them
             made = []
 
             @tf.custom_gradient
