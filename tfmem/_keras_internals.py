@@ -210,6 +210,11 @@ def first_batch(epoch_iterator):
     raise ValueError("The data has no batches: the first epoch is empty.")
 
 
+def epoch_dataset(epoch_iterator):
+    """The dataset the TensorFlow trainer's epoch iterator reads (distributed or not)."""
+    return _attribute(epoch_iterator, "_distributed_dataset", "the epoch iterator's dataset")
+
+
 # `keras.models.clone_model` copies a functional model by replaying its graph through this
 # method with cloned layers, then builds `type(model)(inputs, outputs, name=model.name)` from the
 # replay's outputs; AccumModel's functional form overrides it to hand its `accumulation_steps` on.

@@ -123,6 +123,46 @@ def test_subclass_saves_and_loads_with_its_steps(tmp_path):
     np.testing.assert_allclose(restored.predict(x, verbose=0), model.predict(x, verbose=0))
 
 
+# --- the first step -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("data", ["arrays", "a repeated dataset"])
+def test_no_variable_is_made_while_the_step_traces(data):
+    """Without a strategy Keras makes the optimizer's and metrics' variables while the step
+    traces, and TensorFlow then traces the step a second time and keeps both graphs; an
+    AccumModel makes them before, from the data's shapes."""
+    x, y = _regression(48)
+    made_while_tracing = {}
+
+    def recorded(owner):
+        def creator(next_creator, **kwargs):
+            if not tf.executing_eagerly():
+                made_while_tracing.setdefault(owner, []).append(kwargs.get("name"))
+            return next_creator(**kwargs)
+        return creator
+
+    models = {}
+    for cls in (tfmem.AccumModel, keras.Model):
+        keras.utils.set_random_seed(5)
+        inputs = keras.Input((6,))
+        hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+        kwargs = {"accumulation_steps": 2} if cls is tfmem.AccumModel else {}
+        model = models[cls] = cls(inputs, keras.layers.Dense(3)(hidden), **kwargs)
+        model.compile("adam", "mse", metrics=["mae"])
+        with tf.variable_creator_scope(recorded(cls)):
+            if data == "arrays":
+                _fit(model, x, y, batch_size=8, epochs=2)
+            else:  # 6 batches, 4 an epoch
+                batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
+                _fit(model, batches, steps_per_epoch=4, epochs=2)
+    assert tfmem.AccumModel not in made_while_tracing
+    # What Keras does, for reference: Adam's slots are made while its step traces.
+    assert any(name.endswith("_momentum") for name in made_while_tracing[keras.Model])
+    accum, plain = models[tfmem.AccumModel], models[keras.Model]
+    steps = 12 if data == "arrays" else 8
+    assert int(accum.optimizer.iterations) == int(plain.optimizer.iterations) == steps
+    assert _rel_diff(accum.get_weights(), plain.get_weights()) <= RTOL
+
+
 # --- clone_model -----------------------------------------------------------------------------
 
 def test_clone_model_keeps_accumulation_steps():
