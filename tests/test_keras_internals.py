@@ -105,6 +105,19 @@ def test_symbolic_build_hook_is_the_tensorflow_trainer_method():
     assert callable(getattr(TensorFlowTrainer, internals.SYMBOLIC_BUILD_HOOK))
 
 
+def test_epoch_dataset_is_what_the_epoch_iterator_reads():
+    from keras.src.backend.tensorflow.trainer import TFEpochIterator
+
+    x, y = np.ones((6, 2), "float32"), np.zeros((6, 3), "float32")
+    iterator = TFEpochIterator(distribute_strategy=tf.distribute.get_strategy(), x=x, y=y,
+                               batch_size=4)
+    spec = internals.epoch_dataset(iterator).element_spec
+    assert [(tuple(s.shape), s.dtype) for s in spec] == [((None, 2), tf.float32),
+                                                          ((None, 3), tf.float32)]
+    batch = internals.first_batch(iterator)  # the dataset the batches come from
+    assert [tuple(t.shape) for t in batch] == [(4, 2), (4, 3)]
+
+
 def test_functional_class_and_how_keras_tells_a_functional_construction():
     inputs = keras.Input((2,))
     outputs = keras.layers.Dense(1)(inputs)
