@@ -16,6 +16,10 @@ distribution strategy. Printed per model, medians over the rounds:
 - the resident set after `fit`, above the process's after importing TensorFlow;
 - the bytes glibc's heap has in use then (`mallinfo2`): the graphs and Python objects kept
   for the run, without the pool TensorFlow keeps the tensors in.
+
+Processes differ from one another in the time of a step by more than the two kinds do:
+`--one-process keras-first` (or `accum-first`) fits both models in one process, an epoch each
+in turn, and prints the median of their later steps over `--rounds` epochs after the first.
 """
 
 from __future__ import annotations
@@ -56,22 +60,18 @@ def _resident() -> int:
     raise SystemExit("error: /proc/self/status has no VmRSS; run on Linux")
 
 
-def child(args) -> None:
-    """In a fresh process: one model, one kind; prints its measurements as one JSON line."""
-    import gc
-
+def _model_and_data(args, kind: str):
+    """The model of `kind` ("keras" or "accum"), compiled, and its `--steps` batches."""
     import keras
     import numpy as np
     import tensorflow as tf
-    from tensorflow.python.framework import ops
 
     import tfmem
     from tfmem import models
 
-    baseline = _resident()
     keras.utils.set_random_seed(0)
     base = models.build(args.model, num_classes=4, image_size=args.image_size)
-    if args.child == "accum":
+    if kind == "accum":
         model = tfmem.AccumModel.wrap(base, accumulation_steps=1,
                                       rematerialize=args.rematerialize)
     else:
@@ -80,16 +80,35 @@ def child(args) -> None:
     shape = (args.batch * args.steps, args.image_size, args.image_size, 3)
     x = np.random.default_rng(0).uniform(0, 1, shape).astype("float32")
     y = np.zeros((len(x),) + tuple(model.output_shape[1:]), "float32")
-    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch)
-    ends = []
+    return model, tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch)
+
+
+def _fit_epoch(model, kind: str, data) -> tuple[float, list[float]]:
+    """One `fit` epoch: its start and the end of each of its steps (`time.perf_counter`)."""
+    import keras
+
+    ends: list[float] = []
 
     class Times(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             ends.append(time.perf_counter())
 
-    extra = {"check_memory": False} if args.child == "accum" else {}
+    extra = {"check_memory": False} if kind == "accum" else {}
     start = time.perf_counter()
     model.fit(data, epochs=1, verbose=0, callbacks=[Times()], **extra)
+    return start, ends
+
+
+def child(args) -> None:
+    """In a fresh process: one model, one kind; prints its measurements as one JSON line."""
+    import gc
+
+    import numpy as np
+    from tensorflow.python.framework import ops
+
+    baseline = _resident()
+    model, data = _model_and_data(args, args.child)
+    start, ends = _fit_epoch(model, args.child, data)
     gc.collect()
     traces = sum(1 for o in gc.get_objects()
                  if isinstance(o, ops.Graph) and getattr(o, "name", "") == "one_step_on_data")
@@ -98,6 +117,26 @@ def child(args) -> None:
         traces=traces, first=ends[0] - start,
         later=float(np.median(later)) if len(later) else None,
         resident=_resident() - baseline, heap=_heap_in_use())))
+
+
+def one_process(args) -> None:
+    """Both kinds in this one process, a `fit` epoch each in turn, `--rounds` + 1 times (the
+    first traces): the median of their later steps, apart from the spread between processes."""
+    import numpy as np
+
+    kinds = ("keras", "accum") if args.one_process == "keras-first" else ("accum", "keras")
+    built = {kind: _model_and_data(args, kind) for kind in kinds}
+    later: dict[str, list[float]] = {kind: [] for kind in kinds}
+    for round_ in range(args.rounds + 1):
+        for kind in kinds:
+            model, data = built[kind]
+            _, ends = _fit_epoch(model, kind, data)
+            if round_:
+                later[kind].extend(np.diff(ends))
+    print(f"{args.model} at {args.image_size} px, batch {args.batch}, one process, "
+          f"{args.rounds} timed epochs of {args.steps} steps each, in turn ({', '.join(kinds)})")
+    for kind in kinds:
+        print(f"{kind}: later steps, median {np.median(later[kind]):.3f} s")
 
 
 def _run(args, kind: str) -> dict:
@@ -122,12 +161,16 @@ def main(argv=None) -> None:
     parser.add_argument("--rematerialize", default=None,
                         help="the AccumModel's setting (full, auto or layer names)")
     parser.add_argument("--rounds", type=int, default=3, help="processes per kind")
+    parser.add_argument("--one-process", choices=("keras-first", "accum-first"),
+                        help="both kinds in one process, in turn: later steps only")
     parser.add_argument("--child", choices=("keras", "accum"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.steps < 2 or args.batch < 1 or args.rounds < 1:
         parser.error("--steps must be at least 2, --batch and --rounds at least 1")
     if args.child:
         return child(args)
+    if args.one_process:
+        return one_process(args)
 
     import numpy as np
 
