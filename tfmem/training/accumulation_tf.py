@@ -285,9 +285,8 @@ def _first_local_batch(strategy, iterator):
 def _dense(data) -> bool:
     """Whether every part of a batch (or of a dataset's element spec) is a dense tensor,
     array or `tf.TensorSpec` (or None: no sample weights)."""
-    return all(part is None or isinstance(part, (tf.TensorSpec, np.ndarray))
-               or (isinstance(part, tf.Tensor) and not isinstance(part, tf.RaggedTensor))
-               for part in tf.nest.flatten(data))
+    return all(part is None or isinstance(part, (tf.TensorSpec, tf.Tensor, np.ndarray))
+               for part in tf.nest.flatten(data))  # ragged and sparse tensors are no tf.Tensor
 
 
 def _is_built(model) -> bool:
