@@ -53,11 +53,12 @@ def _heap_in_use() -> int | None:
 
 
 def _resident() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise SystemExit("error: /proc/self/status has no VmRSS; run on Linux")
+    from tfmem.runtime.devices import resident_bytes
+
+    resident = resident_bytes()
+    if resident is None:
+        raise SystemExit("error: this system has no /proc/self/statm; run on Linux")
+    return resident
 
 
 def _model_and_data(args, kind: str):
