@@ -12,7 +12,7 @@ import tensorflow as tf
 
 import tfmem
 from tests.training import remat_cases
-from tfmem.memory import segments
+from tfmem.memory import remat_plan, segments
 from tfmem.memory.graph_walk import node_order, range_inputs
 from tfmem.training import remat
 
@@ -296,8 +296,15 @@ def test_pairs_and_full_are_planned_by_hand_counts():
     assert full.activation_bytes_per_sample == (2 * 64 + 512 + 64) * 4
     note = full.notes[-1]
     assert "a_hidden…a_out 2.0 KiB/sample, b_hidden…head 2.2 KiB/sample" in note
-    # Everything is recomputed once: one more forward of three (forward + backward).
-    assert note.endswith("≈ +33% compute") and abs(full.recompute_fraction - 1 / 3) < 1e-9
+    # Run again: a_hidden (its ReLU output is kept), b_hidden and b_out (the head keeps
+    # b_out's output); not a_out nor the head, whose outputs no gradient reads. Forward
+    # FLOPs per sample, 2 × weights (kernel and bias) for a Dense: hidden 2 · (64 · 512 +
+    # 512), out 2 · (512 · 64 + 64), head 2 · (64 · 3 + 3).
+    hidden, out, head = 2 * (64 * 512 + 512), 2 * (512 * 64 + 64), 2 * (64 * 3 + 3)
+    forward = 2 * hidden + 2 * out + head
+    again = 2 * hidden + out
+    assert abs(full.recompute_fraction - again / (3 * forward)) < 1e-9
+    assert note.endswith("≈ +25% compute")
     # `tfmem.plan` takes the setting for any Keras model, and it overrides the model's own.
     chain = _dense_chain()
     plain_keras = keras.Model(chain.inputs, chain.outputs)
@@ -373,6 +380,40 @@ def test_a_pieces_gradients_are_added_range_by_range_after_grapplers_rewrites():
     assert any(node.name.startswith("ArithmeticOptimizer/") for node in optimized.node)
     assert sum("Slice" in inputs for inputs in additions) >= layers - 1
     assert max(inputs.count("Slice") for inputs in additions) <= 2
+
+
+def _with_dropout(rematerialize):
+    inputs = keras.Input((64,))
+    x = keras.layers.Dense(256, name="d")(inputs)
+    x = keras.layers.Dropout(0.5, name="drop")(x)
+    x = keras.layers.Dense(64, activation="relu", name="e")(x)
+    return tfmem.AccumModel(inputs, keras.layers.Dense(3, name="head")(x),
+                            rematerialize=rematerialize)
+
+
+@pytest.mark.parametrize("build, setting, again", [
+    (_dense_chain, "full", {"a_hidden", "b_hidden", "b_out"}),
+    (_with_dropout, [("d", "drop")], set())], ids=["chain", "dropout"])
+def test_the_plan_counts_as_run_again_what_the_step_runs_again(build, setting, again):
+    # The step as Grappler leaves it (what nothing reads is pruned) runs each Dense's forward
+    # product once, and again for the layers whose outputs a gradient of their segment reads:
+    # in the chain, a_hidden's and b_hidden's ReLU outputs and the head's input (b_out's);
+    # not a_out's nor the head's. A dropout's mask is drawn from its seed: the Dense before
+    # it, whose output only the dropout takes, does not run again.
+    accum = build(setting)
+    accum.compile(keras.optimizers.SGD(0.1),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = tf.ones((8, 64)), tf.range(8) % 3
+    accum.train_on_batch(x, y)  # cuts the segments
+    optimized = _after_grappler(tf.function(accum.train_step).get_concrete_function((x, y)).graph)
+    products = [node for node in optimized.node if "MatMul" in node.op
+                and not node.attr["transpose_a"].b and not node.attr["transpose_b"].b]
+    dense = [layer for layer in accum.layers if isinstance(layer, keras.layers.Dense)]
+    assert len(products) == len(dense) + len(again)
+    (path, ranges), = accum.rematerialized_segments
+    facts = remat_plan.facts(accum, None, frozenset())
+    assert {facts.names[p] for p in facts.recomputed_calls(ranges)} & {
+        layer.name for layer in dense} == again
 
 
 def _after_grappler(graph):
@@ -508,7 +549,7 @@ def test_auto_rematerializes_only_when_the_target_micro_batch_does_not_fit():
     assert (auto.micro_batch_size, auto.accumulation_steps) == (8, 1)
     assert auto.rematerialized == full.rematerialized
     assert auto.notes[-1] == ("rematerialize auto: nothing fits without it; with 2 of 2 "
-                              "segments recomputed, micro-batch 8 × 1 at ≈ +33% compute")
+                              "segments recomputed, micro-batch 8 × 1 at ≈ +25% compute")
     roomy = _planned("auto")
     assert roomy.rematerialized == () and roomy.notes[-1] == (
         "rematerialize auto: not needed, micro-batch 8 fits")

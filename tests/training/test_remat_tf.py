@@ -107,6 +107,26 @@ def test_a_kernels_gradient_waits_for_every_read_of_the_kernel(wrap):
     assert set(reads) <= _ancestors(kernel_gradient)
 
 
+@pytest.mark.parametrize("activation, run_again", [("linear", 0), ("relu", 1)])
+def test_a_call_is_run_again_only_where_a_gradient_reads_its_output(activation, run_again):
+    # A linear layer's gradients read its input and its kernel, not its output: recomputed,
+    # only the concatenation it reads runs again (its kernel's gradient reads it); the
+    # matrix product, whose output is the segment's (kept from the forward pass), does not.
+    # A ReLU's gradient reads its output: then the product runs again, for it.
+    w = tf.Variable(tf.ones((6, 5)))
+    act = {"linear": tf.identity, "relu": tf.nn.relu}[activation]
+    graph = _step_graph(recompute_grad, lambda a, b: act(tf.concat([a, b], axis=-1) @ w), w,
+                        loss=lambda y: tf.reduce_sum(y * y))
+    runs = set().union(*(_ancestors(t.op) | {t.op} for t in graph.outputs))
+    products = [op for op in graph.get_operations() if op.type == "MatMul"
+                and not op.get_attr("transpose_a") and not op.get_attr("transpose_b")]
+    assert len(products) == 2  # the forward pass's and the recomputation's, both built
+    assert sum(op in runs for op in products) == 1 + run_again
+    concats = [op for op in graph.get_operations() if op.type == "ConcatV2"
+               and op.outputs[0].shape.as_list() == [4, 6]]
+    assert len(concats) == 2 and all(op in runs for op in concats)
+
+
 def test_a_segment_is_recomputed_after_the_weights_gradients_of_the_one_after_it():
     # The second segment's recomputed tensors are read by its kernel's gradient. The first
     # segment's recomputation waits for the gradient the second passes on, which waits, through

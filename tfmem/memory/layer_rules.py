@@ -129,7 +129,7 @@ def apply(walker, layer, inputs, outputs, has_trainable: bool) -> bool:
         walker.keep(out)
         return True
     if kind is keras.layers.Dropout:
-        walker.keep_new(inputs[0].shape, "bool")  # SelectV2's keep-mask, one byte each
+        walker.keep_drawn(inputs[0].shape, "bool")  # SelectV2's keep-mask, one byte each
         return True
     if isinstance(layer, keras.layers.RNN) and len(inputs) == 1:
         walker.recurrent(layer, inputs[0], has_trainable)

@@ -213,7 +213,8 @@ def estimate(model: keras.Model, settings: PlanSettings,
             and not internals.is_graph_network(internals.functional_of(model))):
         notes.append("rematerialized layers planned as kept (an upper bound): the call of "
                      f"{type(model).__name__} does not trace as a graph of its layers")
-    fraction = remat_plan.recompute_fraction(model, ranges) if ranges else 0.0
+    fraction = (remat_plan.recompute_fraction(model, ranges, override, frozen, analyses)
+                if ranges else 0.0)
     if saved.segments:
         notes.append("rematerialized, recomputed in the backward pass one at a time (the "
                      "largest counted in activations): " + ", ".join(

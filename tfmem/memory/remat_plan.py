@@ -194,17 +194,23 @@ def from_setting(model: keras.Model, setting, compute_dtype=None, frozen=frozens
     return (("", tuple(segments.pair_ranges(internals.functional_of(model), pairs))),)
 
 
-def recompute_fraction(model: keras.Model, spec) -> float:
+def recompute_fraction(model: keras.Model, spec, compute_dtype=None, frozen=frozenset(),
+                       cache: dict | None = None) -> float:
     """The recomputed forward FLOPs of `spec` over a training step's (forward + backward ≈ 3
-    forwards), from `segments`' per-call estimate."""
+    forwards), from `segments`' per-call estimate: of each segment, the calls run again
+    (`segments.GraphFacts.recomputed_calls`; all of them where its graph cannot be walked)."""
     graph = internals.functional_of(model)
     graphs = inner_graphs(model, spec)
     total = 3 * sum(segments.flops_of(node, graphs) for node in node_order(graph))
     recomputed = 0
     for path, ranges in spec:
-        nodes = node_order(graph_of(model, path))
-        for start, stop in ranges:
-            recomputed += sum(segments.flops_of(node, graphs) for node in nodes[start:stop + 1])
+        inner = graph_of(model, path)
+        nodes = node_order(inner)
+        try:
+            again = facts(inner, compute_dtype, frozen, (), cache).recomputed_calls(ranges)
+        except ValueError:  # a graph the walk cannot size
+            again = {p for start, stop in ranges for p in range(start, stop + 1)}
+        recomputed += sum(segments.flops_of(nodes[p], graphs) for p in again)
     return recomputed / total if total else 0.0
 
 

@@ -88,8 +88,38 @@ class GraphFacts:
                     if peak and position not in inside_range]
         return sum(self.sizes[key] for key in kept), insides
 
+    def recomputed_calls(self, ranges: Sequence[tuple[int, int]]) -> set[int]:
+        """The calls of `ranges` run again in the backward pass: a call whose output a call
+        of its range keeps for its gradient (a ReLU's own, a convolution's input), or that
+        keeps tensors it makes inside (not one drawn from a seed, as a dropout's mask), and
+        the calls that make what those take. The others' outputs no gradient reads: a
+        convolution that only makes its segment's output, kept from the forward pass, is not
+        run again (the framework drops a computation nothing reads)."""
+        again: set[int] = set()
+        for start, stop in ranges:
+            needed = set().union(*self.node_keys[start:stop + 1])
+            for position in range(stop, start - 1, -1):
+                ins, outs = self.input_keys[position], self.output_keys[position]
+                inside = {key for key in self.node_keys[position] - ins - outs
+                          if not _drawn(key) and _copied(key) not in ins}
+                if outs & needed or inside:
+                    again.add(position)
+                    needed |= ins
+        return again
+
     def recomputed_flops(self, ranges: Sequence[tuple[int, int]]) -> int:
-        return sum(sum(self.flops[start:stop + 1]) for start, stop in ranges)
+        return sum(self.flops[position] for position in self.recomputed_calls(ranges))
+
+
+def _drawn(key) -> bool:
+    """Whether a walk key is a tensor drawn from a seed (`Walker.keep_drawn`)."""
+    return isinstance(key, tuple) and len(key) == 2 and key[0] == "drawn"
+
+
+def _copied(key):
+    """The key of the tensor a kept copy in another dtype was made from (`Walker.keep`)."""
+    return key[0] if isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], tuple) \
+        else None
 
 
 def facts(walker, graph) -> GraphFacts:

@@ -77,10 +77,11 @@ def recompute_grad(function):
                 ordered = _after(upstream[0], args)
                 tape.watch(ordered)
                 tape.watch(variables)
+                made = _ops_made()
                 recomputed = function(*ordered)
             grads = tape.gradient(recomputed, ordered + variables, output_gradients=upstream,
                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            weights = _after_reads(recomputed, grads[len(ordered):])
+            weights = _after_reads(made(), grads[len(ordered):])
             passed = [gradient if _differentiable(argument) else None  # a mask, token ids
                       for argument, gradient in zip(args, grads[:len(ordered)])]
             return _after_values(weights + passed, passed), weights
@@ -234,8 +235,19 @@ def _after(dependency, tensors) -> list:
         return [tf.identity(tensor) for tensor in tensors]
 
 
-def _after_reads(recomputed, gradients) -> list:
-    """The variables' `gradients`, made only once the recomputation that read them has run.
+def _ops_made():
+    """A function returning the graph's ops made since this call ([] when executing eagerly,
+    where ops run as they come)."""
+    if tf.executing_eagerly():
+        return list
+    graph = tf.compat.v1.get_default_graph()
+    count = len(graph.get_operations())
+    return lambda: graph.get_operations()[count:]
+
+
+def _after_reads(ops, gradients) -> list:
+    """The variables' `gradients`, made only once the recomputation's `ops` have read the
+    variables.
 
     The recomputation reads each variable again, but the gradient of a variable (the input
     of its update) does not need that read: a Dense kernel's gradient is its input times the
@@ -243,10 +255,16 @@ def _after_reads(recomputed, gradients) -> list:
     kernel before the recomputation reads it, and Grappler's dependency optimizer may drop
     that edge: the gradient the recomputation passes on to earlier layers is then made with
     the updated kernel (in up to a third of the steps on two CPU cores). Here each gradient
-    waits, through its data, for every recomputed output (one addition over the weights'
-    size, which XLA fuses).
+    waits, through its data, for what every op that takes a variable made (one addition over
+    the weights' size, which XLA fuses): a read's value, or a gather's rows.
+
+    Nothing waits for the recomputed outputs themselves: a call whose output no gradient
+    reads (a convolution whose output is only the segment's output, kept from the forward
+    pass) is not run again.
     """
-    return _after_values(tf.nest.flatten(recomputed), gradients)
+    return _after_values([output for op in ops if any(
+        tensor.dtype == tf.resource for tensor in op.inputs) for output in op.outputs],
+        gradients)
 
 
 def _after_values(dependencies, tensors) -> list:
