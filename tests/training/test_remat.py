@@ -391,21 +391,25 @@ def _with_dropout(rematerialize):
                             rematerialize=rematerialize)
 
 
+@pytest.mark.parametrize("batch", [8, None], ids=["batch known", "batch unknown"])
 @pytest.mark.parametrize("build, setting, again", [
     (_dense_chain, "full", {"a_hidden", "b_hidden", "b_out"}),
     (_with_dropout, [("d", "drop")], set())], ids=["chain", "dropout"])
-def test_the_plan_counts_as_run_again_what_the_step_runs_again(build, setting, again):
+def test_the_plan_counts_as_run_again_what_the_step_runs_again(build, setting, again, batch):
     # The step as Grappler leaves it (what nothing reads is pruned) runs each Dense's forward
     # product once, and again for the layers whose outputs a gradient of their segment reads:
     # in the chain, a_hidden's and b_hidden's ReLU outputs and the head's input (b_out's);
     # not a_out's nor the head's. A dropout's mask is drawn from its seed: the Dense before
-    # it, whose output only the dropout takes, does not run again.
+    # it, whose output only the dropout takes, does not run again, also where the step is
+    # traced for any batch size and the dropout reads its input's shape.
     accum = build(setting)
     accum.compile(keras.optimizers.SGD(0.1),
                   keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     x, y = tf.ones((8, 64)), tf.range(8) % 3
     accum.train_on_batch(x, y)  # cuts the segments
-    optimized = _after_grappler(tf.function(accum.train_step).get_concrete_function((x, y)).graph)
+    specs = (tf.TensorSpec((batch, 64)), tf.TensorSpec((batch,), tf.int32))
+    optimized = _after_grappler(
+        tf.function(accum.train_step).get_concrete_function(specs).graph)
     products = [node for node in optimized.node if "MatMul" in node.op
                 and not node.attr["transpose_a"].b and not node.attr["transpose_b"].b]
     dense = [layer for layer in accum.layers if isinstance(layer, keras.layers.Dense)]

@@ -335,22 +335,22 @@ def _telling_training(call):
 def _run_node(node, values: dict, operation_fn) -> None:
     args, kwargs = node.arguments.fill_in(values)
     call = operation_fn(node.operation)
-    if _SEGMENT_CALLS and getattr(node.operation, "trainable_weights", None):
+    if _SEGMENT_CALLS:
         call = _SEGMENT_CALLS[-1](node, call)
     outputs = call(*args, **kwargs)
     for x, y in zip(node.outputs, keras.tree.flatten(outputs)):
         values[id(x)] = y
 
 
-# While a graph segment runs, innermost last: how its calls of layers with trainable weights
-# run (the backend's `wrap(node, call)`, as `remat_tf.WeightsFirst` orders their gradients).
+# While a graph segment runs, innermost last: how its calls run (the backend's
+# `wrap(node, call)`: `remat_tf` orders the gradients of layers with weights, and reads
+# shapes from the forward pass's tensors).
 _SEGMENT_CALLS: list = []
 
 
 @contextlib.contextmanager
 def segment_calls(wrap):
-    """Inside, a graph segment's calls of layers with trainable weights run as
-    `wrap(node, call)(*args, **kwargs)`."""
+    """Inside, a graph segment's calls run as `wrap(node, call)(*args, **kwargs)`."""
     _SEGMENT_CALLS.append(wrap)
     try:
         yield

@@ -7,6 +7,9 @@ seeds. Here the second run reads the state the first one saw and its updates are
 
 from __future__ import annotations
 
+import functools
+import os
+
 import tensorflow as tf
 
 from tfmem import _keras_internals as internals
@@ -23,18 +26,26 @@ def rematerialized_call(layer, original):
         seen = [tf.identity(variable.value) for variable in state]  # before the forward pass
         flat = tf.nest.flatten(args)
         runs = []
-        calls = WeightsFirst()
+        calls, shapes = WeightsFirst(), ForwardShapes()
 
-        @recompute_grad
+        def observed(node, call):
+            call = shapes.observed(node, call)
+            return calls.observed(node, call) if _weighted(node) else call
+
+        def ordered(node, call):
+            call = shapes.replayed(node, call)
+            return calls.ordered(node, call) if _weighted(node) else call
+
+        @functools.partial(recompute_grad, then=shapes.read_from_forward)
         def run(*tensors):
             rebuilt = tf.nest.pack_sequence_as(args, list(tensors))
             if not runs:  # the forward pass: its updates are the step's
                 runs.append("forward")
-                with remat.segment_calls(calls.observed):
+                with remat.segment_calls(observed):
                     return original(*rebuilt, **kwargs)
             runs.append("recomputed")
             with internals.stateless_scope(list(zip(state, seen))), \
-                    remat.segment_calls(calls.ordered):
+                    remat.segment_calls(ordered):
                 return original(*rebuilt, **kwargs)
 
         return run(*flat)
@@ -42,8 +53,9 @@ def rematerialized_call(layer, original):
     return call
 
 
-def recompute_grad(function):
-    """`tf.recompute_grad` without its copy of every argument.
+def recompute_grad(function, then=None):
+    """`tf.recompute_grad` without its copy of every argument; `then`, if given, is called
+    with the ops the recomputation and its gradient made (`ForwardShapes.read_from_forward`).
 
     The recomputation must wait for the gradient it serves, or TensorFlow's executor runs it
     as soon as its inputs exist and it saves nothing. `tf.recompute_grad` orders it by
@@ -81,6 +93,8 @@ def recompute_grad(function):
                 recomputed = function(*ordered)
             grads = tape.gradient(recomputed, ordered + variables, output_gradients=upstream,
                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            if then is not None:
+                then(made())
             weights = _after_reads(made(), grads[len(ordered):])
             passed = [gradient if _differentiable(argument) else None  # a mask, token ids
                       for argument, gradient in zip(args, grads[:len(ordered)])]
@@ -182,6 +196,90 @@ class WeightsFirst:
             return tf.nest.pack_sequence_as(made[0], outputs)
 
         return ordering
+
+
+def _weighted(node) -> bool:
+    """Whether a graph segment's call is of a layer with trainable weights."""
+    return bool(getattr(node.operation, "trainable_weights", None))
+
+
+class ForwardShapes:
+    """The shapes a recomputed segment and its gradient read, read from the forward pass's
+    tensors instead of the recomputed ones.
+
+    Where the batch size is not known when the step is traced, a call may read its input's
+    shape (a dropout, its mask's), and a gradient the shapes of what it broadcast (a
+    dropout's scaling): TensorFlow then makes those tensors again, and the ones they are
+    made from, though no gradient reads their values (a convolution whose output only a
+    dropout takes: its mask is drawn from its seed). The forward pass made the same tensors,
+    call by call (the same ops, in the same order); their shapes are read as soon as they are
+    made, so they are not held for it. Run eagerly, or under XLA (which knows every shape
+    when it compiles), nothing is changed.
+    """
+
+    def __init__(self):
+        self.forward = {}  # id(node) → the forward pass's tensors taken and ops made
+        self.twins = {}  # a recomputed tensor's name → the forward pass's tensor
+
+    def observed(self, node, call):
+        """`call` as it is, noting the tensors it takes and the ops it makes."""
+        if tf.executing_eagerly() or internals.in_xla_compilation():
+            return call
+
+        def observing(*args, **kwargs):
+            made = _ops_made()
+            result = call(*args, **kwargs)
+            self.forward[id(node)] = _tensors(args, kwargs), made()
+            return result
+
+        return observing
+
+    def replayed(self, node, call):
+        """`call`, noting which of its tensors are the forward pass's again (none where the
+        forward pass did not see it, or made other ops)."""
+        if id(node) not in self.forward:
+            return call
+
+        def replaying(*args, **kwargs):
+            made = _ops_made()
+            result = call(*args, **kwargs)
+            inputs, ops = self.forward[id(node)]
+            taken = _tensors(args, kwargs)
+            pairs = list(zip(taken, inputs)) if len(taken) == len(inputs) else []
+            forward = _by_scope(ops)
+            for name, op in _by_scope(made()).items():
+                twin = forward.get(name)
+                if twin is not None and twin.type == op.type and len(
+                        twin.outputs) == len(op.outputs):
+                    pairs += zip(op.outputs, twin.outputs)
+            self.twins.update(
+                (tensor.name, twin) for tensor, twin in pairs if tensor is not twin
+                and tensor.dtype == twin.dtype and tensor.shape.is_compatible_with(twin.shape))
+            return result
+
+        return replaying
+
+    def read_from_forward(self, ops) -> None:
+        """Makes the shape reads among `ops` read the forward pass's tensors."""
+        for op in ops if self.twins else ():
+            if op.type in _SHAPE_ONLY:
+                for index, tensor in enumerate(op.inputs):
+                    if tensor.name in self.twins:
+                        op._update_input(index, self.twins[tensor.name])
+
+
+def _by_scope(ops) -> dict:
+    """`ops` by their names within the name scope they share (a call's ops are named alike
+    in the forward pass and in the recomputation, under other outer scopes): the same op of
+    one call has the same key in both."""
+    scopes = [op.name.split("/")[:-1] for op in ops]
+    shared = len(os.path.commonprefix(scopes)) if scopes else 0
+    return {"/".join(op.name.split("/")[shared:]): op for op in ops}
+
+
+def _tensors(args, kwargs) -> list:
+    """The tensors among a call's arguments, in order."""
+    return [item for item in tf.nest.flatten((args, kwargs)) if isinstance(item, tf.Tensor)]
 
 
 def _float_inputs(args, kwargs) -> list:
