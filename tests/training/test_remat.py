@@ -251,6 +251,22 @@ def test_full_cuts_inside_a_subclassed_block_and_trains_to_the_same_weights(jit_
     assert sum(len(joins) for _, joins in taken.values()) >= len(ranges) - 1
 
 
+def test_full_trains_to_the_same_weights_with_a_batch_size_unknown_when_traced():
+    # 40 samples in batches of 16: the last is 8, so the step is traced for any batch size,
+    # and each dropout of the dense block reads its input's shape, which the recomputation
+    # reads from the forward pass's tensor.
+    x, y = remat_cases.data()
+    weights = []
+    for setting in (None, "full"):
+        accum = remat_cases.dense(setting)
+        accum.fit(x[:40], y[:40], batch_size=16, epochs=1, shuffle=False, verbose=0)
+        weights.append(accum.get_weights())
+    assert accum.rematerialized_segments[0][0] == "backbone/dense"
+    differences = [np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-12)
+                   for a, b in zip(*weights, strict=True)]
+    assert len(differences) == 28 and max(differences) <= 1e-6, differences
+
+
 def _inner_graph(model, name):
     node = next(node for node in node_order(model) if node.operation.name == name)
     return segments.inner_graph(node.operation, node)
