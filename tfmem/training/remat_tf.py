@@ -254,18 +254,23 @@ class ForwardShapes:
                     pairs += zip(op.outputs, twin.outputs)
             self.twins.update(
                 (tensor.name, twin) for tensor, twin in pairs if tensor is not twin
-                and tensor.dtype == twin.dtype and tensor.shape.is_compatible_with(twin.shape))
+                and tensor.dtype == twin.dtype and tensor.shape.rank is not None
+                and tensor.shape.as_list() == twin.shape.as_list())
             return result
 
         return replaying
 
     def read_from_forward(self, ops) -> None:
-        """Makes the shape reads among `ops` read the forward pass's tensors."""
+        """Makes the shape reads among `ops` read the forward pass's tensors (where the
+        graph cannot be changed so, they read the recomputed ones, as written)."""
         for op in ops if self.twins else ():
             if op.type in _SHAPE_ONLY:
                 for index, tensor in enumerate(op.inputs):
                     if tensor.name in self.twins:
-                        op._update_input(index, self.twins[tensor.name])
+                        try:
+                            op._update_input(index, self.twins[tensor.name])
+                        except (AttributeError, TypeError, ValueError, tf.errors.OpError):
+                            return
 
 
 def _by_scope(ops) -> dict:
