@@ -430,7 +430,7 @@ def test_the_plan_counts_as_run_again_what_the_step_runs_again(build, setting, a
                 and not node.attr["transpose_a"].b and not node.attr["transpose_b"].b]
     dense = [layer for layer in accum.layers if isinstance(layer, keras.layers.Dense)]
     assert len(products) == len(dense) + len(again)
-    (path, ranges), = accum.rematerialized_segments
+    (_, ranges), = accum.rematerialized_segments
     facts = remat_plan.facts(accum, None, frozenset())
     assert {facts.names[p] for p in facts.recomputed_calls(ranges)} & {
         layer.name for layer in dense} == again

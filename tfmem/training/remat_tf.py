@@ -93,9 +93,10 @@ def recompute_grad(function, then=None):
                 recomputed = function(*ordered)
             grads = tape.gradient(recomputed, ordered + variables, output_gradients=upstream,
                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            ops = made()  # the recomputation's and its gradient's
             if then is not None:
-                then(made())
-            weights = _after_reads(made(), grads[len(ordered):])
+                then(ops)
+            weights = _after_reads(ops, grads[len(ordered):])
             passed = [gradient if _differentiable(argument) else None  # a mask, token ids
                       for argument, gradient in zip(args, grads[:len(ordered)])]
             return _after_values(weights + passed, passed), weights
