@@ -294,3 +294,20 @@ def test_in_xla_compilation_tells_a_jit_compiled_function():
     tf.function(traced("xla"), jit_compile=True)(tf.ones(2))
     tf.function(traced("graph"))(tf.ones(2))
     assert seen == {"xla": True, "graph": False}
+
+
+def test_a_collecting_stateless_scope_keeps_the_losses_and_the_layer_their_ids():
+    class Penalized(keras.layers.Layer):
+        def call(self, x):
+            self.add_loss(keras.ops.sum(x))
+            return x
+
+    layer = Penalized()
+    with internals.stateless_scope([], collect_losses=True) as scope:
+        layer(np.ones((2, 3), "float32"))
+        assert [float(loss) for loss in layer.losses] == [6.0]
+    (loss,) = scope.losses
+    assert id(loss) in internals.loss_ids(layer)
+    with internals.stateless_scope([]) as scope:  # not collecting: dropped
+        layer(np.ones((2, 3), "float32"))
+    assert scope.losses == []

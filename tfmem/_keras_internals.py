@@ -240,12 +240,19 @@ def call_training() -> bool | None:
     return None if context is None else context.training
 
 
-def stateless_scope(state_mapping):
+def stateless_scope(state_mapping, collect_losses=False):
     """Keras's `StatelessScope` over `(variable, value)` pairs: reads see the values, and
-    assignments are recorded in the scope instead of the variables."""
+    assignments are recorded in the scope instead of the variables; with `collect_losses`,
+    the losses layers add inside are kept in the scope's `losses` (else dropped)."""
     scope = _module_attribute("keras.src.backend.common.stateless_scope", "StatelessScope",
                               "Keras's stateless scope")
-    return scope(state_mapping=state_mapping)
+    return scope(state_mapping=state_mapping, collect_losses=collect_losses)
+
+
+def loss_ids(layer: keras.layers.Layer) -> set:
+    """The ids of the losses `layer` added in the stateless scope now entered (Keras's
+    `Layer.losses` there takes those of the scope's losses whose ids a layer holds)."""
+    return _attribute(layer, "_loss_ids", "the losses a layer added")
 
 
 def keep_keras_masks(originals, replacements) -> None:

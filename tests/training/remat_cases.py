@@ -26,6 +26,32 @@ class Counted(keras.layers.Layer):
         return keras.ops.relu(x)
 
 
+@keras.saving.register_keras_serializable(package="tfmem_tests")
+class Penalized(keras.layers.Layer):
+    """Identity that adds a tenth of its input's mean square to the loss (`add_loss`)."""
+
+    def call(self, x):
+        self.add_loss(0.1 * keras.ops.mean(keras.ops.square(x)))
+        return x
+
+
+def regularized(rematerialize=None, accumulation_steps=2, jit_compile="auto"):
+    """A block (a nested functional model) whose layers add losses: activity and kernel
+    regularizers, and `Penalized`'s `add_loss`."""
+    keras.utils.set_random_seed(0)
+    l2 = keras.regularizers.L2
+    block_in = keras.Input((8, 8, 3))
+    h = keras.layers.Conv2D(6, 3, padding="same", use_bias=False, kernel_regularizer=l2(0.1),
+                            activity_regularizer=l2(0.01))(block_in)
+    h = keras.layers.BatchNormalization(momentum=0.5)(h)
+    h = Penalized()(keras.layers.ReLU()(h))
+    h = keras.layers.Conv2D(6, 3, padding="same", activity_regularizer=l2(0.01))(h)
+    inputs = keras.Input((8, 8, 3))
+    x = keras.Model(block_in, h, name="block")(inputs)
+    x = keras.layers.Conv2D(4, 1, activity_regularizer=l2(0.01))(Penalized()(x))
+    return _headed(inputs, x, rematerialize, accumulation_steps, jit_compile)
+
+
 def model(rematerialize=None, accumulation_steps=2):
     keras.utils.set_random_seed(0)
     block_in = keras.Input((8, 8, 3))
@@ -94,13 +120,26 @@ def chain_differences(rematerialize, build=chain, **options):
 
 def _fitted_against_plain(rematerialize, build, **options):
     """`chain_differences`'s differences, and its rematerialized model, fitted."""
+    return _fitted_with_losses(rematerialize, build, **options)[:2]
+
+
+def _fitted_with_losses(rematerialize, build, **options):
+    """`_fitted_against_plain`'s, and the epoch's loss without and with."""
     x, y = data()
-    runs = []
+    runs, losses = [], []
     for setting in (None, rematerialize):
         accum = build(setting, **options)
-        accum.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        history = accum.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
         runs.append(accum)
-    return _differences(runs[0].get_weights(), runs[1].get_weights()), runs[1]
+        losses.append(history.history["loss"][-1])
+    return _differences(runs[0].get_weights(), runs[1].get_weights()), runs[1], losses
+
+
+def regularized_differences(rematerialize):
+    """`regularized`'s weights' relative differences after 3 steps with and without, and the
+    epoch's loss without and with."""
+    differences, _, losses = _fitted_with_losses(rematerialize, regularized)
+    return differences, losses
 
 
 def _differences(plain, recomputed):
@@ -158,6 +197,9 @@ if __name__ == "__main__":
             found["checkpoints"][name] = [
                 jax_step_checkpoints(accum),
                 sum(len(ranges) for _, ranges in accum.rematerialized_segments)]
+    for setting in (["block"], "full"):  # the losses layers add inside a segment
+        differences, losses = regularized_differences(setting)
+        found[f"regularized {setting}"] = {"differences": differences, "losses": losses}
     if keras.backend.backend() == "jax":  # planned: no saving on a CPU, one on a GPU
         from tfmem.memory.levers import levers_for
 

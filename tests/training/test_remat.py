@@ -105,6 +105,11 @@ def test_on_the_jax_backend_too():
     assert set(found["checkpoints"]) == {"chain", "dense"}
     for name, (checkpoints, cut) in found["checkpoints"].items():
         assert cut >= 2 and checkpoints >= cut, (name, checkpoints, cut)
+    # Losses the layers add inside a segment (regularizers, add_loss) count, and train.
+    for setting in (["block"], "full"):
+        case = found[f"regularized {setting}"]
+        assert max(case["differences"]) <= 1e-6, case
+        assert case["losses"][1] == pytest.approx(case["losses"][0], rel=1e-6), case
     # The same under a DataParallel over 8 host devices (tfmem.detect()).
     assert found["replicas"] == 8 and max(found["data_parallel"]) <= 1e-6, found
     assert max(found["data_parallel full"]) <= 1e-6, found
@@ -231,6 +236,16 @@ def test_segments_of_the_graph_train_to_the_same_weights_and_statistics(setting,
     assert path == "" and len(ranges) >= 1 and all(start <= stop for start, stop in ranges)
     if setting != "full":  # conv1a is call 7 of the order Keras runs, add2 call 18
         assert ranges == ((7, 18),)
+
+
+@pytest.mark.parametrize("setting", [["block"], "full"])
+def test_losses_the_layers_add_inside_a_segment_count_once(setting):
+    # Activity and kernel regularizers and an `add_loss` inside the block, one after it
+    # (11 weights: 3 convolutions, BatchNorm, the head):
+    # the loss fit reports, and the weights after 3 steps, are those without.
+    differences, (plain, recomputed) = remat_cases.regularized_differences(setting)
+    assert len(differences) == 11 and max(differences) <= 1e-6, differences
+    assert recomputed == pytest.approx(plain, rel=1e-6)
 
 
 @pytest.mark.parametrize("jit_compile", ["auto", True])

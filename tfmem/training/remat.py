@@ -134,10 +134,22 @@ def apply(model: keras.Model, names: Sequence[str]) -> list[keras.layers.Layer]:
     return chosen
 
 
+def layers_within(segment) -> list[keras.layers.Layer]:
+    """The layers a rematerialized call runs: a layer and those inside it, or a graph
+    segment's (`_Variables`)."""
+    if isinstance(segment, _Variables):
+        return segment.layers
+    return [segment, *internals.flatten_layers(segment)]
+
+
 class _Variables:
     """The variables of a segment's layers, as `rematerialized_call` reads a layer's."""
 
     def __init__(self, layers):
+        self.layers = []  # the layers, and those inside them
+        for layer in layers:
+            if isinstance(layer, keras.layers.Layer):
+                self.layers.extend([layer, *internals.flatten_layers(layer)])
         seen: set = set()
         self.trainable_variables, self.non_trainable_variables = [], []
         for layer in layers:

@@ -15,25 +15,45 @@ from tfmem.training import remat
 
 
 def rematerialized_call(layer, original):
-    """The `call` of `layer` that `jax.checkpoint` runs again in the backward pass."""
+    """The `call` of `layer` that `jax.checkpoint` runs again in the backward pass.
+
+    `layer` is a layer, or a graph segment's `remat._Variables` (its layers' variables)."""
 
     def call(*args, **kwargs):
         if internals.any_symbolic(args, kwargs) or not remat.is_training_call():
             return original(*args, **kwargs)
         variables = list(layer.trainable_variables) + list(layer.non_trainable_variables)
         values = [variable.value for variable in variables]
+        owners = remat.layers_within(layer)
+        added: list = []  # the layer that added each loss, in the order they were added
 
         def pure(values, args):  # kwargs (training, mask) stay Python values
-            with internals.stateless_scope(list(zip(variables, values))) as scope:
+            with internals.stateless_scope(list(zip(variables, values)),
+                                           collect_losses=True) as scope:
                 outputs = original(*args, **kwargs)
             updated = [scope.get_current_value(variable) for variable in variables]
+            added[:] = [_owner(loss, owners) for loss in scope.losses]
             return outputs, [new if new is not None else old
-                             for new, old in zip(updated, values)]
+                             for new, old in zip(updated, values)], list(scope.losses)
 
-        outputs, updated = jax.checkpoint(pure)(values, args)
+        outputs, updated, losses = jax.checkpoint(pure)(values, args)
         for variable, old, new in zip(variables, values, updated):
             if new is not old:
                 variable.assign(new)
+        # The losses the layers added (activity regularizers, `add_loss`) are values of the
+        # checkpoint: added again, by the same layers, where the call runs.
+        for owner, loss in zip(added, losses):
+            owner.add_loss(loss)
         return outputs
 
     return call
+
+
+def _owner(loss, owners):
+    """The layer of `owners` that added `loss` inside the checkpoint (and forgets it there)."""
+    for owner in owners:
+        ids = internals.loss_ids(owner)
+        if id(loss) in ids:
+            ids.discard(id(loss))
+            return owner
+    return owners[0]
