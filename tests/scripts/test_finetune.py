@@ -354,6 +354,9 @@ def written_sets(tmp_path_factory):
     (["--rematerialize", "avg_pool:small_cnn", "--dry-run"],
      r"rematerialize: \('avg_pool', 'small_cnn'\): 'avg_pool' runs after 'small_cnn'; give "
      r"the pair in the order the model runs them"),
+    (["--rematerialize", "avg_pool:small_cnn:head", "--dry-run"],
+     r"rematerialize: 'avg_pool:small_cnn:head' is neither a layer name nor a first:last "
+     r"pair of layer names; write e\.g\. conv_4:add_4"),
     (["--model", "efficientnetv2-b0", "--image-size", "224", "--dry-run", "--device", "t4",
       "--global-batch-size", "1024", "--accumulation-steps", "1"],
      r"global batch 1024 = micro-batch 1024 × 1 accumulation step × 1 replica needs [\d.]+ "

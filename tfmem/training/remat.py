@@ -76,7 +76,12 @@ def names_of(flag: str | None):
     for entry in (flag or "").split(","):
         entry = entry.strip()
         if ":" in entry:
-            items.append(tuple(part.strip() for part in entry.split(":", 1)))
+            pair = tuple(part.strip() for part in entry.split(":"))
+            if len(pair) != 2 or not all(pair):
+                raise ValueError(
+                    f"rematerialize: {entry!r} is neither a layer name nor a first:last pair "
+                    "of layer names; write e.g. conv_4:add_4 (model.summary() lists the names)")
+            items.append(pair)
         elif entry:
             items.append(entry)
     return check_setting(items) if items else None
