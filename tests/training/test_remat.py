@@ -606,6 +606,25 @@ def test_auto_takes_the_segments_inside_a_nested_layer_one_by_one():
                                      "with 2 of 3 segments recomputed, micro-batch 8 × 1")
 
 
+def test_full_that_cuts_nothing_says_so_in_the_plan_and_at_fit():
+    # A recurrent layer keeps its per-step tensors inside its loop, which the plan does not
+    # count: cutting around it lowers no planned peak, and the run says what to do instead.
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((12,), dtype="int32")
+    x = keras.layers.LSTM(8, name="lstm")(keras.layers.Embedding(50, 8, mask_zero=True)(inputs))
+    accum = tfmem.AccumModel(inputs, keras.layers.Dense(3)(x), rematerialize="full")
+    accum.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    plan = tfmem.plan(accum, global_batch_size=16, memory_budget=2**30)
+    assert plan.rematerialized == () and plan.recompute_fraction == 0
+    assert ("rematerialize full: no cut lowers the planned peak, so none is made (not "
+            "counted: the loop intermediates of LSTM; name those layers to recompute them)"
+            in plan.notes), plan.notes
+    with pytest.warns(UserWarning, match=r'rematerialize="full" cuts no segment of '
+                                         r"'\w+': .*name them \(rematerialize=\["):
+        accum.fit(np.ones((32, 12), "int32"), np.zeros(32), batch_size=16, verbose=0)
+    assert accum.rematerialized_segments == ()
+
+
 def test_nothing_fits_tries_rematerialization_first():
     plain, full = _planned(None), _planned("full")
     memory = int((plain.peak_bytes(8, 1) + full.peak_bytes(8, 1)) / 2 / 0.8)

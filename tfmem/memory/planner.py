@@ -213,6 +213,11 @@ def estimate(model: keras.Model, settings: PlanSettings,
             and not internals.is_graph_network(internals.functional_of(model))):
         notes.append("rematerialized layers planned as kept (an upper bound): the call of "
                      f"{type(model).__name__} does not trace as a graph of its layers")
+    if remat_setting(model, settings) == "full" and not ranges:
+        notes.append("rematerialize full: no cut lowers the planned peak, so none is made"
+                     + (f" (not counted: the loop intermediates of "
+                        f"{', '.join(saved.loop_calls)}; name those layers to recompute them)"
+                        if saved.loop_calls else ""))
     fraction = (remat_plan.recompute_fraction(model, ranges, override, frozen, analyses)
                 if ranges else 0.0)
     if saved.segments:

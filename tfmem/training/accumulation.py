@@ -184,6 +184,11 @@ class AccumModel(backend.AccumTrainer, keras.Model):
                               'none: every segment of "full" is recomputed.',
                               guard.UnplannedRunWarning, stacklevel=3)
             spec = remat_plan.from_setting(self, "full" if setting == "auto" else setting)
+        if setting == "full" and not spec:
+            warnings.warn(f'rematerialize="full" cuts no segment of {self.name!r}: no cut '
+                          'lowers its planned peak, so nothing is recomputed; to recompute '
+                          "layers anyway, name them (rematerialize=['block_3', ...]; "
+                          'model.summary() lists the names).', UserWarning, stacklevel=3)
         if spec != getattr(self, "_tfmem_spec", None):
             remat.apply_spec(self, spec)
             self.train_function = None  # traced again with the new segments
