@@ -91,7 +91,8 @@ flags.DEFINE_string(
     "memory_limit", "auto", "The most RAM (and swap) the training process may hold: 'auto' "
     "(80% of the RAM available at the start), 'none', or a size such as 3GB. Reaching it stops "
     "that process; training resumes from its last resume point with half the micro-batch and "
-    "twice the accumulation steps (the same global batch).")
+    "twice the accumulation steps (the same global batch), at micro-batch 1 with "
+    "--rematerialize full.")
 flags.DEFINE_string(
     "rematerialize", None, "Recompute activations in the backward pass instead of keeping "
     "them: less memory per sample for about one more forward pass; exact. 'full': the whole "

@@ -436,12 +436,26 @@ def _build_and_plan(config: FinetuneConfig, spec, runtime: Runtime, precision: s
                        "accumulation_steps": run_plan.accumulation_steps,
                        "nothing_fits": (plan_report.format_nothing_fits(memory_plan)
                                         if memory_plan is not None and not memory_plan.fits
-                                        else None)}, file)
+                                        else None),
+                       "recompute_more": _recomputes_more(config, model, run_plan,
+                                                          runtime)}, file)
     if run_plan.plan is not None:  # its first line: parameters and the split
         print(run_plan.plan.table(run_plan.accumulation_steps))
     else:
         print(f"{spec.name}: {model.count_params():,} parameters, {run_plan.describe()}")
     return model, optimizer, run_plan
+
+
+def _recomputes_more(config: FinetuneConfig, model: keras.Model, run_plan: guard.RunPlan,
+                     runtime: Runtime) -> bool:
+    """At micro-batch 1: whether `--rematerialize full` would recompute more than this run
+    (what the supervising process tries when micro-batch 1 reaches the memory limit)."""
+    if run_plan.micro_batch_size != 1:
+        return False
+    setting = remat.names_of(config.rematerialize)
+    chosen = run_plan.plan.rematerialized if run_plan.plan is not None else ()
+    return recovery.rematerialization_left(model, setting, chosen if setting else (),
+                                           runtime.kind)
 
 
 def _pooled_classifier(spec, data: _Data, freeze_backbone: bool) -> keras.Model:
@@ -564,11 +578,29 @@ def _supervise(config: FinetuneConfig, cap: int, data: _Data) -> dict:
                     "more; raise --memory-limit (or pass --memory-limit none)")
             micro, k = split["micro_batch_size"], split["accumulation_steps"]
             smaller = recovery.halved(micro)
+            if smaller is None and split.get("recompute_more"):
+                config = dataclasses.replace(config, rematerialize="full")
+                attempt = dataclasses.replace(attempt, recoveries=(
+                    *attempt.recoveries,
+                    {"micro_batch_size": micro, "accumulation_steps": k,
+                     "held_bytes": watch.highest, "limit_bytes": cap,
+                     "to_micro_batch_size": micro, "to_accumulation_steps": k,
+                     "to_rematerialize": "full"}))
+                print(f"finetune: memory limit {format_bytes(cap)} reached at micro-batch 1 × "
+                      f"{k} accumulation step{'s' if k > 1 else ''} "
+                      f"({format_bytes(watch.highest)} held); resuming from the last resume "
+                      f"point with --rematerialize full (activations recomputed in the "
+                      f"backward pass: the same training, more time), micro-batch 1 × {k}",
+                      flush=True)
+                continue
             if smaller is None:
+                recomputed = " with --rematerialize full" if (
+                    config.rematerialize or "").strip() == "full" else ""
                 raise cli.UsageError(
-                    f"micro-batch 1 × {k} accumulation steps still reached --memory-limit "
-                    f"{format_bytes(cap)} ({format_bytes(watch.highest)} held), and nothing "
-                    "smaller can be tried; " + _plan_under(config, attempt, cap, workdir))
+                    f"micro-batch 1 × {k} accumulation steps{recomputed} still reached "
+                    f"--memory-limit {format_bytes(cap)} ({format_bytes(watch.highest)} held), "
+                    "and nothing smaller can be tried; "
+                    + _plan_under(config, attempt, cap, workdir))
             steps = k * micro // smaller
             attempt = dataclasses.replace(attempt, accumulation_steps=steps, recoveries=(
                 *attempt.recoveries,

@@ -12,7 +12,14 @@ steps of a global batch of 64; the weights and what happened are written to OUT_
 * "machine": no cap, but the model asks, in each micro-batch, for 2 ** (rows / 2 + 3) floats:
   2 MB at 32 rows, 128 GiB at 64, which the kernel refuses (more than the machine has), and
   TensorFlow raises its own out-of-memory error, as it does on a GPU;
-* "none": neither.
+* "none": neither;
+* "allocator": a residual chain of `Dense` layers over 4096 positions (about 38 MiB per sample
+  in a step, 16 with `rematerialize="full"`) and a global batch of 4; the memory limit is the
+  environment's: TensorFlow's GPU allocator (BFC) on the CPU with a limit
+  (`TF_CPU_ALLOCATOR_USE_BFC=true TF_CPU_BFC_MEM_LIMIT_IN_MB=...`, and
+  `TF_ENABLE_ONEDNN_OPTS=0`: oneDNN's kernels crash where that allocator refuses), which
+  raises TensorFlow's out-of-memory error as it does on a GPU. Without the limit, it runs the
+  same model straight.
 """
 
 import json
@@ -43,21 +50,32 @@ class AsksForMemory(keras.layers.Layer):
 
 
 keras.utils.set_random_seed(7)
-inputs = keras.Input((64, 64, 4))
-# A wide pointwise expansion: 8 MB of activation per sample, 512 MB at micro-batch 64.
-hidden = AsksForMemory()(inputs) if limit == "machine" else inputs
-hidden = keras.layers.Conv2D(512, 1, activation="relu")(hidden)
-hidden = keras.layers.Conv2D(4, 1)(hidden)
-hidden = keras.layers.BatchNormalization(momentum=0.5)(hidden)
-outputs = keras.layers.Dense(3)(keras.layers.GlobalAveragePooling2D()(hidden))
+if limit == "allocator":
+    GLOBAL_BATCH = 4
+    inputs = keras.Input((4096, 16))
+    hidden = keras.layers.Dense(64)(inputs)
+    for _ in range(16):
+        hidden = keras.layers.Add()([hidden, keras.layers.Dense(
+            64, activation="relu", kernel_initializer=keras.initializers.RandomNormal(
+                stddev=0.02))(hidden)])
+    outputs = keras.layers.Dense(3)(keras.layers.GlobalAveragePooling1D()(hidden))
+else:
+    inputs = keras.Input((64, 64, 4))
+    # A wide pointwise expansion: 8 MB of activation per sample, 512 MB at micro-batch 64.
+    hidden = AsksForMemory()(inputs) if limit == "machine" else inputs
+    hidden = keras.layers.Conv2D(512, 1, activation="relu")(hidden)
+    hidden = keras.layers.Conv2D(4, 1)(hidden)
+    hidden = keras.layers.BatchNormalization(momentum=0.5)(hidden)
+    outputs = keras.layers.Dense(3)(keras.layers.GlobalAveragePooling2D()(hidden))
 model = tfmem.AccumModel(inputs, outputs, accumulation_steps=accumulation_steps)
 model.compile(keras.optimizers.SGD(0.1),
               keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 
 rng = np.random.default_rng(0)
-images = rng.normal(size=(GLOBAL_BATCH * STEPS, 64, 64, 4)).astype("float32")
-labels = (images[:, :8, :8, 0].mean(axis=(1, 2)) > 0).astype("int32") + (
-    images[:, :8, :8, 1].mean(axis=(1, 2)) > 0).astype("int32")
+images = rng.normal(size=(GLOBAL_BATCH * STEPS, *inputs.shape[1:])).astype("float32")
+corner = images.reshape(len(images), -1, images.shape[-1])[:, :64]
+labels = (corner[..., 0].mean(axis=1) > 0).astype("int32") + (
+    corner[..., 1].mean(axis=1) > 0).astype("int32")
 
 
 def make_dataset(epoch):
@@ -68,7 +86,7 @@ def make_dataset(epoch):
 # Start what the run will use before the cap: the framework's threads, the data pipeline.
 model.predict(images[:1], verbose=0)
 next(iter(make_dataset(0)))
-if limit not in ("machine", "none"):
+if limit not in ("machine", "none", "allocator"):
     with open("/proc/self/status") as status:
         mapped = next(int(line.split()[1]) * 1024 for line in status
                       if line.startswith("VmSize:"))
@@ -81,4 +99,6 @@ history = tfmem.fit_resumable(model, make_dataset, epochs=epochs, steps_per_epoc
 with open(out_path, "w") as file:
     json.dump({"weights": [w.tolist() for w in model.get_weights()],
                "accumulation_steps": model.accumulation_steps,
-               "recoveries": recoveries, "loss": history["loss"]}, file)
+               "recoveries": recoveries, "loss": history["loss"],
+               "rematerialize": model.rematerialize,
+               "segments": model.rematerialized_segments}, file)

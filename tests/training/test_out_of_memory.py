@@ -23,8 +23,8 @@ PROGRAM = os.path.join(os.path.dirname(__file__), "out_of_memory_run.py")
 GLOBAL_BATCH = 64
 
 
-def _run(tmp_path, name, backend, accumulation_steps, limit, epochs=1):
-    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
+def _run(tmp_path, name, backend, accumulation_steps, limit, epochs=1, env=None):
+    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3", **(env or {}))
     result = subprocess.run(
         [sys.executable, PROGRAM, str(tmp_path / name), str(tmp_path / f"{name}.json"),
          str(accumulation_steps), str(limit), str(epochs)],
@@ -81,6 +81,39 @@ def test_tensorflow_out_of_memory_error_goes_on_and_a_restart_keeps_the_micro_ba
     _assert_same_weights(again, straight)
 
 
+def test_out_of_memory_at_micro_batch_one_goes_on_rematerialized(tmp_path):
+    # TensorFlow's GPU allocator on the CPU, limited to 26 MB (oneDNN off: its kernels crash
+    # where that allocator refuses): one sample of the model needs about 38 MiB in a step,
+    # 16 with rematerialize="full". It starts at micro-batch 1 × 4, so only recomputing helps.
+    limited = {"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": "26",
+               "TF_ENABLE_ONEDNN_OPTS": "0"}
+    recovered, stderr = _run(tmp_path, "run", "tensorflow", 4, "allocator", env=limited)
+    (entry,) = recovered["recoveries"]
+    assert entry["error"].startswith("OOM when allocating tensor")
+    assert (entry["micro_batch_size"], entry["to_micro_batch_size"],
+            entry["accumulation_steps"], entry["to_accumulation_steps"]) == (1, 1, 4, 4)
+    assert entry["to_rematerialize"] == recovered["rematerialize"] == "full"
+    (path, ranges), = recovered["segments"]
+    assert path == "" and len(ranges) >= 2
+    (line,) = [line for line in stderr.splitlines() if "ran out of memory" in line]
+    assert line.startswith("tfmem: a train step of epoch 1 ran out of memory at micro-batch "
+                           "1 × 4 (OOM when allocating tensor")
+    assert line.endswith('with micro-batch 1 × 4 and rematerialize="full" (activations '
+                         "recomputed in the backward pass: the same training, more time), "
+                         "the same global batch")
+    # Started again for a second epoch, as written (no rematerialization): it keeps it.
+    again, stderr = _run(tmp_path, "run", "tensorflow", 4, "allocator", epochs=2, env=limited)
+    assert ('tfmem: resuming with rematerialize="full", which this run took after running '
+            "out of memory at micro-batch 1") in stderr
+    assert "ran out of memory" not in stderr and again["rematerialize"] == "full"
+    # The weights of the same run without a limit and without rematerialization.
+    straight, _ = _run(tmp_path, "straight", "tensorflow", 4, "allocator", epochs=2,
+                       env={"TF_ENABLE_ONEDNN_OPTS": "0"})
+    assert straight["recoveries"] == [] and straight["rematerialize"] is None
+    assert np.all(np.isfinite(straight["loss"]))
+    _assert_same_weights(again, straight)
+
+
 @pytest.fixture(scope="module")
 def tensorflow_out_of_memory_error():
     """The error TensorFlow raises for an allocation the kernel refuses (128 GiB); TensorFlow
@@ -109,6 +142,24 @@ def test_micro_batch_one_out_of_memory_is_one_error_with_the_plan(
     # This model fits this machine, so the plan's estimate is named as the one that is low.
     assert "and nothing smaller can be tried; the plan for this device picks micro-batch 16 × 1" \
         in message
+
+
+def test_micro_batch_one_out_of_memory_turns_rematerialization_on_once(
+        tensorflow_out_of_memory_error):
+    from tests.training import remat_cases
+
+    model = remat_cases.chain(accumulation_steps=16)  # "full" cuts its residual blocks
+    split = recovery.smaller_split(model, 16, 1, tensorflow_out_of_memory_error)
+    assert split["to_rematerialize"] == "full"
+    assert (split["to_micro_batch_size"], split["to_accumulation_steps"]) == (1, 16)
+    recovery.rematerialize_all(model)
+    assert model.rematerialize == "full"
+    with pytest.raises(recovery.OutOfMemoryError, match=r'^out of memory in a train step at '
+                       r'micro-batch 1 × 16 accumulation steps with rematerialize="full" \(OOM'):
+        recovery.smaller_split(model, 16, 1, tensorflow_out_of_memory_error)
+    # Names are the user's choice: the error, with what the plan says.
+    named = remat_cases.chain(["conv0a"], accumulation_steps=16)
+    assert not recovery.rematerialization_left(named)
 
 
 def test_what_is_out_of_memory(tensorflow_out_of_memory_error):

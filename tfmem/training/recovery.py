@@ -4,8 +4,10 @@ Where the framework raises when memory runs out (JAX on any device, TensorFlow o
 `fit_resumable` catches the error, drops the failed step, halves the micro-batch and doubles
 `accumulation_steps` (the global batch, and so the training, stay the same), and goes on from
 its last resume point. AccumModel is exact for any `k` and resuming is exact, so the run ends
-with the weights of a run that used the smaller micro-batch from its start. This module holds
-the decisions; `tfmem.training.resume` does the restart.
+with the weights of a run that used the smaller micro-batch from its start. At micro-batch 1
+it turns on `rematerialize="full"` where that cuts segments the run does not cut yet (exact
+too: only time changes). This module holds the decisions; `tfmem.training.resume` does the
+restart.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ _ERROR_CLASSES = ("ResourceExhaustedError",)
 _RUNTIME_ERROR_CLASSES = ("JaxRuntimeError", "XlaRuntimeError")
 _RUNTIME_ERROR_MARKS = ("RESOURCE_EXHAUSTED", "Out of memory")
 _SAYS_WHAT = ("OOM when allocating", *_RUNTIME_ERROR_MARKS)
+
+
+_OWN = object()  # `rematerialization_left`: the model's own setting or segments
 
 
 class OutOfMemoryError(RuntimeError):
@@ -90,14 +95,59 @@ def smaller_split(model: keras.Model, global_batch_size: int | None, num_replica
             "drop_remainder=True")
     micro = split_batch(global_batch_size, num_replicas, k)
     smaller = halved(micro)
+    if smaller is None and rematerialization_left(model):
+        return {"micro_batch_size": micro, "accumulation_steps": k,
+                "to_micro_batch_size": micro, "to_accumulation_steps": k,
+                "to_rematerialize": "full", "error": said}
     if smaller is None:
+        recomputed = (' with rematerialize="full"'
+                      if getattr(model, "rematerialize", None) == "full" else "")
         raise OutOfMemoryError(
-            f"out of memory in a train step at micro-batch 1 × {k} accumulation steps "
-            f"({said}), and nothing smaller can be tried; "
+            f"out of memory in a train step at micro-batch 1 × {k} accumulation steps"
+            f"{recomputed} ({said}), and nothing smaller can be tried; "
             + what_would_fit(model, global_batch_size))
     return {"micro_batch_size": micro, "accumulation_steps": k,
             "to_micro_batch_size": smaller, "to_accumulation_steps": k * micro // smaller,
             "error": said}
+
+
+def rematerialization_left(model: keras.Model, setting=_OWN, cut=_OWN,
+                           device_kind: str | None = None) -> bool:
+    """Whether `rematerialize="full"` would recompute what `model` keeps now: its setting is
+    None, "auto" or segments a plan chose (names and pairs are the user's choice), its graph
+    is functional, its backend and device save memory by recomputing (not JAX on a CPU), and
+    "full" cuts segments it does not cut already.
+
+    `setting` and `cut` (the segments cut) default to an AccumModel's own; `device_kind` to the
+    kind of the devices it runs on.
+    """
+    from tfmem import _keras_internals as internals
+    from tfmem import backend
+    from tfmem.memory import remat_plan, segments
+
+    setting = getattr(model, "rematerialize", "") if setting is _OWN else setting
+    if cut is _OWN:  # a plan's segments are cut at the next `fit`
+        cut = (setting.ranges if isinstance(setting, segments.Ranges)
+               else getattr(model, "rematerialized_segments", ()))
+    if setting not in (None, "auto") and not isinstance(setting, segments.Ranges):
+        return False
+    if not internals.is_graph_network(internals.functional_of(model)):
+        return False
+    kind = backend.current_runtime(model).kind if device_kind is None else device_kind
+    if not remat_plan.saves_memory(kind):
+        return False
+    try:
+        full = remat_plan.from_setting(model, "full")
+    except ValueError:  # a graph the planner's walk cannot size
+        return False
+    return bool(full) and tuple(full) != tuple(cut)
+
+
+def rematerialize_all(model: keras.Model) -> None:
+    """Sets `model`'s `rematerialize` to "full" (an AccumModel); its next `fit` cuts it."""
+    from tfmem.training import remat
+
+    model._rematerialize = remat.check_setting("full")
 
 
 def what_would_fit(model: keras.Model, global_batch_size: int) -> str:

@@ -180,6 +180,12 @@ class _Backup:
                   f"{model.accumulation_steps}), which this run took after running out of "
                   "memory", file=sys.stderr)
             _set_accumulation_steps(model, steps)
+        if (any(entry.get("to_rematerialize") == "full" for entry in recorded)
+                and recovery.can_recover(model)
+                and recovery.rematerialization_left(model)):
+            print('tfmem: resuming with rematerialize="full", which this run took after '
+                  "running out of memory at micro-batch 1", file=sys.stderr)
+            recovery.rematerialize_all(model)
 
     def save(self, model: keras.Model, *, epoch: int, step: int, history=None) -> None:
         if not self.writer:
@@ -291,14 +297,19 @@ def _recover(model, backup, dataset, failure, epoch) -> None:
                                    backend.current_runtime(model).num_replicas, failure)
     split.update(epoch=epoch + 1, in_process=True)
     _set_accumulation_steps(model, split["to_accumulation_steps"])
+    recomputed = ""
+    if split.get("to_rematerialize") == "full":
+        recovery.rematerialize_all(model)
+        recomputed = (' and rematerialize="full" (activations recomputed in the backward pass: '
+                      "the same training, more time)")
     backup.recoveries.append(split)
     point = backup.latest
     print(f"tfmem: a train step of epoch {epoch + 1} ran out of memory at micro-batch "
           f"{split['micro_batch_size']} × {split['accumulation_steps']} ({split['error']}); "
           f"going on from the resume point of epoch {point['epoch'] + 1}, step "
           f"{point['step']} with micro-batch {split['to_micro_batch_size']} × "
-          f"{split['to_accumulation_steps']}, the same global batch", file=sys.stderr,
-          flush=True)
+          f"{split['to_accumulation_steps']}{recomputed}, the same global batch",
+          file=sys.stderr, flush=True)
 
 
 def _check_learning_rate(model: keras.Model) -> None:
