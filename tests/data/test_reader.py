@@ -83,6 +83,7 @@ def test_training_batches_are_full_shuffled_and_complete(written):
     assert len(batches) == int(dataset.cardinality()) == NUM_EXAMPLES // 8  # 5 full batches
     assert all(x.shape == (8, 6, 5, 3) for x, _ in batches)
     assert dataset.options().deterministic is False
+    assert dataset.options().autotune.enabled is False  # fixed parallelism, no autotuner
     read_labels = np.concatenate([y.numpy() for _, y in batches])
     assert sorted(read_labels) == sorted(labels)  # 40 of 40, as 40 is a multiple of 8
     assert not np.array_equal(read_labels, labels)  # shuffled

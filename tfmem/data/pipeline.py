@@ -234,6 +234,13 @@ def dataset_options(options: ReaderOptions, num_files: int,
     # Evaluation keeps the order (ids line up with predictions); training takes whichever
     # element is ready first, which is faster.
     result.deterministic = in_order(options)
+    # No autotuning: the parallel reads and decodes run at min(16, the CPU cores), and the
+    # prefetch depth is fixed anyway. With it on, tf.data runs a model thread beside each
+    # iterator, whose deletion (at the end of each epoch and of each validation) can wait for
+    # that thread's current period to end (10 ms doubling, up to 60 s); on 2 cores it decoded
+    # between 0.6× and 1.0× the images per second of the fixed setting
+    # (benchmarks/data_autotune.py).
+    result.autotune.enabled = False
     distribute = result.experimental_distribute
     if options.input_context is not None or split:  # already split by pipeline or process
         distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
