@@ -96,8 +96,9 @@ flags.DEFINE_string(
 flags.DEFINE_string(
     "rematerialize", None, "Recompute activations in the backward pass instead of keeping "
     "them: less memory per sample for about one more forward pass; exact. 'full': the whole "
-    "model in segments; 'auto': only as much as the micro-batch needs to fit; or "
-    "comma-separated layer names and first:last layer ranges (docs/rematerialization.md).")
+    "model in segments; 'auto': only as much as the micro-batch needs to fit; 'none' (the "
+    "default); or comma-separated layer names and first:last layer ranges "
+    "(docs/rematerialization.md).")
 flags.register_validator(
     "learning_rate", lambda value: math.isfinite(value) and value > 0,
     "the learning rate must be a finite number > 0, e.g. --learning-rate=1e-3")

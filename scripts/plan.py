@@ -33,8 +33,8 @@ flags.DEFINE_enum("precision", "auto", ["auto", "float32", "mixed_float16", "mix
 flags.DEFINE_float("safety", 0.8, "Fraction of the device memory to plan for.")
 flags.DEFINE_string("plot", None, "Write memory vs micro-batch to this PNG file.")
 flags.DEFINE_string("rematerialize", None, "Recompute activations in the backward pass: "
-                    "'full', 'auto' (as much as the micro-batch needs to fit), or "
-                    "comma-separated layer names and first:last layer ranges.")
+                    "'full', 'auto' (as much as the micro-batch needs to fit), 'none' (the "
+                    "default), or comma-separated layer names and first:last layer ranges.")
 flags.mark_flags_as_required(["model", "global_batch_size"])
 for _name in ("global_batch_size", "image_size", "num_classes"):
     flags.register_validator(_name, lambda value: value is None or value >= 1,

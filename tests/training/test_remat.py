@@ -54,6 +54,14 @@ def test_the_block_runs_forward_again_in_the_backward_pass():
     assert recomputed == plain + 1
 
 
+def test_the_command_line_flag_reads_as_the_setting():
+    assert remat.names_of("full") == "full" and remat.names_of(" auto ") == "auto"
+    assert remat.names_of("none") is remat.names_of("None") is remat.names_of("") is None
+    assert remat.names_of("block3, conv4_1:add4_3") == ("block3", ("conv4_1", "add4_3"))
+    with pytest.raises(ValueError, match=r"'a:b:c' is neither a layer name nor a first:last"):
+        remat.names_of("a:b:c")
+
+
 def test_names_that_are_no_layer_and_bad_settings_are_one_error():
     with pytest.raises(ValueError, match=r"rematerialize: 'nope' is not a layer of "
                                          r"'functional\w*'; its layers: .*block"):

@@ -69,9 +69,11 @@ def to_config(setting):
 
 def names_of(flag: str | None):
     """`--rematerialize full`, `auto`, or `down0_dense, conv_4:add_4` (a layer name, or
-    `first:last` for a range) → the setting; None when the flag is empty."""
+    `first:last` for a range) → the setting; None when the flag is empty or `none`."""
     if flag is not None and flag.strip() in ("full", "auto"):
         return flag.strip()
+    if flag is not None and flag.strip().lower() == "none":
+        return None
     items = []
     for entry in (flag or "").split(","):
         entry = entry.strip()
