@@ -122,16 +122,14 @@ class Walker:
     def keep_drawn(self, shape, dtype) -> None:
         """Keeps a new tensor drawn from the layer's seed, not made from its inputs' values
         (a dropout's mask): recomputing it needs no input (`segments.GraphFacts`)."""
-        self.new_tensors += 1
-        key = ("drawn", self.new_tensors)
-        self.sizes[key] = sample_bytes(shape, dtype)
-        self.touched.add(key)
-        self.largest = max(self.largest, self.sizes[key])
+        self.keep_bytes(sample_bytes(shape, dtype), kind="drawn")
+        self.largest = max(self.largest, sample_bytes(shape, dtype))
 
-    def keep_bytes(self, nbytes: int) -> None:
+    def keep_bytes(self, nbytes: int, kind: str = "new") -> None:
         self.new_tensors += 1  # a count, not len(sizes): rematerialized layers remove keys
-        self.sizes[("new", self.new_tensors)] = int(nbytes)
-        self.touched.add(("new", self.new_tensors))
+        key = (kind, self.new_tensors)
+        self.sizes[key] = int(nbytes)
+        self.touched.add(key)
 
     # -- the walk ---------------------------------------------------------------------------
     def walk(self, model) -> None:
