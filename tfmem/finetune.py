@@ -589,8 +589,8 @@ def _supervise(config: FinetuneConfig, cap: int, data: _Data) -> dict:
                 print(f"finetune: memory limit {format_bytes(cap)} reached at micro-batch 1 × "
                       f"{k} accumulation step{'s' if k > 1 else ''} "
                       f"({format_bytes(watch.highest)} held); resuming from the last resume "
-                      "point with --rematerialize full (activations recomputed in the "
-                      f"backward pass: the same training, more time), micro-batch 1 × {k}",
+                      f"point with --rematerialize full ({recovery.RECOMPUTED}), micro-batch "
+                      f"1 × {k}",
                       flush=True)
                 continue
             if smaller is None:

@@ -30,6 +30,9 @@ _SAYS_WHAT = ("OOM when allocating", *_RUNTIME_ERROR_MARKS)
 
 _OWN = object()  # `rematerialization_left`: the model's own setting or segments
 
+# What a run that goes on rematerialized is told it changes.
+RECOMPUTED = "activations recomputed in the backward pass: the same training, more time"
+
 
 class OutOfMemoryError(RuntimeError):
     """A train step ran out of memory at micro-batch 1: nothing smaller can be tried."""

@@ -300,8 +300,7 @@ def _recover(model, backup, dataset, failure, epoch) -> None:
     recomputed = ""
     if split.get("to_rematerialize") == "full":
         recovery.rematerialize_all(model)
-        recomputed = (' and rematerialize="full" (activations recomputed in the backward pass: '
-                      "the same training, more time)")
+        recomputed = f' and rematerialize="full" ({recovery.RECOMPUTED})'
     backup.recoveries.append(split)
     point = backup.latest
     print(f"tfmem: a train step of epoch {epoch + 1} ran out of memory at micro-batch "
