@@ -99,6 +99,64 @@ def dense(rematerialize=None, accumulation_steps=2, jit_compile="auto"):
     return _headed(inputs, backbone(inputs), rematerialize, accumulation_steps, jit_compile)
 
 
+class Unseeded(keras.layers.Layer):
+    """Adds noise drawn by Keras's `keras.random.normal` without a seed (from Keras's global
+    seed generator, which each draw advances; TensorFlow only: JAX refuses it)."""
+
+    def call(self, x, training=None):
+        return x + keras.random.normal(keras.ops.shape(x), stddev=0.5) if training else x
+
+
+class Generated(keras.layers.Layer):
+    """Adds noise drawn by a `tf.random.Generator` of its own (a stateful read of its state,
+    then a stateless draw); counts its training calls and keeps its last input's mean in
+    TensorFlow variables (`assign_add`, `assign`)."""
+
+    def __init__(self, **kwargs):
+        import tensorflow as tf
+
+        super().__init__(**kwargs)
+        self.generator = tf.random.Generator.from_seed(7)
+        self.calls, self.mean = tf.Variable(0.0), tf.Variable(0.0)
+
+    def call(self, x, training=None):
+        import tensorflow as tf
+
+        if not training:
+            return x
+        self.calls.assign_add(1.0)
+        self.mean.assign(tf.reduce_mean(x))
+        return x + self.generator.normal(tf.shape(x), stddev=0.5)
+
+
+class Masked(keras.layers.Layer):
+    """Drops a third of its input with a mask drawn by TensorFlow's stateful
+    `tf.random.uniform` (an op seed given, so that two models draw alike)."""
+
+    def call(self, x, training=None):
+        import tensorflow as tf
+
+        if not training:
+            return x
+        return x * tf.cast(tf.random.uniform(tf.shape(x), seed=5) > 1 / 3, x.dtype)
+
+
+def noisy(rematerialize=None, accumulation_steps=2, jit_compile="auto",
+          draws=("Unseeded", "Generated", "Masked")):
+    """Convolutions, each followed by a layer drawing random numbers with a stateful op (one
+    of `draws`: `Unseeded`, `Generated`, `Masked`) and a ReLU: TensorFlow only."""
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(0)
+    tf.random.set_seed(0)
+    inputs = keras.Input((8, 8, 3))
+    x = inputs
+    for i, noise in enumerate(globals()[name] for name in draws):
+        x = keras.layers.Conv2D(6, 3, padding="same", name=f"conv{i}")(x)
+        x = keras.layers.ReLU(name=f"relu{i}")(noise(name=f"noise{i}")(x))
+    return _headed(inputs, x, rematerialize, accumulation_steps, jit_compile)
+
+
 def _headed(inputs, x, rematerialize, accumulation_steps, jit_compile):
     """`x` pooled into a 3-class head, as a compiled AccumModel (SGD, cross-entropy)."""
     outputs = keras.layers.Dense(3, name="head")(

@@ -522,6 +522,75 @@ def test_inside_a_segment_a_layers_input_gradient_waits_for_its_weights_gradient
         assert not kernel_gradients(made("b_out")) & made("b_hidden")
 
 
+@pytest.mark.parametrize("jit_compile", ["auto", True])
+def test_draws_of_stateful_random_ops_are_the_forward_passes_in_the_recomputation(jit_compile):
+    # Keras's unseeded keras.random (its global seed generator, which the forward pass
+    # advanced), a tf.random.Generator's and tf.random.uniform's draws: run again, each
+    # would draw other numbers, and the segment's gradient would be that of other noise.
+    # (XLA draws tf.random.uniform regardless of its seed: two plain runs differ there.)
+    draws = ("Unseeded", "Generated", "Generated" if jit_compile is True else "Masked")
+    runs = []
+    for setting in (None, "full"):
+        runs.append(remat_cases.noisy(setting, jit_compile=jit_compile, draws=draws))
+        runs[-1].fit(*remat_cases.data(), batch_size=16, epochs=1, shuffle=False, verbose=0)
+    plain, accum = runs
+    differences = remat_cases._differences(plain.get_weights(), accum.get_weights())
+    assert len(differences) == 8 and max(differences) <= 1e-6, differences
+    (_, ranges), = accum.rematerialized_segments
+    assert ranges  # each noise layer is recomputed in a segment
+    # What the layer writes to TensorFlow variables is written once per micro-batch (6), not
+    # again in the recomputation: the generator's state skipped ahead, the count added, the
+    # mean assigned as without rematerialization.
+    (plain_layer, layer) = (model.get_layer("noise1") for model in runs)
+    assert layer.calls.numpy() == plain_layer.calls.numpy() == 6
+    np.testing.assert_array_equal(layer.generator.state.numpy(),
+                                  plain_layer.generator.state.numpy())
+    assert layer.mean.numpy() == pytest.approx(plain_layer.mean.numpy(), rel=1e-6)
+    if jit_compile is True:
+        return
+    x, y = remat_cases.data()
+
+    @tf.function
+    def gradients(x, y):
+        with tf.GradientTape() as tape:
+            loss = accum.compute_loss(x=x, y=y, y_pred=accum(x, training=True))
+        return tape.gradient(loss, accum.trainable_variables)
+
+    graph = gradients.get_concrete_function(x[:16], y[:16]).graph
+    masks = [op for op in graph.get_operations() if op.type == "RandomUniform"]
+    # Masked's draw and its recomputation's, which nothing reads: its readers read the
+    # forward pass's mask.
+    assert [bool(op.outputs[0].consumers()) for op in masks] == [True, False]
+
+
+class _Scattered(keras.layers.Layer):
+    """Adds its input's first row to a TensorFlow variable's first row (a scatter)."""
+
+    def build(self, shape):
+        self.total = tf.Variable(tf.zeros((2, shape[-1])))
+
+    def call(self, x, training=None):
+        if training:
+            self.total.scatter_add(tf.IndexedSlices(x[:1, 0, 0], tf.constant([0])))
+        return x
+
+
+def test_a_recomputation_that_would_write_a_variable_again_is_one_error():
+    inputs = keras.Input((8, 8, 3))
+    x = inputs
+    for i in range(3):
+        x = keras.layers.Conv2D(6, 3, padding="same")(x)
+        x = keras.layers.ReLU()(_Scattered(name=f"scattered{i}")(x) if i == 1 else x)
+    outputs = keras.layers.Dense(3)(keras.layers.GlobalAveragePooling2D()(x))
+    accum = tfmem.AccumModel(inputs, outputs, rematerialize="full")
+    accum.compile(keras.optimizers.SGD(0.1),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(ValueError, match=r"cannot be recomputed as its forward pass ran: its "
+                       r"op '.*scattered1.*' \(ResourceScatterAdd\) is stateful and writes a "
+                       r"TensorFlow variable again.*keras.random.SeedGenerator"):
+        accum.fit(*remat_cases.data(), batch_size=16, epochs=1, verbose=0)
+
+
 def test_a_masked_sequence_trains_to_the_same_weights():
     # The segment takes the Embedding's padding mask (a bool tensor) as an input: it has no
     # gradient to pass on (it was given a 0 added to it, a TypeError), and the GRU in it

@@ -153,6 +153,9 @@ class _Variables:
     """The variables of a segment's layers, as `rematerialized_call` reads a layer's."""
 
     def __init__(self, layers):
+        names = [getattr(layer, "name", "?") for layer in layers]
+        self.description = (f"the segment of layers {names[0]!r} to {names[-1]!r}"
+                            if names else "an empty segment")
         self.layers = []  # the layers, and those inside them
         for layer in layers:
             if isinstance(layer, keras.layers.Layer):

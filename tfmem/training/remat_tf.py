@@ -7,6 +7,7 @@ seeds. Here the second run reads the state the first one saw and its updates are
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -26,7 +27,7 @@ def rematerialized_call(layer, original):
         seen = [tf.identity(variable.value) for variable in state]  # before the forward pass
         flat = tf.nest.flatten(args)
         runs = []
-        calls, shapes = WeightsFirst(), ForwardShapes()
+        calls, shapes, draws = WeightsFirst(), ForwardShapes(), ForwardDraws()
 
         def observed(node, call):
             call = shapes.observed(node, call)
@@ -36,16 +37,20 @@ def rematerialized_call(layer, original):
             call = shapes.replayed(node, call)
             return calls.ordered(node, call) if _weighted(node) else call
 
-        @functools.partial(recompute_grad, then=shapes.read_from_forward)
+        def then(ops):
+            shapes.read_from_forward(ops)
+            draws.read_from_forward(layer)
+
+        @functools.partial(recompute_grad, then=then)
         def run(*tensors):
             rebuilt = tf.nest.pack_sequence_as(args, list(tensors))
             if not runs:  # the forward pass: its updates are the step's
                 runs.append("forward")
-                with remat.segment_calls(observed):
+                with remat.segment_calls(observed), draws.made("forward"):
                     return original(*rebuilt, **kwargs)
             runs.append("recomputed")
             with internals.stateless_scope(list(zip(state, seen))), \
-                    remat.segment_calls(ordered):
+                    remat.segment_calls(ordered), draws.made("recomputed"):
                 return original(*rebuilt, **kwargs)
 
         return run(*flat)
@@ -272,6 +277,131 @@ class ForwardShapes:
                             op._update_input(index, self.twins[tensor.name])
                         except (AttributeError, TypeError, ValueError, tf.errors.OpError):
                             return
+
+
+class ForwardDraws:
+    """The values of a segment's stateful ops, read by its recomputation from the forward
+    pass instead of being made again; the variables it writes, not written twice.
+
+    Run again, a stateful op may give another value: one of TensorFlow's stateful random ops
+    (`tf.random.normal` in a noise layer), a `tf.random.Generator`'s draw, Keras's unseeded
+    `keras.random` (its global seed generator's state, which the forward pass advanced). The
+    segment's gradient would then be that of other draws. Here the recomputation's readers of
+    such an op read the forward pass's tensor, held from the forward pass to the backward
+    pass: one tensor per draw, which is not recomputed. Keras's own random layers (Dropout,
+    GaussianNoise, RandomFlip) draw from their seed generators' state as the forward pass saw
+    it, with stateless ops, and are made again as any other op.
+
+    What the recomputation writes to a Keras variable is dropped (`rematerialized_call`); a
+    write to a TensorFlow variable (a `tf.random.Generator`'s state, a `tf.Variable` a layer
+    assigns) is an op that runs. One that adds (`assign_add`, a generator's skip ahead) adds
+    0; one that assigns writes the value the forward pass wrote. Any other is an error.
+
+    Not looked into: the stateful ops inside a loop or a nested function (a `tf.while_loop`'s
+    body); run eagerly, nothing is changed (ops run as they come).
+    """
+
+    def __init__(self):
+        self.forward = []  # the ops the forward pass made
+        self.recomputed = []  # the recomputation's, without its gradient
+
+    @contextlib.contextmanager
+    def made(self, which: str):
+        """Inside, the ops made are noted as the `which` run's ("forward", "recomputed")."""
+        made = _ops_made()
+        try:
+            yield
+        finally:
+            setattr(self, which, made())
+
+    def read_from_forward(self, layer) -> None:
+        """Makes the readers of the recomputation's stateful ops read the forward pass's, and
+        its writes to variables write nothing new.
+
+        Raises:
+            ValueError: the forward pass made no such op under the same name (its code took
+                another path), or the recomputation writes a variable otherwise.
+        """
+        written = _written(self.forward)
+        again = _changing(self.recomputed, written) | _writing(self.recomputed)
+        if not again:
+            return
+        twins = {key: op for key, op in _by_scope(self.forward).items()
+                 if op.op_def.is_stateful}
+        for key, op in _by_scope(self.recomputed).items():
+            if op not in again:
+                continue
+            twin = twins.get(key)
+            if twin is None or twin.type != op.type or [t.dtype for t in twin.outputs] != [
+                    t.dtype for t in op.outputs]:
+                raise _not_again(layer, op, "the forward pass made no such op to read its "
+                                 "value from")
+            for output, value in zip(op.outputs, twin.outputs):
+                for reader in list(output.consumers()):
+                    for index, tensor in enumerate(reader.inputs):
+                        if tensor is output:
+                            reader._update_input(index, value)  # noqa: SLF001
+            if op in _writing(self.recomputed):
+                _write_nothing_new(layer, op, twin)
+
+
+def _not_again(layer, op, why: str) -> ValueError:
+    what = getattr(layer, "description", None) or f"layer {layer.name!r}"
+    return ValueError(
+        f"rematerialize: {what} cannot be recomputed as its forward pass ran: its "
+        f"op {op.name!r} ({op.type}) is stateful and {why}; draw random numbers with "
+        "keras.random and a keras.random.SeedGenerator (as keras.layers.Dropout does), keep "
+        "state in Keras variables, or leave the layer out of rematerialize")
+
+
+def _write_nothing_new(layer, op, twin) -> None:
+    """Makes the recomputation's write `op` add 0, or assign what the forward pass's `twin`
+    assigned.
+
+    Raises:
+        ValueError: `op` writes otherwise.
+    """
+    amount = _AMOUNTS.get(op.type)
+    if amount is not None:
+        op._update_input(amount, tf.zeros_like(op.inputs[amount]))  # noqa: SLF001
+    elif op.type == "AssignVariableOp":
+        op._update_input(1, twin.inputs[1])  # noqa: SLF001
+    else:
+        raise _not_again(layer, op, "writes a TensorFlow variable again when recomputed")
+
+
+# The input that says how much an adding write adds.
+_AMOUNTS = {"AssignAddVariableOp": 1, "AssignSubVariableOp": 1, "RngReadAndSkip": 2,
+            "RngSkip": 2}
+
+
+def _written(ops) -> set:
+    """The names of the variable handles that stateful ops among `ops` take, but to read."""
+    return {tensor.name for op in _writing(ops) for tensor in op.inputs
+            if tensor.dtype == tf.resource}
+
+
+def _writing(ops) -> set:
+    """The stateful ops among `ops` that take a variable's handle, but to read it."""
+    return {op for op in ops if op.op_def.is_stateful and op.type not in _READS
+            and op.type not in _CALLS
+            and any(tensor.dtype == tf.resource for tensor in op.inputs)}
+
+
+def _changing(ops, written) -> set:
+    """The ops among `ops` that may give another value when run again: stateful ops with a
+    value (not a resource handle), but for reads of variables not `written` (handles' names).
+    Loops and nested functions are left as they are."""
+    return {op for op in ops
+            if op.op_def.is_stateful and op.type not in _CALLS
+            and any(t.dtype not in (tf.resource, tf.variant) for t in op.outputs)
+            and not (op.type in _READS and not any(
+                tensor.name in written for tensor in op.inputs))}
+
+
+_READS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape",
+                    "VarIsInitializedOp"})
+_CALLS = frozenset({"While", "If", "Case", "StatefulPartitionedCall", "PartitionedCall"})
 
 
 def _by_scope(ops) -> dict:
