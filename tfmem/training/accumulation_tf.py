@@ -1,7 +1,8 @@
 """The TensorFlow backend's accumulating train step (semantics: `tfmem.training.accumulation`).
 
 `AccumTrainer` is mixed into `AccumModel` when Keras runs on TensorFlow (`tfmem.backend`):
-`k` micro-batches in one `tf.while_loop`, gradients summed in float32, one optimizer update.
+`k` micro-batches in one `tf.while_loop`, gradients summed in float32, one optimizer update
+(written out one after another where the micro-step synchronizes the replicas by a merge call).
 With `jit_compile=True` on a platform whose XLA runs loop bodies slowly (CPU), the loop stays
 out of XLA and each micro-step is compiled on its own (`tfmem.training.placement`).
 """
@@ -164,17 +165,28 @@ def _accumulate(model: keras.Model, window: _Window, split, k: int,
         return _micro_step(model, window, carry, micro_batch)
 
     if tf.executing_eagerly():  # `run_eagerly`: the loop runs in Python, as `tf.while_loop` would
-        for i in range(k):
-            stepped = step(carry, micro_batch_at(tf.constant(i)))
-            carry = _keep_sums(carry, stepped)
-        return carry, _has_gradient(stepped)
+        return _one_after_another(step, carry, micro_batch_at, k)
     # The micro-step is traced once, as a function that every iteration calls (TensorFlow
     # inlines it; micro-batch 0 only gives the argument types). On a host-loop platform
     # (`tfmem.training.placement`) the step runs without XLA and the micro-step is one loop-free
     # XLA program. It takes the micro-batch, not its index: XLA needs slice bounds as
     # compile-time constants, so an index would compile k programs.
     traced = tf.function(step, jit_compile=True if xla_loop_on_host else None, autograph=False)
-    traced = traced.get_concrete_function(carry, micro_batch_at(tf.constant(0)))
+    try:
+        traced = traced.get_concrete_function(carry, micro_batch_at(tf.constant(0)))
+    except RuntimeError as error:
+        if "merge_call" not in str(error):
+            raise
+        # The micro-step synchronizes the replicas where the strategy does so by a merge
+        # call (a synchronized BatchNormalization under MirroredStrategy), which TensorFlow
+        # cannot do inside a function or a loop: the step then holds k micro-steps.
+        warnings.warn(
+            f"tfmem: the micro-step synchronizes the replicas (e.g. a synchronized "
+            f"BatchNormalization), which TensorFlow cannot do inside a loop under "
+            f"{type(tf.distribute.get_strategy()).__name__}; the step's graph holds its "
+            f"{k} micro-steps one after another instead (the first step takes longer to "
+            "trace; the training is the same).", stacklevel=2)
+        return _one_after_another(step, carry, micro_batch_at, k)
     _, carry = tf.while_loop(
         lambda i, _: i < k,
         lambda i, carry: (i + 1, _keep_sums(carry, traced(carry, micro_batch_at(i)))),
@@ -185,6 +197,30 @@ def _accumulate(model: keras.Model, window: _Window, split, k: int,
         maximum_iterations=k,
     )
     return carry, _has_gradient(traced.structured_outputs)
+
+
+def _one_after_another(step, carry: AccumulationState, micro_batch_at,
+                       k: int) -> tuple[AccumulationState, list[bool]]:
+    """`_accumulate`'s loop written out: `step` on each of the `k` micro-batches in turn.
+
+    Traced, micro-batch `i + 1` is taken only once micro-step `i`'s sums exist (its index is
+    made from them), so TensorFlow's executor runs the micro-steps one after another, as the
+    loop would, not side by side with their activations all held.
+    """
+    for i in range(k):
+        index = tf.constant(i) if i == 0 or tf.executing_eagerly() else _after_sums(carry, i)
+        stepped = step(carry, micro_batch_at(index))
+        carry = _keep_sums(carry, stepped)
+    return carry, _has_gradient(stepped)
+
+
+def _after_sums(carry: AccumulationState, i: int) -> tf.Tensor:
+    """`i`, as an int32 tensor made only once every sum of `carry` exists: the first element
+    of each goes into a 0 added to it."""
+    firsts = [tf.reshape(tf.cast(total, tf.float32), [-1])[:1]
+              for total in [*carry.gradient_sums, *carry.statistic_deltas, carry.loss_sum]]
+    nan = tf.math.is_nan(tf.reduce_sum(tf.concat(firsts, axis=0)))
+    return i + tf.minimum(tf.cast(nan, tf.int32), 0)
 
 
 def _micro_step(model: keras.Model, window: _Window, carry: AccumulationState,

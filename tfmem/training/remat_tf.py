@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 
 import tensorflow as tf
 
@@ -297,8 +298,10 @@ class ForwardDraws:
     assigns) is an op that runs. One that adds (`assign_add`, a generator's skip ahead) adds
     0; one that assigns writes the value the forward pass wrote. Any other is an error.
 
-    Not looked into: the stateful ops inside a loop or a nested function (a `tf.while_loop`'s
-    body); run eagerly, nothing is changed (ops run as they come).
+    Other stateful ops (a synchronized BatchNormalization's all-reduce, a table lookup) give
+    the same value for the same inputs and run again as written. Not looked into: the ops
+    inside a loop or a nested function (a `tf.while_loop`'s body); run eagerly, nothing is
+    changed (ops run as they come).
     """
 
     def __init__(self):
@@ -376,32 +379,33 @@ _AMOUNTS = {"AssignAddVariableOp": 1, "AssignSubVariableOp": 1, "RngReadAndSkip"
 
 
 def _written(ops) -> set:
-    """The names of the variable handles that stateful ops among `ops` take, but to read."""
+    """The names of the variable handles that ops among `ops` write."""
     return {tensor.name for op in _writing(ops) for tensor in op.inputs
             if tensor.dtype == tf.resource}
 
 
 def _writing(ops) -> set:
-    """The stateful ops among `ops` that take a variable's handle, but to read it."""
-    return {op for op in ops if op.op_def.is_stateful and op.type not in _READS
-            and op.type not in _CALLS
-            and any(tensor.dtype == tf.resource for tensor in op.inputs)}
+    """The ops among `ops` that write a variable: assign to it, scatter into it, or move a
+    random generator's state (a collective's handle, which only orders it, is not)."""
+    return {op for op in ops if op.op_def.is_stateful and _WRITES.search(op.type)}
 
 
 def _changing(ops, written) -> set:
-    """The ops among `ops` that may give another value when run again: stateful ops with a
-    value (not a resource handle), but for reads of variables not `written` (handles' names).
-    Loops and nested functions are left as they are."""
+    """The ops among `ops` that give another value when run again: random draws of stateful
+    ops, and reads of variables `written` (handles' names). Other stateful ops (a collective
+    all-reduce, a table lookup) give the same value for the same inputs and are run again as
+    they are; so are the ops inside a loop or a nested function."""
     return {op for op in ops
-            if op.op_def.is_stateful and op.type not in _CALLS
+            if op.op_def.is_stateful
             and any(t.dtype not in (tf.resource, tf.variant) for t in op.outputs)
-            and not (op.type in _READS and not any(
-                tensor.name in written for tensor in op.inputs))}
+            and (_DRAWS.search(op.type) or (op.type in _READS and any(
+                tensor.name in written for tensor in op.inputs)))}
 
 
-_READS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape",
-                    "VarIsInitializedOp"})
-_CALLS = frozenset({"While", "If", "Case", "StatefulPartitionedCall", "PartitionedCall"})
+_DRAWS = re.compile(r"^(Random|TruncatedNormal|ParameterizedTruncatedNormal|Multinomial|Rng"
+                    r"|Stateful(?!PartitionedCall))")
+_WRITES = re.compile(r"Assign|Scatter|^Rng|^Stateful(?!PartitionedCall)")
+_READS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape"})
 
 
 def _by_scope(ops) -> dict:
@@ -470,13 +474,27 @@ def _after(dependency, tensors) -> list:
 
 
 def _ops_made():
-    """A function returning the graph's ops made since this call ([] when executing eagerly,
-    where ops run as they come)."""
+    """A function returning the graph's ops made since this call by the replica making them
+    ([] when executing eagerly, where ops run as they come).
+
+    `MirroredStrategy` traces each replica in a thread of its own, into one graph, and
+    switches threads where the replicas synchronize (a synchronized BatchNormalization's
+    all-reduce): ops another replica made meanwhile are left out by their names, which are
+    under its scope (`replica_1/`, ...; replica 0's under none).
+    """
     if tf.executing_eagerly():
         return list
     graph = tf.compat.v1.get_default_graph()
     count = len(graph.get_operations())
-    return lambda: graph.get_operations()[count:]
+    replica = _replica_scope(graph.get_name_scope() + "/")
+    return lambda: [op for op in graph.get_operations()[count:]
+                    if _replica_scope(op.name) == replica]
+
+
+def _replica_scope(name: str) -> str:
+    """The `replica_N/` scope a name is under, "" if none."""
+    match = re.match(r"replica_\d+/", name)
+    return match.group(0) if match else ""
 
 
 def _after_reads(ops, gradients) -> list:
