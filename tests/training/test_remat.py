@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import keras
 import numpy as np
@@ -681,6 +682,45 @@ def test_auto_takes_the_segments_inside_a_nested_layer_one_by_one():
     assert (auto.micro_batch_size, auto.accumulation_steps) == (8, 1)
     assert auto.notes[-1].startswith("rematerialize auto: micro-batch 4 × 2 without it; "
                                      "with 2 of 3 segments recomputed, micro-batch 8 × 1")
+
+
+def _any_size(rematerialize):
+    """A fully convolutional AccumModel on `keras.Input((None, None, 3))` (k = 2, SGD)."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((None, None, 3))
+    x = inputs
+    for i in range(3):
+        x = keras.layers.Conv2D(6, 3, padding="same", name=f"conv{i}")(x)
+        x = keras.layers.ReLU(name=f"relu{i}")(keras.layers.BatchNormalization(name=f"bn{i}")(x))
+    accum = tfmem.AccumModel(inputs, keras.layers.Conv2D(2, 1)(x), accumulation_steps=2,
+                             rematerialize=rematerialize)
+    accum.compile(keras.optimizers.SGD(0.1),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return accum
+
+
+def test_a_model_of_any_input_size_recomputes_named_layers_and_says_what_full_needs():
+    # "full" and "auto" choose segments by the bytes of each tensor, which a model built on
+    # (None, None, 3) does not have; named layers need none, and train at any size.
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 12, 12, 3)).astype("float32"), rng.integers(0, 2, (16, 12, 12))
+    for setting in ("full", "auto"):
+        with pytest.raises(ValueError, match=rf"rematerialize='{setting}' chooses the segments "
+                           r".* by the bytes of its tensors, which are not known: .*keras.Input"
+                           r".*Or name the layers to recompute"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _any_size(setting).fit(x, y, batch_size=8, epochs=1, verbose=0)
+    runs = []
+    for setting in (None, [("conv1", "relu2")]):
+        runs.append(_any_size(setting))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the plan cannot size it either: UnplannedRunWarning
+            for size in (12, 8):  # two image sizes, each traced
+                runs[-1].fit(x[:, :size, :size], y[:, :size, :size], batch_size=8, epochs=1,
+                             shuffle=False, verbose=0)
+    assert runs[1].rematerialized_segments
+    differences = remat_cases._differences(runs[0].get_weights(), runs[1].get_weights())
+    assert len(differences) == 20 and max(differences) <= 1e-6, differences
 
 
 def test_full_that_cuts_nothing_says_so_in_the_plan_and_at_fit():

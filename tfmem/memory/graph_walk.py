@@ -21,10 +21,15 @@ def itemsize(dtype) -> int:
     return np.dtype(keras.backend.standardize_dtype(dtype)).itemsize
 
 
+class UnknownSizeError(ValueError):
+    """A tensor of the graph has a dimension beyond the batch that is not known (a model built
+    on `keras.Input((None, None, 3))`): the planner cannot size it."""
+
+
 def sample_bytes(shape, dtype) -> int:
     dims = tuple(shape)[1:]
     if any(d is None for d in dims):
-        raise ValueError(
+        raise UnknownSizeError(
             f"A tensor of shape {tuple(shape)} has an unknown size beyond the batch dimension. "
             "The planner needs concrete shapes: build the model with a concrete input shape, "
             "e.g. `keras.Input((224, 224, 3))` instead of `(None, None, 3)`."

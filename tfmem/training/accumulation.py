@@ -15,6 +15,7 @@ import keras
 from tfmem import _keras_internals as internals
 from tfmem import backend
 from tfmem.memory import guard, remat_plan, segments
+from tfmem.memory.graph_walk import UnknownSizeError
 from tfmem.memory.guard import RunPlan
 from tfmem.runtime.cluster import check_accumulation_steps
 from tfmem.training import remat
@@ -183,7 +184,15 @@ class AccumModel(backend.AccumTrainer, keras.Model):
                 warnings.warn('rematerialize="auto" needs a memory plan and this run has '
                               'none: every segment of "full" is recomputed.',
                               guard.UnplannedRunWarning, stacklevel=3)
-            spec = remat_plan.from_setting(self, "full" if setting == "auto" else setting)
+            try:
+                spec = remat_plan.from_setting(self, "full" if setting == "auto" else setting)
+            except UnknownSizeError as error:
+                raise ValueError(
+                    f"rematerialize={setting!r} chooses the segments of {self.name!r} by the "
+                    f"bytes of its tensors, which are not known: {error} Or name the "
+                    "layers to recompute, which takes any input size: rematerialize="
+                    "[('first_layer', 'last_layer'), 'block_3'] (model.summary() lists the "
+                    "names).") from None
         if setting == "full" and not spec:
             warnings.warn(f'rematerialize="full" cuts no segment of {self.name!r}: no cut '
                           'lowers its planned peak, so nothing is recomputed; to recompute '
