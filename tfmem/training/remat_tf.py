@@ -325,8 +325,8 @@ class ForwardDraws:
             ValueError: the forward pass made no such op under the same name (its code took
                 another path), or the recomputation writes a variable otherwise.
         """
-        written = _written(self.forward)
-        again = _changing(self.recomputed, written) | _writing(self.recomputed)
+        written, writes = _written(self.forward), _writing(self.recomputed)
+        again = _changing(self.recomputed, written) | writes
         if not again:
             return
         twins = {key: op for key, op in _by_scope(self.forward).items()
@@ -344,7 +344,7 @@ class ForwardDraws:
                     for index, tensor in enumerate(reader.inputs):
                         if tensor is output:
                             reader._update_input(index, value)  # noqa: SLF001
-            if op in _writing(self.recomputed):
+            if op in writes:
                 _write_nothing_new(layer, op, twin)
 
 
