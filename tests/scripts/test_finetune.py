@@ -403,6 +403,18 @@ def test_a_failure_while_training_is_one_line_with_status_1(finetune_cli, writte
         "to skip such records, or write the set again")
 
 
+def test_validation_runs_a_micro_batch_at_a_time(finetune_cli, written_sets, tmp_path):
+    # Not the global batch at once: its forward pass would hold 4 times the micro-batch's.
+    status, out, stderr = finetune_cli(
+        "--data", written_sets["demo"], "--validation-data", written_sets["demo"],
+        "--global-batch-size", "32", "--accumulation-steps", "4", "--epochs", "1",
+        "--memory-limit", "none", "--output", str(tmp_path))
+    assert status == 0, stderr[-3000:]
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert (metrics["micro_batch_size"], metrics["num_replicas"]) == (8, 1)
+    assert metrics["validation"]["batch_size"] == 8
+
+
 def test_skip_corrupt_trains_on_and_names_what_it_skipped(finetune_cli, written_sets, tmp_path):
     output = tmp_path / "run"  # trained in this process: no memory limit, no training process
     status, out, err = finetune_cli(
