@@ -175,3 +175,40 @@ def test_what_is_out_of_memory(tensorflow_out_of_memory_error):
     assert recovery.out_of_memory(ValueError("Out of memory")) is None  # not a framework's
     assert recovery.out_of_memory(tf.errors.InternalError(None, None, "failed")) is None
     assert [recovery.halved(n) for n in (64, 6, 9, 7, 2, 1)] == [32, 3, 3, 1, 1, None]
+
+
+class _OutOfMemoryWhenEvaluating(AccumModel):
+    """An AccumModel whose evaluation step raises TensorFlow's out-of-memory error (a
+    validation batch too large for the device, where the train steps' micro-batches fit)."""
+
+    error = None
+
+    def test_step(self, data):
+        raise _OutOfMemoryWhenEvaluating.error
+
+
+def test_out_of_memory_in_the_validation_pass_says_to_batch_it_smaller(
+        tensorflow_out_of_memory_error, tmp_path):
+    # Halving the training's micro-batch would not help: one error, the micro-batch unchanged.
+    from tfmem.training.resume import fit_resumable
+
+    _OutOfMemoryWhenEvaluating.error = tensorflow_out_of_memory_error
+    inputs = keras.Input((4,))
+    model = _OutOfMemoryWhenEvaluating(inputs, keras.layers.Dense(2)(inputs),
+                                       accumulation_steps=4)
+    model.compile("sgd", "mse")
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 4)).astype("float32"), rng.normal(size=(64, 2)).astype("float32")
+    batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(16, drop_remainder=True)
+    with pytest.raises(recovery.OutOfMemoryError) as raised:
+        fit_resumable(model, lambda epoch: batches, epochs=1, steps_per_epoch=4,
+                      backup_dir=tmp_path / "backup", validation_data=batches.unbatch().batch(32, True),
+                      verbose=0, check_memory=False)
+    assert str(raised.value).startswith(
+        "out of memory in the validation pass of epoch 1 at its batch of 32 rows (OOM when "
+        "allocating tensor")
+    assert str(raised.value).endswith(
+        "the train steps fit; batch the validation data smaller, e.g. at 4 rows: the "
+        "training's micro-batch over its replicas, which the train steps ran, and start again "
+        "(the run resumes from its last resume point)")
+    assert model.accumulation_steps == 4 and int(model.optimizer.iterations) == 4

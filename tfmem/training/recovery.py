@@ -35,7 +35,8 @@ RECOMPUTED = "activations recomputed in the backward pass: the same training, mo
 
 
 class OutOfMemoryError(RuntimeError):
-    """A train step ran out of memory at micro-batch 1: nothing smaller can be tried."""
+    """Memory ran out where tfmem has nothing smaller to try: a train step at micro-batch 1,
+    or the validation pass (whose batch is the data's)."""
 
 
 def out_of_memory(error: BaseException) -> BaseException | None:

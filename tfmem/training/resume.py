@@ -85,6 +85,13 @@ class _Saver(keras.callbacks.Callback):
         self._save_every_steps = save_every_steps
         self._steps_per_epoch = steps_per_epoch
         self.updates = 0
+        self.validating = False  # between the start and the end of the validation pass
+
+    def on_test_begin(self, logs=None):
+        self.validating = True
+
+    def on_test_end(self, logs=None):
+        self.validating = False
 
     def on_train_batch_end(self, batch, logs=None):
         self.updates = batch + 1
@@ -311,6 +318,27 @@ def _recover(model, backup, dataset, failure, epoch) -> None:
           file=sys.stderr, flush=True)
 
 
+def _validation_out_of_memory(model, dataset, validation_data, epoch, failure) -> str:
+    """What to do when the validation pass, not a train step, ran out of memory: a smaller
+    micro-batch of training would not help."""
+    from tfmem import backend
+    from tfmem.training.accumulation import global_batch_size
+
+    rows = global_batch_size(validation_data)
+    at = f"at its batch of {rows} rows" if rows else "at its batch"
+    train_rows = global_batch_size(dataset)
+    steps = getattr(model, "accumulation_steps", 1)
+    advice = "batch the validation data smaller"
+    if train_rows and isinstance(steps, int):
+        micro = train_rows // steps  # over all replicas
+        advice += (f", e.g. at {micro} rows: the training's micro-batch over its replicas, "
+                   "which the train steps ran")
+    return (f"out of memory in the validation pass of epoch {epoch + 1} {at} "
+            f"({recovery.what_it_said(failure)}): "
+            f"the train steps fit; {advice}, and start again (the run resumes from its last "
+            "resume point)")
+
+
 def _check_learning_rate(model: keras.Model) -> None:
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None:
@@ -376,7 +404,8 @@ def fit_resumable(
         OSError: no space left to save a resume point (`errno.ENOSPC`); the previous resume
             point is left intact.
         tfmem.training.recovery.OutOfMemoryError: a step ran out of memory at micro-batch 1,
-            with what the memory plan says would fit.
+            with what the memory plan says would fit; or the validation pass ran out of
+            memory (a smaller micro-batch would not help), with the batch that would.
 
     Example:
         >>> history = tfmem.fit_resumable(
@@ -450,6 +479,10 @@ def _train(model, make_dataset, backup, epochs, steps_per_epoch, save_every_step
             backup.save(model, epoch=epoch + 1, step=0, history=history)
         except Exception as error:
             failure = recovery.out_of_memory(error)
+            if failure is not None and saver.validating:
+                raise recovery.OutOfMemoryError(
+                    _validation_out_of_memory(model, dataset, validation_data, epoch,
+                                              failure)) from error
             if (failure is None or not recovery.can_recover(model) or backup.latest is None
                     or not _one_process()):
                 raise
