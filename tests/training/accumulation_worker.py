@@ -6,7 +6,12 @@ own `train_step` run through `strategy.run` (Keras 3.15's `fit` cannot run a
 plain model under multi-worker: tensorflow/tensorflow#72388). Worker 0 writes
 both models' weights and the all-reduce ops of each step to OUTPUT.
 
+With `synchronized` for DATA and ACCUMULATION_STEPS, it trains `remat_cases.normalized`'s
+model instead (synchronized BatchNormalization, rematerialized) on `remat_cases.data()`, and
+worker 0 writes its weights.
+
 Usage: python accumulation_worker.py DATA.npz OUTPUT.npz ACCUMULATION_STEPS
+       python accumulation_worker.py synchronized OUTPUT.npz synchronized
 """
 
 import os
@@ -79,5 +84,24 @@ def main(data_path, output_path, accumulation_steps):
         np.savez(output_path, **results)
 
 
+def synchronized(output_path):
+    from tests.training import remat_cases
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    x, y = remat_cases.data()
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16, drop_remainder=True)
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    with strategy.scope():
+        accum = remat_cases.normalized(True, "full")
+    accum.fit(dataset.with_options(options), verbose=0)
+    if json.loads(os.environ["TF_CONFIG"])["task"]["index"] == 0:
+        np.savez(output_path, *accum.get_weights(),
+                 segments=len(accum.rematerialized_segments))
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    if sys.argv[3] == "synchronized":
+        synchronized(sys.argv[2])
+    else:
+        main(sys.argv[1], sys.argv[2], int(sys.argv[3]))

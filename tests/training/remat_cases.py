@@ -157,6 +157,33 @@ def noisy(rematerialize=None, accumulation_steps=2, jit_compile="auto",
     return _headed(inputs, x, rematerialize, accumulation_steps, jit_compile)
 
 
+def normalized(synchronized, rematerialize=None):
+    """3 × (conv → BatchNorm → ReLU) and a head, as an AccumModel with k = 2 (SGD); the
+    BatchNormalizations `synchronized` across replicas or not."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8, 8, 3))
+    hidden = inputs
+    for _ in range(3):
+        hidden = keras.layers.Conv2D(6, 3, padding="same", use_bias=False)(hidden)
+        hidden = keras.layers.BatchNormalization(synchronized=synchronized, momentum=0.5)(hidden)
+        hidden = keras.layers.ReLU()(hidden)
+    outputs = keras.layers.Dense(3)(keras.layers.GlobalAveragePooling2D()(hidden))
+    accum = tfmem.AccumModel(inputs, outputs, accumulation_steps=2, rematerialize=rematerialize)
+    accum.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return accum
+
+
+def by_replica_micro_batches(rows, replicas=2, k=2):
+    """The order of `rows` (a multiple of 16) in which one device's micro-batches of a batch
+    of 16 are those that `replicas` replicas, each taking its part of the batch, normalize
+    together: micro-batch 0 of rows 0-3 and 8-11, then 4-7 and 12-15."""
+    per_replica = 16 // replicas
+    micro = per_replica // k
+    within = [replica * per_replica + i * micro + j
+              for i in range(k) for replica in range(replicas) for j in range(micro)]
+    return np.concatenate([start + np.array(within) for start in range(0, rows, 16)])
+
+
 def _headed(inputs, x, rematerialize, accumulation_steps, jit_compile):
     """`x` pooled into a 3-class head, as a compiled AccumModel (SGD, cross-entropy)."""
     outputs = keras.layers.Dense(3, name="head")(

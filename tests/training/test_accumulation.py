@@ -11,6 +11,7 @@ import tensorflow as tf
 import keras
 
 import tfmem
+from tests.training import remat_cases
 
 # float32 exactness budget of the issue: relative difference on the weights.
 RTOL = 1e-5
@@ -360,21 +361,6 @@ def test_rejects_losses_that_a_mean_cannot_recombine_and_double_accumulation():
         model.train_on_batch(x, y)
 
 
-def _normalized(synchronized, rematerialize=None):
-    """3 × (conv → BatchNorm → ReLU) and a head, as an AccumModel with k = 2 (SGD)."""
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((8, 8, 3))
-    hidden = inputs
-    for _ in range(3):
-        hidden = keras.layers.Conv2D(6, 3, padding="same", use_bias=False)(hidden)
-        hidden = keras.layers.BatchNormalization(synchronized=synchronized, momentum=0.5)(hidden)
-        hidden = keras.layers.ReLU()(hidden)
-    outputs = keras.layers.Dense(3)(keras.layers.GlobalAveragePooling2D()(hidden))
-    accum = tfmem.AccumModel(inputs, outputs, accumulation_steps=2, rematerialize=rematerialize)
-    accum.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return accum
-
-
 @pytest.mark.parametrize("rematerialize", [None, "full"])
 def test_a_synchronized_batch_norm_under_mirrored_strategy_steps_on_its_micro_batches(
         two_cpu_strategy, rematerialize):
@@ -383,15 +369,12 @@ def test_a_synchronized_batch_norm_under_mirrored_strategy_steps_on_its_micro_ba
     # The step then holds its micro-steps one after another. Each replica takes 8 rows of a
     # batch of 16 and micro-batches of 4: micro-batch 0 normalizes rows 0-3 and 8-11 together,
     # as one device's micro-batch of those 8 rows does.
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(48, 8, 8, 3)).astype("float32")
-    y = np.arange(48) % 3
-    rows = np.concatenate([start + np.array([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15])
-                           for start in (0, 16, 32)])
-    one_device = _normalized(False)
+    x, y = remat_cases.data()
+    rows = remat_cases.by_replica_micro_batches(len(x))
+    one_device = remat_cases.normalized(False)
     one_device.fit(x[rows], y[rows], batch_size=16, shuffle=False, verbose=0)
     with two_cpu_strategy.scope():
-        mirrored = _normalized(True, rematerialize)
+        mirrored = remat_cases.normalized(True, rematerialize)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
     with pytest.warns(UserWarning, match="synchronizes the replicas.*2 micro-steps one after"):
         mirrored.fit(dataset, epochs=1, shuffle=False, verbose=0)

@@ -18,6 +18,31 @@ import tfmem  # noqa: F401  (the reference below runs in this process)
 WORKER = Path(__file__).with_name("accumulation_worker.py")
 
 
+def _two_workers(free_ports, *arguments):
+    """Runs `accumulation_worker.py` with `arguments` as two workers of one cluster."""
+    workers = [f"localhost:{port}" for port in free_ports(2)]
+    processes = []
+    for index in range(2):
+        env = dict(os.environ)
+        env["TF_CONFIG"] = json.dumps(
+            {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
+        )
+        env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parents[2]), env.get("PYTHONPATH", "")])
+        processes.append(subprocess.Popen(
+            [sys.executable, str(WORKER), *arguments],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        ))
+    logs = []
+    try:
+        for process in processes:
+            logs.append(process.communicate(timeout=240)[0])
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+    assert [p.returncode for p in processes] == [0, 0], "\n".join(l[-3000:] for l in logs)
+
+
 def test_two_workers_match_one_device_with_one_all_reduce_per_update(tmp_path, free_ports):
     global_batch, num_updates, k = 16, 3, 2
     rng = np.random.default_rng(0)
@@ -34,27 +59,7 @@ def test_two_workers_match_one_device_with_one_all_reduce_per_update(tmp_path, f
              **{f"w{i}": w for i, w in enumerate(initial)})
 
     output = tmp_path / "out.npz"
-    workers = [f"localhost:{port}" for port in free_ports(2)]
-    processes = []
-    for index in range(2):
-        env = dict(os.environ)
-        env["TF_CONFIG"] = json.dumps(
-            {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
-        )
-        env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parents[2]), env.get("PYTHONPATH", "")])
-        processes.append(subprocess.Popen(
-            [sys.executable, str(WORKER), str(data), str(output), str(k)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        ))
-    logs = []
-    try:
-        for process in processes:
-            logs.append(process.communicate(timeout=240)[0])
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-    assert [p.returncode for p in processes] == [0, 0], "\n".join(l[-3000:] for l in logs)
+    _two_workers(free_ports, str(data), str(output), str(k))
 
     reference.compile("adam", "mse")
     history = reference.fit(
@@ -72,3 +77,26 @@ def test_two_workers_match_one_device_with_one_all_reduce_per_update(tmp_path, f
     accum_total, accum_in_loop = results["accum_all_reduces"]
     assert plain_total >= 1 and accum_total == plain_total
     assert accum_in_loop == 0
+
+
+def test_a_synchronized_batch_norm_across_two_workers_steps_on_its_micro_batches(tmp_path,
+                                                                                 free_ports):
+    # Rematerialized too. Each worker takes 8 rows of a batch of 16 and micro-batches of 4:
+    # micro-batch 0 normalizes rows 0-3 and 8-11 together, as one device's micro-batch of
+    # those 8 rows does (tests/training/test_accumulation.py: the same on two CPUs of one
+    # process).
+    from tests.training import remat_cases
+
+    output = tmp_path / "out.npz"
+    _two_workers(free_ports, "synchronized", str(output), "synchronized")
+    x, y = remat_cases.data()
+    rows = remat_cases.by_replica_micro_batches(len(x))
+    one_device = remat_cases.normalized(False)
+    one_device.fit(x[rows], y[rows], batch_size=16, shuffle=False, verbose=0)
+    results = np.load(output)
+    assert int(results["segments"]) == 1
+    expected = one_device.get_weights()
+    differences = remat_cases._differences(
+        expected, [results[f"arr_{i}"] for i in range(len(expected))])
+    # The all-reduce's variance is E[x²] - E[x]²: a difference of rounding.
+    assert max(differences) <= 1e-5, differences
