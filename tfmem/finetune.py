@@ -504,9 +504,10 @@ def _train(config: FinetuneConfig, spec, runtime: Runtime, precision: str, outpu
 
     # Evaluated a micro-batch per replica at a time, as the plan trains: a validation batch
     # of the global batch's size would run its forward pass on all of it at once.
-    validation = (reader.image_dataset(
-        data.validation, batch_size=run_plan.micro_batch_size * runtime.num_replicas,
-        training=False, **options) if data.validation else None)
+    validation_batch = run_plan.micro_batch_size * runtime.num_replicas
+    validation = (reader.image_dataset(data.validation, batch_size=validation_batch,
+                                       training=False, **options)
+                  if data.validation else None)
     progress = RunProgress(epochs=config.epochs, steps_per_epoch=steps_per_epoch,
                            global_batch_size=config.global_batch_size)
     recoveries = list(attempt.recoveries)  # this run's stops at the limit, and those in-process
@@ -537,7 +538,7 @@ def _train(config: FinetuneConfig, spec, runtime: Runtime, precision: str, outpu
     if validation is not None:
         loss, accuracy = accum.evaluate(validation, verbose=0)
         results["validation"] = {"loss": loss, "accuracy": accuracy,
-                                 "batch_size": run_plan.micro_batch_size * runtime.num_replicas}
+                                 "batch_size": validation_batch}
         epochs = f"{config.epochs} epoch{'s' if config.epochs != 1 else ''}"
         print(f"finetune: validation accuracy {accuracy:.3f} after {epochs} "
               f"(chance {1 / data.num_classes:.3f})")

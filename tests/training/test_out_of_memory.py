@@ -199,11 +199,13 @@ def test_out_of_memory_in_the_validation_pass_says_to_batch_it_smaller(
     model.compile("sgd", "mse")
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(64, 4)).astype("float32"), rng.normal(size=(64, 2)).astype("float32")
-    batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(16, drop_remainder=True)
+    rows = tf.data.Dataset.from_tensor_slices((x, y))
+    batches = rows.batch(16, drop_remainder=True)
     with pytest.raises(recovery.OutOfMemoryError) as raised:
         fit_resumable(model, lambda epoch: batches, epochs=1, steps_per_epoch=4,
-                      backup_dir=tmp_path / "backup", validation_data=batches.unbatch().batch(32, True),
-                      verbose=0, check_memory=False)
+                      backup_dir=tmp_path / "backup",
+                      validation_data=rows.batch(32, drop_remainder=True), verbose=0,
+                      check_memory=False)
     assert str(raised.value).startswith(
         "out of memory in the validation pass of epoch 1 at its batch of 32 rows (OOM when "
         "allocating tensor")

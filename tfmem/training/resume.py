@@ -321,7 +321,6 @@ def _recover(model, backup, dataset, failure, epoch) -> None:
 def _validation_out_of_memory(model, dataset, validation_data, epoch, failure) -> str:
     """What to do when the validation pass, not a train step, ran out of memory: a smaller
     micro-batch of training would not help."""
-    from tfmem import backend
     from tfmem.training.accumulation import global_batch_size
 
     rows = global_batch_size(validation_data)
@@ -405,7 +404,7 @@ def fit_resumable(
             point is left intact.
         tfmem.training.recovery.OutOfMemoryError: a step ran out of memory at micro-batch 1,
             with what the memory plan says would fit; or the validation pass ran out of
-            memory (a smaller micro-batch would not help), with the batch that would.
+            memory (a smaller micro-batch would not help), with a batch to evaluate at.
 
     Example:
         >>> history = tfmem.fit_resumable(
