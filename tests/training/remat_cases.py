@@ -151,7 +151,8 @@ def noisy(rematerialize=None, accumulation_steps=2, jit_compile="auto",
     tf.random.set_seed(0)
     inputs = keras.Input((8, 8, 3))
     x = inputs
-    for i, noise in enumerate(globals()[name] for name in draws):
+    layers = {"Unseeded": Unseeded, "Generated": Generated, "Masked": Masked}
+    for i, noise in enumerate(layers[name] for name in draws):
         x = keras.layers.Conv2D(6, 3, padding="same", name=f"conv{i}")(x)
         x = keras.layers.ReLU(name=f"relu{i}")(noise(name=f"noise{i}")(x))
     return _headed(inputs, x, rematerialize, accumulation_steps, jit_compile)
