@@ -184,8 +184,9 @@ def _accumulate(model: keras.Model, window: _Window, split, k: int,
             f"tfmem: the micro-step synchronizes the replicas (e.g. a synchronized "
             f"BatchNormalization), which TensorFlow cannot do inside a loop under "
             f"{type(tf.distribute.get_strategy()).__name__}; the step's graph holds its "
-            f"{k} micro-steps one after another instead (the first step takes longer to "
-            "trace; the training is the same).", stacklevel=2)
+            f"{k} micro-steps one after another instead: the same training, but the graph and "
+            "the first step's tracing grow with accumulation_steps (fewer steps, a larger "
+            "micro-batch, cost less).", stacklevel=2)
         return _one_after_another(step, carry, micro_batch_at, k)
     _, carry = tf.while_loop(
         lambda i, _: i < k,
