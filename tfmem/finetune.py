@@ -582,20 +582,20 @@ def _supervise(config: FinetuneConfig, cap: int, data: _Data) -> dict:
                     "more; raise --memory-limit (or pass --memory-limit none)")
             micro, k = split["micro_batch_size"], split["accumulation_steps"]
             smaller = recovery.halved(micro)
+            reached = {"micro_batch_size": micro, "accumulation_steps": k,
+                       "held_bytes": watch.highest, "limit_bytes": cap}
+            resuming = (f"finetune: memory limit {format_bytes(cap)} reached at micro-batch "
+                        f"{micro} × {k} accumulation step{'s' if k > 1 else ''} "
+                        f"({format_bytes(watch.highest)} held); resuming from the last resume "
+                        "point with ")
             if smaller is None and split.get("recompute_more"):
                 config = dataclasses.replace(config, rematerialize="full")
                 attempt = dataclasses.replace(attempt, recoveries=(
                     *attempt.recoveries,
-                    {"micro_batch_size": micro, "accumulation_steps": k,
-                     "held_bytes": watch.highest, "limit_bytes": cap,
-                     "to_micro_batch_size": micro, "to_accumulation_steps": k,
+                    {**reached, "to_micro_batch_size": micro, "to_accumulation_steps": k,
                      "to_rematerialize": "full"}))
-                print(f"finetune: memory limit {format_bytes(cap)} reached at micro-batch 1 × "
-                      f"{k} accumulation step{'s' if k > 1 else ''} "
-                      f"({format_bytes(watch.highest)} held); resuming from the last resume "
-                      f"point with --rematerialize full ({recovery.RECOMPUTED}), micro-batch "
-                      f"1 × {k}",
-                      flush=True)
+                print(f"{resuming}--rematerialize full ({recovery.RECOMPUTED}), micro-batch "
+                      f"1 × {k}", flush=True)
                 continue
             if smaller is None:
                 recomputed = " with --rematerialize full" if (
@@ -608,14 +608,9 @@ def _supervise(config: FinetuneConfig, cap: int, data: _Data) -> dict:
             steps = k * micro // smaller
             attempt = dataclasses.replace(attempt, accumulation_steps=steps, recoveries=(
                 *attempt.recoveries,
-                {"micro_batch_size": micro, "accumulation_steps": k,
-                 "held_bytes": watch.highest, "limit_bytes": cap,
-                 "to_micro_batch_size": smaller, "to_accumulation_steps": steps}))
-            print(f"finetune: memory limit {format_bytes(cap)} reached at micro-batch {micro} × "
-                  f"{k} accumulation step{'s' if k > 1 else ''} ({format_bytes(watch.highest)} "
-                  f"held); resuming from the last resume point with micro-batch {smaller} × "
-                  f"{steps} accumulation steps, the same global batch "
-                  f"{config.global_batch_size}", flush=True)
+                {**reached, "to_micro_batch_size": smaller, "to_accumulation_steps": steps}))
+            print(f"{resuming}micro-batch {smaller} × {steps} accumulation steps, the same "
+                  f"global batch {config.global_batch_size}", flush=True)
 
 
 def _plan_under(config: FinetuneConfig, attempt: _Attempt, cap: int, workdir: str) -> str:

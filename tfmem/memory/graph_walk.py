@@ -120,15 +120,15 @@ class Walker:
     def sample_bytes(self, tensor, dtype=None) -> int:
         return sample_bytes(tensor.shape, dtype or self.dtype_of(tensor))
 
-    def keep_new(self, shape, dtype) -> None:
-        self.keep_bytes(sample_bytes(shape, dtype))
-        self.largest = max(self.largest, sample_bytes(shape, dtype))
+    def keep_new(self, shape, dtype, kind: str = "new") -> None:
+        nbytes = sample_bytes(shape, dtype)
+        self.keep_bytes(nbytes, kind=kind)
+        self.largest = max(self.largest, nbytes)
 
     def keep_drawn(self, shape, dtype) -> None:
         """Keeps a new tensor drawn from the layer's seed, not made from its inputs' values
         (a dropout's mask): recomputing it needs no input (`segments.GraphFacts`)."""
-        self.keep_bytes(sample_bytes(shape, dtype), kind="drawn")
-        self.largest = max(self.largest, sample_bytes(shape, dtype))
+        self.keep_new(shape, dtype, kind="drawn")
 
     def keep_bytes(self, nbytes: int, kind: str = "new") -> None:
         self.new_tensors += 1  # a count, not len(sizes): rematerialized layers remove keys

@@ -216,12 +216,12 @@ def _one_after_another(step, carry: AccumulationState, micro_batch_at,
 
 
 def _after_sums(carry: AccumulationState, i: int) -> tf.Tensor:
-    """`i`, as an int32 tensor made only once every sum of `carry` exists: the first element
-    of each goes into a 0 added to it."""
-    firsts = [tf.reshape(tf.cast(total, tf.float32), [-1])[:1]
-              for total in [*carry.gradient_sums, *carry.statistic_deltas, carry.loss_sum]]
-    nan = tf.math.is_nan(tf.reduce_sum(tf.concat(firsts, axis=0)))
-    return i + tf.minimum(tf.cast(nan, tf.int32), 0)
+    """`i`, as an int32 tensor made only once every sum of `carry` exists: a 0 made from the
+    first element of each is added to it (`remat_tf.zero_after`; a NaN one adds 0 too)."""
+    from tfmem.training.remat_tf import zero_after
+
+    zero = zero_after([*carry.gradient_sums, *carry.statistic_deltas, carry.loss_sum])
+    return i + tf.minimum(tf.cast(tf.math.is_nan(zero), tf.int32), 0)
 
 
 def _micro_step(model: keras.Model, window: _Window, carry: AccumulationState,

@@ -523,13 +523,13 @@ def _after_values(dependencies, tensors) -> list:
     """`tensors` plus a 0 that exists only once `dependencies` do (an addition TensorFlow
     makes in place where the tensor has no other reader); as they are if no dependency is a
     number. A None (no gradient) stays None."""
-    zero = _zero_after(dependencies)
+    zero = zero_after(dependencies)
     if zero is None:
         return list(tensors)
     return [None if tensor is None else _plus(tensor, zero) for tensor in tensors]
 
 
-def _zero_after(tensors):
+def zero_after(tensors):
     """A float32 0 that exists only once `tensors` do (NaN where a first element is NaN):
     made from the first element of each (one read, not the whole tensor). None when none is
     a dense tensor of numbers (sparse and ragged ones are passed over)."""
