@@ -53,7 +53,8 @@ def functional_class() -> type:
 
 
 def functional_init_arguments(args: tuple, kwargs: dict) -> bool:
-    """Whether `keras.Model(*args, **kwargs)` builds a functional model (inputs and outputs)."""
+    """Whether these arguments, reaching `keras.Model.__init__`, build a functional model
+    (inputs and outputs), as Keras decides for `keras.Model` and its subclasses alike."""
     return bool(_module_attribute("keras.src.models.model", "functional_init_arguments",
                                   "how keras.Model tells a functional construction")(args, kwargs))
 

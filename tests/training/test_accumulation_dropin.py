@@ -6,6 +6,8 @@ subclass) the same way on the same data and compares what Keras users see: weigh
 """
 
 import glob
+import pathlib
+import re
 
 import keras
 import numpy as np
@@ -13,6 +15,7 @@ import pytest
 import scipy.sparse
 import tensorflow as tf
 
+import subclass_models
 import tfmem
 
 RTOL = 1e-5
@@ -121,6 +124,107 @@ def test_subclass_saves_and_loads_with_its_steps(tmp_path):
     restored = keras.saving.load_model(tmp_path / "saved.keras")
     assert type(restored) is Saved and restored.accumulation_steps == 4
     np.testing.assert_allclose(restored.predict(x, verbose=0), model.predict(x, verbose=0))
+
+
+# --- subclasses as Keras users write them (tests/training/subclass_models.py) ---------------
+
+@pytest.mark.parametrize("construction", ["positional", "keywords reversed", "mixed"])
+def test_a_subclass_with_positional_sub_models_accumulates_exactly(construction):
+    x, y = subclass_models.regression(8)
+    Pair = subclass_models.pair_class(tfmem.AccumModel)
+    encoder, decoder = subclass_models.sub_models()
+    model = {
+        "positional": lambda: Pair(encoder, decoder, accumulation_steps=2),
+        "keywords reversed": lambda: Pair(decoder=decoder, accumulation_steps=2, encoder=encoder),
+        "mixed": lambda: Pair(encoder, accumulation_steps=2, decoder=decoder),
+    }[construction]()
+    assert (model.encoder, model.decoder, model.accumulation_steps) == (encoder, decoder, 2)
+    assert Pair.__bases__ == (tfmem.AccumModel,)  # a subclassed model, not made functional
+    plain = subclass_models.pair_class(keras.Model)(*subclass_models.sub_models())
+    reference = subclass_models.one_update(plain, x, y, loss="mse")
+    update = subclass_models.one_update(model, x, y, loss="mse")
+    assert subclass_models.relative_difference(update, reference) <= RTOL
+
+
+def test_a_failed_construction_leaves_the_class_as_it_was():
+    class Net(tfmem.AccumModel):  # no __init__ of its own: functional or subclassed
+        def call(self, inputs):
+            return inputs
+
+    inputs = keras.Input((6,))
+    outputs = keras.layers.Dense(3)(inputs)
+    with pytest.raises(ValueError, match="must be KerasTensors"):  # Keras's own check
+        Net(inputs, "not a tensor", accumulation_steps=2)
+    with pytest.raises(ValueError, match="must be >= 1"):  # after Keras built the graph
+        Net(inputs, outputs, accumulation_steps=0)
+    assert Net.__bases__ == (tfmem.AccumModel,)
+    subclassed = Net(accumulation_steps=2)
+    assert not subclassed.built and subclassed.accumulation_steps == 2
+    functional = Net(inputs, outputs, accumulation_steps=3)  # then functional for good
+    assert len(functional.layers) == 2 and functional.accumulation_steps == 3
+
+    Pair = subclass_models.pair_class(tfmem.AccumModel)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        Pair(*subclass_models.sub_models(), accumulation_steps=0)
+    assert Pair(*subclass_models.sub_models(), accumulation_steps=2).accumulation_steps == 2
+
+
+def _own_step_class(base):
+    """`Pair` with its own `train_step`, written as keras.io's VAE writes it."""
+
+    class VAE(subclass_models.pair_class(base)):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = keras.ops.mean(keras.ops.square(self(x, training=True) - y))
+            gradients = tape.gradient(loss, self.trainable_weights)
+            self.optimizer.apply(gradients, self.trainable_weights)
+            return {"loss": loss}
+
+    return VAE
+
+
+def test_a_subclass_with_its_own_train_step_is_refused_unless_it_does_not_accumulate():
+    VAE = _own_step_class(tfmem.AccumModel)
+    docs = (pathlib.Path(__file__).parents[2] / "docs" / "accumulation.md").read_text()
+    (documented,) = re.findall(r"^ValueError: (VAE overrides `train_step`.*)$", docs, re.M)
+    for steps in (4, "auto"):
+        with pytest.raises(ValueError) as raised:
+            VAE(*subclass_models.sub_models(), accumulation_steps=steps)
+        assert str(raised.value) == documented.replace("accumulation_steps=4 ",
+                                                       f"accumulation_steps={steps!r} ")
+    model = VAE(*subclass_models.sub_models())  # accumulation_steps=1: the user's step
+    with pytest.raises(ValueError, match="VAE overrides `train_step`"):
+        model.accumulation_steps = 2
+    assert model.accumulation_steps == 1
+    x, y = subclass_models.regression(8)
+    plain = _own_step_class(keras.Model)(*subclass_models.sub_models())
+    reference = subclass_models.one_update(plain, x, y)
+    assert subclass_models.relative_difference(subclass_models.one_update(model, x, y),
+                                               reference) <= RTOL
+
+
+def test_a_subclass_with_its_own_compute_loss_accumulates_exactly():
+    x, y = subclass_models.regression(8)
+    plain = subclass_models.regularised_pair_class(keras.Model)(*subclass_models.sub_models())
+    model = subclass_models.regularised_pair_class(tfmem.AccumModel)(
+        *subclass_models.sub_models(), accumulation_steps=4)
+    reference = subclass_models.one_update(plain, x, y)
+    assert subclass_models.relative_difference(subclass_models.one_update(model, x, y),
+                                               reference) <= RTOL
+
+
+def test_a_subclass_with_positional_sub_models_saves_and_loads(tmp_path):
+    Pair = keras.saving.register_keras_serializable(package="tfmem_tests", name="SavedPair")(
+        subclass_models.pair_class(tfmem.AccumModel))
+    x, y = subclass_models.regression(8)
+    model = Pair(*subclass_models.sub_models(), accumulation_steps=2)
+    subclass_models.one_update(model, x, y, loss="mse")
+    model.save(tmp_path / "pair.keras")
+    restored = keras.saving.load_model(tmp_path / "pair.keras")
+    assert type(restored) is Pair and restored.accumulation_steps == 2
+    assert Pair.__bases__ == (tfmem.AccumModel,)
+    np.testing.assert_array_equal(restored.predict(x, verbose=0), model.predict(x, verbose=0))
 
 
 # --- the first step -------------------------------------------------------------------------

@@ -72,3 +72,16 @@ def test_float64_model_accumulates_in_float64(dropin):
     result = dropin["float64"]
     assert result["dtypes"] == ["float64"]
     assert result["update"] <= 1e-12  # sums in float32 would agree to ~1e-7 only
+
+
+def test_subclasses_as_keras_users_write_them(dropin):
+    """tests/training/subclass_models.py on JAX (the TensorFlow tests: test_accumulation_dropin)."""
+    result = dropin["subclasses"]
+    assert result["positional"] <= 1e-5  # Pair(encoder, decoder, accumulation_steps=2)
+    assert result["bases"] == ["AccumModel"]  # a subclassed model, not made functional
+    assert result["compute_loss"] <= 1e-5  # its own compute_loss, at k = 4
+    assert result["train_step refused"].startswith(
+        "OwnStep overrides `train_step`, which replaces AccumModel's step that splits each "
+        "batch into micro-batches: accumulation_steps=2 would not be applied.")
+    assert result["train_step at 1"] <= 1e-5
+    assert result["train_step traced"] == ["OwnStep"]

@@ -30,7 +30,9 @@ class _Case:
             KERAS_BACKEND="jax",
             XLA_FLAGS=(env.get("XLA_FLAGS", "")
                        + f" --xla_force_host_platform_device_count={num_devices}"),
-            PYTHONPATH=os.pathsep.join([str(ROOT), str(CASES), env.get("PYTHONPATH", "")]),
+            # tests/training too: the models the TensorFlow tests share with the cases.
+            PYTHONPATH=os.pathsep.join([str(ROOT), str(CASES), str(CASES.parent),
+                                        env.get("PYTHONPATH", "")]),
             TF_CPP_MIN_LOG_LEVEL="2",
             JAX_PLATFORMS="cpu",
         )

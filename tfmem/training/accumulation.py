@@ -7,6 +7,7 @@ backend's (`accumulation_tf`, `accumulation_jax`), chosen once in `tfmem.backend
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
 
@@ -32,9 +33,11 @@ class AccumModel(backend.AccumTrainer, keras.Model):
     * **Functional:** `AccumModel(inputs, outputs, accumulation_steps=k)`.
     * **Wrapping** a functional or `Sequential` model, sharing its layers:
       `AccumModel.wrap(model, accumulation_steps=k)`.
-    * **Subclassing:** `class Net(AccumModel)` with your own `__init__` (which
-      forwards `**kwargs`, or passes `accumulation_steps`, to `super().__init__`)
-      and `call`.
+    * **Subclassing:** `class Net(AccumModel)` with your own `__init__` (any
+      arguments; it forwards `**kwargs`, or passes `accumulation_steps`, to
+      `super().__init__`) and `call`. A loss of its own goes in `compute_loss`,
+      which the step calls on each micro-batch; an override of `train_step`
+      replaces the accumulating step and is refused unless `accumulation_steps=1`.
 
     `compile`, `fit`, `evaluate` and `predict` are the plain Keras ones; only
     `train_step` differs (its exact semantics: docs/accumulation.md). Batch the
@@ -67,9 +70,9 @@ class AccumModel(backend.AccumTrainer, keras.Model):
         **kwargs: Forwarded to `keras.Model` (`name`, ...).
 
     Raises:
-        ValueError: If `accumulation_steps` is not an integer >= 1 or "auto"; if
-            `rematerialize` is none of the above (or, at `fit`, names no layer, or cuts
-            segments of a subclassed model).
+        ValueError: If `accumulation_steps` is not an integer >= 1 or "auto", or not 1
+            for a class that overrides `train_step`; if `rematerialize` is none of the
+            above (or, at `fit`, names no layer, or cuts segments of a subclassed model).
 
     Example:
 
@@ -96,28 +99,33 @@ class AccumModel(backend.AccumTrainer, keras.Model):
 
     def __new__(cls, *args, **kwargs):
         # `AccumModel(inputs, outputs)` makes the functional form, as `keras.Model(inputs,
-        # outputs)` makes a `Functional`; AccumModel itself stays a subclassable Model.
-        if internals.functional_init_arguments(args, kwargs):
-            cls = _functional_form(cls)
+        # outputs)` makes a `Functional`. A subclass is decided in `__init__`, from what its
+        # own `__init__` hands on (as Keras decides in `Model.__init__`), so a subclass takes
+        # any arguments, two positional sub-models included.
+        if cls is AccumModel and internals.functional_init_arguments(args, kwargs):
+            cls = Functional
         return super().__new__(cls, *args, **kwargs)
 
     def __init__(self, *args, accumulation_steps: int | str | None = None,
                  rematerialize=None, **kwargs):
-        if accumulation_steps is None:
-            accumulation_steps = _replayed_accumulation_steps(args, kwargs)
-        super().__init__(*args, **kwargs)
-        self.accumulation_steps = accumulation_steps
-        self._auto_accumulation = accumulation_steps == "auto"
-        self._rematerialize = remat.check_setting(rematerialize)
-        if internals.is_graph_network(self):  # a subclassed model's: at `fit`
-            names = remat.layer_names(self._rematerialize)
-            if names:
-                remat.apply(self, names)
-            pairs = remat.layer_pairs(self._rematerialize)
-            if pairs:
-                remat_plan.from_setting(self, pairs)  # checked now: names, order, overlaps
-            if isinstance(self._rematerialize, segments.Ranges):
-                remat_plan.check_spec(self, self._rematerialize.ranges)  # a saved spec
+        functional = internals.functional_init_arguments(args, kwargs)
+        with _functional_if(type(self), functional):
+            if accumulation_steps is None:
+                accumulation_steps = (_replayed_accumulation_steps(args, kwargs) if functional
+                                      else 1)
+            super().__init__(*args, **kwargs)
+            self.accumulation_steps = accumulation_steps
+            self._auto_accumulation = accumulation_steps == "auto"
+            self._rematerialize = remat.check_setting(rematerialize)
+            if internals.is_graph_network(self):  # a subclassed model's: at `fit`
+                names = remat.layer_names(self._rematerialize)
+                if names:
+                    remat.apply(self, names)
+                pairs = remat.layer_pairs(self._rematerialize)
+                if pairs:
+                    remat_plan.from_setting(self, pairs)  # checked now: names, order, overlaps
+                if isinstance(self._rematerialize, segments.Ranges):
+                    remat_plan.check_spec(self, self._rematerialize.ranges)  # a saved spec
 
     @property
     def rematerialize(self):
@@ -140,7 +148,10 @@ class AccumModel(backend.AccumTrainer, keras.Model):
 
     @accumulation_steps.setter
     def accumulation_steps(self, value) -> None:
-        self._accumulation_steps = check_accumulation_steps(value)
+        value = check_accumulation_steps(value)
+        if value != 1:
+            _check_train_step_accumulates(type(self), value)
+        self._accumulation_steps = value
         # A compiled step has `k` baked into its graph; retrace on change.
         self.train_function = None
 
@@ -392,19 +403,52 @@ class Functional(AccumModel, internals.functional_class()):
 _REPLAYED_FROM = weakref.WeakKeyDictionary()
 
 
-def _functional_form(cls: type) -> type:
-    """The class `cls(inputs, outputs)` instantiates."""
-    if issubclass(cls, internals.functional_class()):
-        return cls
-    if cls is AccumModel:
-        return Functional
-    # A subclass built from inputs and outputs becomes functional for good, as Keras makes a
-    # `keras.Model` subclass so used; AccumModel itself is never changed, so subclassing it and
-    # building it functionally work in any order.
-    cls.__bases__ = tuple(
-        _functional_form(base) if issubclass(base, AccumModel) else base for base in cls.__bases__
-    )
-    return cls
+@contextlib.contextmanager
+def _functional_if(cls: type, functional: bool):
+    """Makes `cls` a functional class when `functional`, for good if the block succeeds.
+
+    As Keras makes a `keras.Model` subclass functional when its `__init__` hands `inputs` and
+    `outputs` on, the functional form goes under each `AccumModel` subclass among the bases
+    (`AccumModel` itself never changes). A construction that fails puts the bases back.
+    """
+    changed = []  # (class, its bases before), in the order they were changed
+
+    def rebase(klass: type) -> type:
+        if issubclass(klass, internals.functional_class()):
+            return klass
+        if klass is AccumModel:
+            return Functional
+        bases = tuple(rebase(base) if issubclass(base, AccumModel) else base
+                      for base in klass.__bases__)
+        changed.append((klass, klass.__bases__))
+        klass.__bases__ = bases
+        return klass
+
+    try:
+        if functional:
+            rebase(cls)
+        yield
+    except BaseException:
+        for klass, bases in reversed(changed):
+            klass.__bases__ = bases
+        raise
+
+
+def _check_train_step_accumulates(cls: type, accumulation_steps) -> None:
+    """Raises `ValueError` when `cls` replaces the step that splits the batch.
+
+    An override of `train_step` runs on the whole global batch, so it is refused for any
+    `accumulation_steps` but 1; `compute_loss` is what a subclass overrides instead.
+    """
+    owner = next(klass for klass in cls.__mro__ if "train_step" in vars(klass))
+    if owner is not backend.AccumTrainer:
+        raise ValueError(
+            f"{owner.__name__} overrides `train_step`, which replaces AccumModel's step "
+            f"that splits each batch into micro-batches: accumulation_steps="
+            f"{accumulation_steps!r} would not be applied. Override `compute_loss` instead "
+            "(AccumModel calls it on each micro-batch), or pass accumulation_steps=1 to train "
+            "with your `train_step` on whole batches."
+        )
 
 
 def _replayed_accumulation_steps(args: tuple, kwargs: dict) -> int | str:

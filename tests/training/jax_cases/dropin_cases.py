@@ -9,6 +9,7 @@ import jax
 import keras
 import numpy as np
 import scipy.sparse
+import subclass_models
 from common import emit, relative_difference
 
 from tfmem import AccumModel
@@ -169,6 +170,41 @@ def clone():
     return {"steps": keras.models.clone_model(original).accumulation_steps}
 
 
+def subclasses():
+    """The subclasses of tests/training/subclass_models.py: one SGD update of each against the
+    same class on keras.Model on the whole batch; a `train_step` of its own (here one that calls
+    AccumModel's) is refused at k > 1 and runs at k = 1."""
+    models = subclass_models
+    x, y = models.regression(8)
+    traced = []
+
+    class OwnStep(models.pair_class(AccumModel)):
+        def train_step(self, state, data):
+            traced.append(type(self).__name__)  # the user's step runs
+            return super().train_step(state, data)
+
+    try:
+        OwnStep(*models.sub_models(), accumulation_steps=2)
+        refused = None
+    except ValueError as error:
+        refused = str(error)
+    reference = models.one_update(models.pair_class(keras.Model)(*models.sub_models()), x, y,
+                                  loss="mse")
+    regularised = models.one_update(
+        models.regularised_pair_class(keras.Model)(*models.sub_models()), x, y)
+    Pair = models.pair_class(AccumModel)
+    runs = {
+        "positional": (Pair(*models.sub_models(), accumulation_steps=2), reference, "mse"),
+        "compute_loss": (models.regularised_pair_class(AccumModel)(
+            *models.sub_models(), accumulation_steps=4), regularised, None),
+        "train_step at 1": (OwnStep(*models.sub_models()), reference, "mse"),
+    }
+    result = {name: models.relative_difference(models.one_update(model, x, y, loss=loss), want)
+              for name, (model, want, loss) in runs.items()}
+    return {**result, "train_step refused": refused, "train_step traced": traced,
+            "bases": [base.__name__ for base in Pair.__bases__]}
+
+
 def float64():
     """float64 weights (JAX needs x64) accumulate in float64: the update equals plain Keras's."""
     jax.config.update("jax_enable_x64", True)
@@ -200,6 +236,7 @@ emit(
         "missing_input": missing_input(),
         "unsplittable_input": unsplittable_input(),
         "clone": clone(),
+        "subclasses": subclasses(),
         "float64": float64(),  # last: it turns on JAX's float64 for the whole process
     }
 )
