@@ -24,8 +24,8 @@ from keras import layers
 from tfmem import _keras_internals as internals
 from tfmem.models import applications, efficientnetv2_xl, tiramisu, unet as unet_module
 
-__all__ = ["MODELS", "ModelSpec", "build", "input_shape", "spec", "set_backbone_trainable",
-           "shapes_only"]
+__all__ = ["MODELS", "ModelSpec", "build", "check_weights_file", "input_shape", "spec",
+           "set_backbone_trainable", "shapes_only"]
 
 _RAW_PIXELS = (0.0, 255.0)
 
@@ -168,15 +168,41 @@ def _image_shape(model_spec: ModelSpec, image_size) -> tuple[int, int, int]:
     return (*(int(s) for s in sizes), 3)
 
 
-def _check_weights(weights: str | os.PathLike | None, name: str, keras_family: bool):
-    if weights is None:
-        return None
-    path = os.fspath(weights)
+def check_weights_file(path: str | os.PathLike) -> None:
+    """Raises ValueError, naming the file and the fix, unless `path` is a readable HDF5 file
+    (what `.weights.h5` and Keras's `*_notop.h5` files are); reads only its header.
+
+    Example:
+        >>> check_weights_file("notes.txt")  # doctest: +SKIP
+        ValueError: Weights file 'notes.txt' is not an HDF5 file ...
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise ValueError(f"Weights file {path!r} is a directory; pass the weights file in it "
+                         "(a `.weights.h5`, or Keras's `*_notop.h5` backbone file)")
     if not os.path.isfile(path):
         raise ValueError(
             f"Weights file {path!r} does not exist. tfmem never downloads weights: copy "
             "the file to this machine first (on Kaggle attach it as a dataset, on Colab "
             "copy it from Drive/GCS), then pass its local path.")
+    import h5py  # Keras's own dependency for weights files
+
+    try:
+        with h5py.File(path, "r"):
+            pass
+    except OSError as error:
+        detail = str(error).split("(")[-1].rstrip(")") if "(" in str(error) else str(error)
+        raise ValueError(
+            f"Weights file {path!r} cannot be read as HDF5 ({detail}): it is not a Keras "
+            "weights file, or a copy that was cut short; copy it again (its size should "
+            "match the original's), or pass another file") from None
+
+
+def _check_weights(weights: str | os.PathLike | None, name: str, keras_family: bool):
+    if weights is None:
+        return None
+    path = os.fspath(weights)
+    check_weights_file(path)
     if path.endswith(".weights.h5"):
         return path
     if path.endswith(".h5") and keras_family:
