@@ -29,7 +29,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 
@@ -429,30 +428,11 @@ def _check_epochs_done(config: FinetuneConfig, output: str) -> None:
 
 
 def _check_output(config: FinetuneConfig, output: str) -> None:
-    """Before anything is written: `--output` is a directory that can be written (or can be
-    made), and none of the names a run writes there is something no tfmem run wrote."""
-    existing = os.path.abspath(output)
-    while not os.path.lexists(existing):  # the directory the run's directory is made in
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        where = "" if existing == os.path.abspath(output) else f": {existing}"
-        raise cli.UsageError(f"--output {output}{where} is a file, not a directory; pass a "
-                             "directory (it is made if it does not exist)")
-    try:  # a read-only file system or directory, whoever runs this (root included)
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as error:
-        raise cli.UsageError(f"--output {output}: cannot write in {existing} "
-                             f"({error.strerror or error}); pass an --output you can write "
-                             "to") from None
-    with cli.usage_errors():  # a damaged run.json, named
-        foreign = run_directory.not_written(output, WRITES) if os.path.isdir(output) else []
-    if foreign:
-        also = ", --overwrite included" if config.overwrite else ""
-        raise cli.UsageError(
-            f"--output {output} holds {', '.join(foreign)}, which no tfmem run wrote there "
-            f"(no run.json of a run lists them), and tfmem deletes or replaces only what its "
-            f"runs wrote{also}; nothing was changed: use another --output, or move them away")
+    """Before anything is written: `--output` can hold the run, and nothing of the run's
+    names there is something no tfmem run wrote."""
+    with cli.usage_errors():
+        run_directory.check_writable(output, WRITES, what="--output",
+                                     overwrite="--overwrite" if config.overwrite else None)
 
 
 def _discard(output: str) -> None:

@@ -648,7 +648,7 @@ def test_an_output_that_cannot_be_written_is_one_line_before_any_work(finetune_c
     status, _, stderr = finetune_cli("--output", str(output), "--epochs", "1")
     assert (status, _error_line(stderr)) == (
         2, f"error: --output {output}: cannot write in {read_only_disk} (Read-only file "
-           "system); pass an --output you can write to")
+           "system); pass as --output a directory you can write to")
 
 
 def test_overwrite_removes_only_what_the_run_listed(finetune_cli, written_sets, tmp_path):

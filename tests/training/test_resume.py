@@ -397,3 +397,13 @@ def test_a_restart_with_fewer_epochs_than_trained_is_refused(tmp_path):
         tfmem.fit_resumable(model, _data, epochs=1, steps_per_epoch=2, backup_dir=tmp_path,
                             verbose=0)
     assert int(model.optimizer.iterations) == 4  # the point's, and no update after it
+
+
+def test_a_backup_dir_that_is_a_file_is_one_line(tmp_path):
+    (tmp_path / "taken").write_text("x")
+    with pytest.raises(ValueError, match=rf"^backup_dir {tmp_path / 'taken'} is a file, not a "
+                                         r"directory; pass a directory \(it is made if it does "
+                                         r"not exist\)$"):
+        tfmem.fit_resumable(_small_model(), _data, epochs=1, steps_per_epoch=2,
+                            backup_dir=tmp_path / "taken", verbose=0)
+    assert (tmp_path / "taken").read_text() == "x"

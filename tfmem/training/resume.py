@@ -480,11 +480,14 @@ def fit_resumable(
 
     Raises:
         ValueError: a count is not a positive int; the learning rate is not finite or is
-            negative; `run_config` differs from the recorded one (naming each difference);
+            negative; `backup_dir` is a file or cannot be written; `epochs` is fewer than the
+            run in `backup_dir` has begun; `run_config` differs from the recorded one (naming each difference);
             no resume point in `backup_dir` is usable (naming the damage); `make_dataset`
             gave fewer than `steps_per_epoch` batches.
         OSError: no space left to save a resume point (`errno.ENOSPC`); the previous resume
             point is left intact.
+        TrainingDivergedError: the loss or the weights stopped being finite numbers; the run
+            stopped at that update, and the newest resume point holds finite weights.
         tfmem.training.recovery.OutOfMemoryError: a step ran out of memory at micro-batch 1,
             with what the memory plan says would fit; or the validation pass ran out of
             memory (a smaller micro-batch would not help), with a batch to evaluate at.
@@ -503,6 +506,8 @@ def fit_resumable(
     from tfmem.backend import processes
 
     backup = _Backup(os.fspath(backup_dir), memory_recoveries, writer=processes.index == 0)
+    if backup.writer:  # a file in the way, a read-only disk: said before any work
+        run_directory.check_writable(backup.directory, (), what="backup_dir")
     with (run_directory.lock(backup.directory, "backup_dir") if backup.writer
           else contextlib.nullcontext()):
         if run_config is not None and backup.writer:

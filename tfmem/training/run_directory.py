@@ -14,6 +14,7 @@ import contextlib
 import json
 import math
 import os
+import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -132,6 +133,46 @@ def written(directory: str | os.PathLike, names: Sequence[str]) -> list[str]:
     directory = os.fspath(directory)
     return [name for name in names
             if os.path.lexists(os.path.join(directory, name)) and name not in foreign]
+
+
+def check_writable(directory: str | os.PathLike, names: Sequence[str], *, what: str,
+                   overwrite: str | None = None) -> None:
+    """Before anything is written: `directory` is one (or can be made), can be written, and
+    holds none of `names` unless a tfmem run wrote it there (`not_written`).
+
+    Args:
+        directory: the run directory.
+        names: what the run writes in it.
+        what: how the errors name the directory to the user (e.g. "--output").
+        overwrite: the switch by which the user asked to discard the run there, if they
+            did (e.g. "--overwrite"); the error says it does not discard these either.
+
+    Raises:
+        ValueError: a file is in the way, the directory cannot be written, or it holds
+            files of `names` that no run wrote (all named; nothing is changed).
+    """
+    directory = os.fspath(directory)
+    existing = os.path.abspath(directory)
+    while not os.path.lexists(existing):  # the directory the run's directory is made in
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        where = "" if existing == os.path.abspath(directory) else f": {existing}"
+        raise ValueError(f"{what} {directory}{where} is a file, not a directory; pass a "
+                         "directory (it is made if it does not exist)")
+    try:  # a read-only file system or directory, whoever runs this (root included)
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        raise ValueError(f"{what} {directory}: cannot write in {existing} "
+                         f"({error.strerror or error}); pass as {what} a directory you "
+                         "can write to") from None
+    foreign = not_written(directory, names) if os.path.isdir(directory) else []
+    if foreign:
+        also = f", {overwrite} included" if overwrite else ""
+        raise ValueError(
+            f"{what} {directory} holds {', '.join(foreign)}, which no tfmem run wrote there "
+            f"(no run.json of a run lists them), and tfmem deletes or replaces only what its "
+            f"runs wrote{also}; nothing was changed: use another {what}, or move them away")
 
 
 def write_config(directory: str | os.PathLike, config: Mapping[str, Any]) -> None:
