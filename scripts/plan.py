@@ -33,7 +33,8 @@ flags.DEFINE_enum("precision", "auto", ["auto", "float32", "mixed_float16", "mix
                   "Keras dtype policy of the run; 'auto': the --device's (bf16 on TPU, fp16 on "
                   "GPUs of compute capability >= 7, float32 on CPU).")
 flags.DEFINE_float("safety", 0.8, "Fraction of the device memory to plan for.")
-flags.DEFINE_string("plot", None, "Write memory vs micro-batch to this PNG file.")
+flags.DEFINE_string("plot", None, "Write memory vs micro-batch to this PNG file (a name "
+                    "without an extension gets .png).")
 flags.DEFINE_string("rematerialize", None, "Recompute activations in the backward pass: "
                     "'full', 'auto' (as much as the micro-batch needs to fit), 'none' (the "
                     "default), or comma-separated layer names and first:last layer ranges.")

@@ -41,6 +41,7 @@ from tfmem import _keras_internals as internals
 from tfmem.training import recovery, run_directory
 
 _POINT = re.compile(r"^backup-(\d+)\.json$")
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 class TrainingDivergedError(RuntimeError):
@@ -84,7 +85,6 @@ def _finite(model: keras.Model) -> bool:
     """Whether every floating weight of the model is a finite number."""
     return all(np.isfinite(weight).all() for weight in model.get_weights()
                if np.issubdtype(np.asarray(weight).dtype, np.inexact))
-_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def _digest(path: str) -> str:
