@@ -394,7 +394,7 @@ def _check_named_files_and_devices(config: FinetuneConfig) -> None:
     _spec(config)  # the model first: one that takes no --weights says so
     if config.weights is not None:
         try:
-            models.check_weights_file(config.weights)
+            models.check_weights(config.model, config.weights)
         except ValueError as error:
             raise cli.UsageError(f"--weights: {error}") from None
     if config.device is not None and config.device.strip().lower() != "cpu":
