@@ -481,9 +481,9 @@ def fit_resumable(
     Raises:
         ValueError: a count is not a positive int; the learning rate is not finite or is
             negative; `backup_dir` is a file or cannot be written; `epochs` is fewer than the
-            run in `backup_dir` has begun; `run_config` differs from the recorded one (naming each difference);
-            no resume point in `backup_dir` is usable (naming the damage); `make_dataset`
-            gave fewer than `steps_per_epoch` batches.
+            run in `backup_dir` has begun; `run_config` differs from the recorded one
+            (naming each difference); no resume point in `backup_dir` is usable (naming the
+            damage); `make_dataset` gave fewer than `steps_per_epoch` batches.
         OSError: no space left to save a resume point (`errno.ENOSPC`); the previous resume
             point is left intact.
         TrainingDivergedError: the loss or the weights stopped being finite numbers; the run
