@@ -83,7 +83,8 @@ flags.DEFINE_bool("dry_run", False, "Build the model, print its parameters and "
 flags.DEFINE_integer(
     "save_every_steps", None, "Save a resume point every this many updates (default: 4 "
     "times per epoch).", lower_bound=1)
-flags.DEFINE_integer("seed", 0, "Seed of weights, shuffling and augmentation.")
+flags.DEFINE_integer("seed", 0, "Seed of weights, shuffling and augmentation.",
+                     lower_bound=0, upper_bound=2**32 - 1)
 flags.DEFINE_bool(
     "deterministic", False, "Deterministic ops (slower): a resumed run then ends with exactly "
     "the weights of an uninterrupted one.")
@@ -124,4 +125,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.run(main, when_stopped="start the same command again to resume from its last resume "
+                               "point")

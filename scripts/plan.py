@@ -12,6 +12,8 @@ and, with --plot, draws predicted memory against the micro-batch with the budget
 are one line on stderr (exit 2: a flag is wrong; `--debug` adds the traceback).
 """
 
+import os
+
 from absl import flags
 
 import tfmem
@@ -31,7 +33,8 @@ flags.DEFINE_enum("precision", "auto", ["auto", "float32", "mixed_float16", "mix
                   "Keras dtype policy of the run; 'auto': the --device's (bf16 on TPU, fp16 on "
                   "GPUs of compute capability >= 7, float32 on CPU).")
 flags.DEFINE_float("safety", 0.8, "Fraction of the device memory to plan for.")
-flags.DEFINE_string("plot", None, "Write memory vs micro-batch to this PNG file.")
+flags.DEFINE_string("plot", None, "Write memory vs micro-batch to this PNG file (a name "
+                    "without an extension gets .png).")
 flags.DEFINE_string("rematerialize", None, "Recompute activations in the backward pass: "
                     "'full', 'auto' (as much as the micro-batch needs to fit), 'none' (the "
                     "default), or comma-separated layer names and first:last layer ranges.")
@@ -42,15 +45,31 @@ for _name in ("global_batch_size", "image_size", "num_classes"):
 flags.register_validator("safety", lambda value: 0 < value <= 1,
                          "--safety is the fraction of the device to plan for, in (0, 1]")
 
+def plot_path(path: str) -> str:
+    """The file `--plot` writes (a name without an extension gets ".png"), checked before any
+    work: matplotlib installed, not a directory, in a directory that exists."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ImportError("--plot needs matplotlib: `pip install 'tfmem[plot]'`.") from None
+    if os.path.isdir(path):
+        raise cli.UsageError(f"--plot {path} is a directory; pass a file name, e.g. --plot "
+                             f"{os.path.join(path, 'plan.png')}")
+    if not os.path.splitext(path)[1]:
+        path += ".png"
+    parent = os.path.dirname(path) or "."
+    if not os.path.isdir(parent):
+        raise cli.UsageError(f"--plot {path}: the directory {parent} does not exist; make it "
+                             "first, or pass a file name in an existing directory")
+    return path
+
+
 def draw(plan, path: str) -> None:
     """Predicted peak per replica against the micro-batch, with the budget and the choice."""
-    try:
-        import matplotlib
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as error:
-        raise ImportError("--plot needs matplotlib: `pip install 'tfmem[plot]'`.") from error
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     top = max(plan.per_replica_batch_size, int(1.25 * max(plan.max_micro_batch, 1)), 2)
     sizes = list(range(1, top + 1))
     gib = 2**30
@@ -76,6 +95,12 @@ def draw(plan, path: str) -> None:
 
 def main(argv):
     del argv
+    plot = plot_path(FLAGS.plot) if FLAGS.plot else None
+    if FLAGS.device.strip().lower() != "cpu":
+        try:
+            devices.by_name(FLAGS.device)
+        except ValueError as error:
+            raise cli.UsageError(f"--device: {error}") from None
     # Only shapes are read: the weights are never initialised (no RAM for them).
     with models.shapes_only():
         model = models.build(FLAGS.model, num_classes=FLAGS.num_classes,
@@ -95,9 +120,9 @@ def main(argv):
               f"{plan.max_micro_batch}")
     else:
         print(f"nothing fits: {plan_report.format_nothing_fits(plan)}.")
-    if FLAGS.plot:
-        draw(plan, FLAGS.plot)
-        print(f"wrote {FLAGS.plot}")
+    if plot:
+        draw(plan, plot)
+        print(f"wrote {plot}")
     return 0 if plan.fits else 1
 
 

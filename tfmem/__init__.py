@@ -70,9 +70,9 @@ __all__ += ["Runtime", "detect", "describe", "describe_split", "policy_for", "se
 
 # -- resume: training that survives a killed process --
 from tfmem.training.progress import RunProgress
-from tfmem.training.resume import fit_resumable
+from tfmem.training.resume import TrainingDivergedError, fit_resumable
 
-__all__ += ["fit_resumable", "RunProgress"]
+__all__ += ["fit_resumable", "RunProgress", "TrainingDivergedError"]
 
 # -- planner / probe: memory plan and guard --
 from tfmem.memory.planner import MemoryPlan, MemoryPlanError, plan

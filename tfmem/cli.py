@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import re
+import signal
 import sys
+import threading
 import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -26,6 +28,20 @@ FAILURE = 1
 
 class UsageError(ValueError):
     """The command line is wrong (exit status 2)."""
+
+
+class Stopped(BaseException):
+    """The program was asked to stop by a signal (SIGTERM): it ends with status 128 + that
+    signal's number, as a program killed by it would, after one line saying so."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_stopped(signum, frame):
+    del frame
+    raise Stopped(signum)
 
 
 def underscore_flags(argv: Sequence[str]) -> list[str]:
@@ -96,11 +112,14 @@ def fail(message: str, status: int) -> None:
     sys.exit(status)
 
 
-def run(main: Callable[[list[str]], object], argv: Sequence[str] | None = None) -> None:
+def run(main: Callable[[list[str]], object], argv: Sequence[str] | None = None, *,
+        when_stopped: str = "") -> None:
     """Parses the flags and runs `main`, turning any error into one line and an exit status.
 
     Hyphenated flag names are accepted; a positional argument is an error (a flag needs its
-    `--name`); `--debug` shows the traceback of an error.
+    `--name`); `--debug` shows the traceback of an error. SIGTERM and Ctrl-C end it with a
+    line too (SIGTERM with status 143, as its default action would), `when_stopped` its end
+    (e.g. how to resume).
     """
     if "debug" not in flags.FLAGS:
         flags.DEFINE_bool("debug", False, "On an error, print its traceback too.")
@@ -115,15 +134,24 @@ def run(main: Callable[[list[str]], object], argv: Sequence[str] | None = None) 
     if len(rest) > 1:
         fail(f"unexpected argument {rest[1]!r}: every option is a flag with its name, e.g. "
              f"--model={rest[1]}; see --helpshort for the flags", USAGE)
+    after = f"; {when_stopped}" if when_stopped else ""
+    handled = threading.current_thread() is threading.main_thread()
+    if handled:  # raised where the program is, so that its `finally` blocks run
+        shown = signal.signal(signal.SIGTERM, _raise_stopped)
     try:
         with one_line_warnings():
             status = main(rest)
     except SystemExit:
         raise
+    except Stopped as stop:
+        fail(f"stopped by {stop}{after}", 128 + stop.signum)
     except KeyboardInterrupt:
-        fail("interrupted", FAILURE)
+        fail(f"interrupted{after}", FAILURE)
     except BaseException as error:  # every failure ends as one line (and its traceback)
         if flags.FLAGS.debug:
             traceback.print_exc()
         fail(one_line(error), USAGE if is_usage_error(error) else FAILURE)
+    finally:
+        if handled:
+            signal.signal(signal.SIGTERM, shown)
     sys.exit(status or 0)

@@ -29,7 +29,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 
@@ -41,17 +40,25 @@ from tfmem.data.integrity import SkippedRecords
 from tfmem.memory import guard, levers, segments
 from tfmem.memory import plan_report
 from tfmem.memory.plan_report import format_bytes
-from tfmem.runtime import memory_cap, precision as precision_lib, report
+from tfmem.runtime import devices, memory_cap, precision as precision_lib, report
 from tfmem.runtime.cluster import split_batch
 from tfmem.runtime.runtime import Runtime
-from tfmem.training import recovery, remat, run_directory
+from tfmem.training import recovery, remat, resume, run_directory
 from tfmem.training.accumulation import AccumModel
 from tfmem.training.progress import RunProgress
-from tfmem.training.resume import fit_resumable
+from tfmem.training.resume import TrainingDivergedError, fit_resumable
 
 # The demo set: 2048 training + 512 held-out shapes (tfmem.make_demo_dataset), 4 classes.
 DEMO_SPLITS = (("train", 2048, 0), ("validation", 512, 1))
 OPTIMIZERS = ("adam", "adamw", "sgd", "rmsprop")
+# What a run writes in its --output (its run.json lists them): nothing else there is deleted or
+# replaced. Beside them, two working entries of tfmem's own: `.lock` and `.attempts/` (the
+# supervising process's files, only those of its own names ever removed).
+WRITES = (run_directory.CONFIG_FILE, "backup", "logs", "model.keras", "metrics.json",
+          "demo-data", ".tmp-model.keras", ".tmp-metrics.json")
+DISCARDED = ("backup", "logs", "model.keras", "metrics.json", run_directory.CONFIG_FILE)
+ATTEMPTS = ".attempts"
+ATTEMPT_FILES = ("spec.json", "outcome.json", "split.json")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +129,10 @@ class FinetuneConfig:
                 and self.learning_rate > 0):
             raise cli.UsageError(f"--learning-rate {self.learning_rate}: the learning rate must "
                                  "be a finite number > 0, e.g. --learning-rate=1e-3")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not (
+                0 <= self.seed < 2**32):
+            raise cli.UsageError(f"--seed {self.seed}: a seed is an int from 0 to 2**32 - 1, "
+                                 "e.g. --seed 0")
         if self.optimizer not in OPTIMIZERS:
             raise cli.UsageError(f"--optimizer {self.optimizer!r} is not one of "
                                  f"{', '.join(OPTIMIZERS)}; pick one of them")
@@ -147,17 +158,22 @@ def run(config: FinetuneConfig) -> dict:
             (`docs/failure-model.md`).
     """
     _check(config)
+    _check_named_files_and_devices(config)
     with cli.usage_errors():  # "3 GB", "lots"
         cap = memory_limit_bytes(config.memory_limit)
-    if config.dry_run or cap is None:
+    if config.dry_run:
         return _run(config, _Attempt(config.accumulation_steps))
+    _check_installed()
     spec = _spec(config)
+    _check_output(config, _output(config, spec))
+    if cap is None:
+        return _run(config, _Attempt(config.accumulation_steps))
     data = _Data.of(config, spec)  # a wrong model or data stops here, before any process
     with cli.usage_errors():  # and an image size the model cannot take
         models.input_shape(spec.name, data.image_size)
     # This process holds the run directory for its training processes, one after the other.
     with run_directory.lock(_output(config, spec), "--output"):
-        return _supervise(config, cap, data)
+        return _supervise(config, cap, data, _output(config, spec))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +218,7 @@ def _run(config: FinetuneConfig, attempt: _Attempt) -> dict:
                                                                     "metrics.json"))
         recorded = run_directory.check_config(
             output, _run_settings(config, spec, precision, data),
-            holds_run=holds_run, how_to_fix=(
+            holds_run=holds_run, writes=WRITES, how_to_fix=(
                 "start it with its own settings to resume it, use a new --output for a new "
                 "run, or pass --overwrite to discard it and start again"))
         finished = recorded.get("complete")
@@ -212,6 +228,7 @@ def _run(config: FinetuneConfig, attempt: _Attempt) -> dict:
                   f"{os.path.join(output, 'model.keras')}. Nothing was changed: use a new "
                   "--output for another run, or more --epochs to train this one further.")
             return {}
+        _check_epochs_done(config, output)
         if recorded.get("epochs") != config.epochs:  # a later start may train on further
             recorded = {**recorded, "epochs": config.epochs}
             run_directory.write_config(output, recorded)
@@ -372,9 +389,56 @@ def _run_settings(config: FinetuneConfig, spec, precision: str, data: _Data) -> 
     }
 
 
+def _check_named_files_and_devices(config: FinetuneConfig) -> None:
+    """The things the flags name exist as what they should be, before any work."""
+    _spec(config)  # the model first: one that takes no --weights says so
+    if config.weights is not None:
+        try:
+            models.check_weights(config.model, config.weights)
+        except ValueError as error:
+            raise cli.UsageError(f"--weights: {error}") from None
+    if config.device is not None and config.device.strip().lower() != "cpu":
+        try:
+            devices.by_name(config.device)
+        except ValueError as error:
+            raise cli.UsageError(f"--device: {error}") from None
+
+
+def _check_installed() -> None:
+    """The optional packages a training run needs, before any work: TensorBoard's, for the
+    run's logs (not part of `tfmem[tpu]` or a bare `pip install tfmem`)."""
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        raise ImportError("a training run writes TensorBoard logs, and the tensorboard "
+                          "package is not installed; pip install tensorboard (or tfmem[cpu] "
+                          "/ tfmem[tensorflow], which bring it)") from None
+
+
+def _check_epochs_done(config: FinetuneConfig, output: str) -> None:
+    """A restart asks for at least the epochs the run has begun (fewer would train nothing
+    and call the run complete at more epochs than it says)."""
+    trained = resume.trained_so_far(os.path.join(output, "backup"))
+    if trained is not None and trained > (config.epochs, 0):
+        raise cli.UsageError(
+            f"--epochs {config.epochs}, but the run in {output} has trained "
+            f"{resume.describe_trained(*trained)} already; pass --epochs "
+            f"{resume.epochs_needed(*trained)} or more to go on with it, or use a new --output "
+            "(or --overwrite) to start again")
+
+
+def _check_output(config: FinetuneConfig, output: str) -> None:
+    """Before anything is written: `--output` can hold the run, and nothing of the run's
+    names there is something no tfmem run wrote."""
+    with cli.usage_errors():
+        run_directory.check_writable(output, WRITES, what="--output",
+                                     overwrite="--overwrite" if config.overwrite else None)
+
+
 def _discard(output: str) -> None:
-    """--overwrite: the run's resume points, logs and results go; the demo data stays."""
-    for name in ("backup", "logs", "model.keras", "metrics.json", run_directory.CONFIG_FILE):
+    """--overwrite: the run's resume points, logs and results go (only what its run.json says
+    it wrote); the demo data stays."""
+    for name in run_directory.written(output, DISCARDED):  # run.json last
         path = os.path.join(output, name)
         if os.path.isdir(path):
             shutil.rmtree(path)
@@ -512,14 +576,17 @@ def _train(config: FinetuneConfig, spec, runtime: Runtime, precision: str, outpu
                            global_batch_size=config.global_batch_size)
     recoveries = list(attempt.recoveries)  # this run's stops at the limit, and those in-process
     start = time.perf_counter()
-    history = fit_resumable(
-        accum, make_dataset, epochs=config.epochs, steps_per_epoch=steps_per_epoch,
-        backup_dir=os.path.join(output, "backup"),
-        save_every_steps=config.save_every_steps or max(steps_per_epoch // 4, 1),
-        validation_data=validation,
-        callbacks=[progress, keras.callbacks.TensorBoard(os.path.join(output, "logs"))],
-        verbose=0, memory_recoveries=recoveries,
-        check_memory=False)  # the guard above checked it
+    try:
+        history = fit_resumable(
+            accum, make_dataset, epochs=config.epochs, steps_per_epoch=steps_per_epoch,
+            backup_dir=os.path.join(output, "backup"),
+            save_every_steps=config.save_every_steps or max(steps_per_epoch // 4, 1),
+            validation_data=validation,
+            callbacks=[progress, keras.callbacks.TensorBoard(os.path.join(output, "logs"))],
+            verbose=0, memory_recoveries=recoveries,
+            check_memory=False)  # the guard above checked it
+    except TrainingDivergedError as error:
+        raise _diverged_run(config, output, error) from error
     seconds = time.perf_counter() - start
     results = {
         "model": spec.name, "num_parameters": model.count_params(), "data": data.train,
@@ -548,6 +615,16 @@ def _train(config: FinetuneConfig, spec, runtime: Runtime, precision: str, outpu
     return results
 
 
+def _diverged_run(config: FinetuneConfig, output: str,
+                  error: TrainingDivergedError) -> TrainingDivergedError:
+    """The library's error in the command's terms: its flags, and how to start again."""
+    return TrainingDivergedError(
+        f"{error.facts}; no model.keras or metrics.json was written",
+        f"lower --learning-rate (now {config.learning_rate:g} with {config.optimizer}) and "
+        "start again with --overwrite or a new --output", epoch=error.epoch,
+        step=error.step, loss=error.loss, resume_point=error.resume_point)
+
+
 def memory_limit_bytes(memory_limit: str | None) -> int | None:
     """`"auto"` → 80% of the RAM available now, `"none"` (or None) → no limit, `"3GB"` → bytes.
 
@@ -564,10 +641,32 @@ def memory_limit_bytes(memory_limit: str | None) -> int | None:
         raise ValueError(f"--memory-limit {memory_limit}: {error}, or auto or none") from None
 
 
-def _supervise(config: FinetuneConfig, cap: int, data: _Data) -> dict:
+@contextlib.contextmanager
+def _attempts_directory(output: str):
+    """`output/.attempts`, where the supervising process and its training processes exchange
+    their files: in the run directory (nothing is left in /tmp by a killed run), emptied of
+    those files at every start and at the end."""
+    workdir = os.path.join(output, ATTEMPTS)
+
+    def clear():
+        for name in ATTEMPT_FILES:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(workdir, name))
+        with contextlib.suppress(OSError):  # not empty: what else is there is left alone
+            os.rmdir(workdir)
+
+    clear()  # what a killed run left
+    os.makedirs(workdir, exist_ok=True)
+    try:
+        yield workdir
+    finally:
+        clear()
+
+
+def _supervise(config: FinetuneConfig, cap: int, data: _Data, output: str) -> dict:
     """Trains in child processes held under `cap`, halving the micro-batch after each stop."""
     attempt = _Attempt(config.accumulation_steps, locked=True, data=dataclasses.asdict(data))
-    with tempfile.TemporaryDirectory(prefix="tfmem-finetune-") as workdir:
+    with _attempts_directory(output) as workdir:
         while True:
             status, watch, outcome, split = _attempt(config, attempt, cap, workdir)
             config = dataclasses.replace(config, overwrite=False)  # the next one resumes
@@ -632,7 +731,7 @@ def _plan_under(config: FinetuneConfig, attempt: _Attempt, cap: int, workdir: st
 def _attempt(config: FinetuneConfig, attempt: _Attempt, cap: int | None, workdir: str):
     """Runs one training process under `cap` (None: watched, not limited); returns its exit
     status, its watch, its outcome and the split it took (each None when it wrote none)."""
-    paths = {name: os.path.join(workdir, f"{name}.json") for name in ("spec", "outcome", "split")}
+    paths = {name.removesuffix(".json"): os.path.join(workdir, name) for name in ATTEMPT_FILES}
     for path in paths.values():  # nothing of an earlier attempt is read as this one's
         if os.path.exists(path):
             os.remove(path)

@@ -3,6 +3,7 @@
 import pytest
 
 from tfmem.runtime import devices
+from tfmem.runtime.budget import budget_for
 from tfmem.runtime.runtime import Runtime
 
 
@@ -80,3 +81,15 @@ def test_host_available_memory_is_between_zero_and_total_ram():
 
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert 0 < devices.host_available_memory() <= total
+
+
+@pytest.mark.parametrize("name", ["v100-64gb", "h100-unknown", "t4x", "tpu-v3"])
+def test_a_name_a_person_gives_is_exact_or_refused(name):
+    # The frameworks' names are matched by pattern (above); a person's name is not guessed.
+    with pytest.raises(ValueError, match=rf"^'{name}' is not a known accelerator; known names: "
+                                         r"k80, .*v100-16gb, v100-32gb, .*h100, h200, tpu-v2-8"):
+        devices.by_name(name)
+    with pytest.raises(ValueError, match=rf"^`device`: '{name}' is not a known accelerator"):
+        budget_for(device=name)  # as plan(), guard() and probe() take it
+    assert devices.by_name("V100-32GB").name == "v100-32gb"
+    assert devices.by_name("v5litepod-16").num_replicas == 16

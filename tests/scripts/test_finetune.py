@@ -435,7 +435,11 @@ def test_skip_corrupt_trains_on_and_names_what_it_skipped(finetune_cli, written_
 def test_overwrite_discards_the_run_and_starts_again(finetune_cli, written_sets, tmp_path):
     common = ["--data", written_sets["demo"], "--global-batch-size", "32", "--epochs", "1",
               "--output", str(tmp_path), "--memory-limit", "none"]  # in this process
+    (tmp_path / "notes.txt").write_text("the user's")  # beside the run: never the run's
     assert finetune_cli(*common)[0] == 0
+    # run.json lists what the run writes: all that --overwrite may remove.
+    written = json.loads((tmp_path / "run.json").read_text())["written"]
+    assert written == sorted(tfmem.finetune.WRITES) and "notes.txt" not in written
     status, _, err = finetune_cli(*common, "--learning-rate", "0.01")
     assert status == 2 and "learning_rate 0.001 → 0.01" in err
     status, out, err = finetune_cli(*common, "--learning-rate", "0.01", "--overwrite")
@@ -443,6 +447,7 @@ def test_overwrite_discards_the_run_and_starts_again(finetune_cli, written_sets,
     assert "is complete" not in out and "Resuming" not in out
     assert json.loads((tmp_path / "run.json").read_text())["config"]["learning_rate"] == 0.01
     assert json.loads((tmp_path / "metrics.json").read_text())["history"]["loss"]
+    assert (tmp_path / "notes.txt").read_text() == "the user's"
 
 
 def test_the_run_is_one_library_call_with_the_flags_as_its_settings(finetune_main, tmp_path,
@@ -580,3 +585,187 @@ def test_when_micro_batch_one_reaches_the_limit_the_plan_for_it_is_the_answer(tm
         r"model needs a device with more memory per replica, or more replicas\.\n",
         _error_line(stderr) + "\n"), stderr[-2000:]
     assert not (tmp_path / "run" / "metrics.json").exists()
+
+
+# -- tfmem deletes or replaces only what its runs wrote; every check before any work --
+
+def _files(directory):
+    """Every file under `directory`, with its bytes."""
+    return {str(path.relative_to(directory)): path.read_bytes()
+            for path in sorted(directory.rglob("*")) if path.is_file()}
+
+
+def test_an_output_holding_files_no_run_wrote_is_refused_and_left_as_it_was(finetune_cli,
+                                                                          tmp_path):
+    own = tmp_path / "own"  # the user's own model where the run would write its own
+    own.mkdir()
+    (own / "model.keras").write_bytes(b"the user's model")
+    mixed = tmp_path / "mixed"  # a folder no tfmem run made, given to --overwrite
+    (mixed / "logs").mkdir(parents=True)
+    (mixed / "logs" / "important.txt").write_text("notes")
+    (mixed / "metrics.json").write_text('{"mine": 1}')
+    record = tmp_path / "record"  # a run.json that is not a run's
+    record.mkdir()
+    (record / "run.json").write_text('{"experiment": "mine"}')
+    before = {directory: _files(directory) for directory in (own, mixed, record)}
+    for directory, extra, names in [(own, [], "model.keras"),
+                                    (mixed, ["--overwrite"], "logs, metrics.json"),
+                                    (record, ["--overwrite", "--memory-limit", "none"],
+                                     "run.json")]:
+        status, _, stderr = finetune_cli("--output", str(directory), "--epochs", "1", *extra)
+        assert status == 2
+        also = ", --overwrite included" if "--overwrite" in extra else ""
+        assert _error_line(stderr) == (
+            f"error: --output {directory} holds {names}, which no tfmem run wrote there (no "
+            f"run.json of a run lists them), and tfmem deletes or replaces only what its runs "
+            f"wrote{also}; nothing was changed: use another --output, or move them away")
+    # Not a byte changed, nothing added (no lock, no run.json, no demo data).
+    assert {directory: _files(directory) for directory in before} == before
+    assert sorted(os.listdir(own)) == ["model.keras"]
+
+    # An --output that is a file, or lies inside one.
+    file = tmp_path / "notes.txt"
+    file.write_text("x")
+    for output, where in [(file, ""), (file / "run", f": {file}")]:
+        status, _, stderr = finetune_cli("--output", str(output))
+        assert (status, _error_line(stderr)) == (
+            2, f"error: --output {output}{where} is a file, not a directory; pass a directory "
+               "(it is made if it does not exist)")
+    assert file.read_text() == "x"
+
+
+@pytest.fixture()
+def read_only_disk(tmp_path):
+    """A real read-only file system (a tmpfs mounted read-only; needs root to mount)."""
+    mount = tmp_path / "read-only"
+    mount.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(mount)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({result.stderr.strip()}); needs root")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_an_output_that_cannot_be_written_is_one_line_before_any_work(finetune_cli,
+                                                                      read_only_disk):
+    output = read_only_disk / "run"
+    status, _, stderr = finetune_cli("--output", str(output), "--epochs", "1")
+    assert (status, _error_line(stderr)) == (
+        2, f"error: --output {output}: cannot write in {read_only_disk} (Read-only file "
+           "system); pass as --output a directory you can write to")
+
+
+def test_a_diverging_run_is_one_line_with_status_1_and_keeps_the_last_finite_point(
+        finetune_cli, written_sets, tmp_path):
+    # In a training process (the default memory limit): its error comes back as one line.
+    output = tmp_path / "run"
+    status, _, stderr = finetune_cli(
+        "--data", written_sets["demo"], "--global-batch-size", "16", "--epochs", "2",
+        "--optimizer", "sgd", "--learning-rate", "1e30", "--save-every-steps", "1",
+        "--output", str(output))
+    assert status == 1
+    # The first update makes the weights huge, the second the loss (or the weights) not finite.
+    assert re.fullmatch(
+        r"error: training diverged: (the loss is nan|the weights are no longer finite numbers) "
+        rf"at epoch 1, step 2, and the run stopped there; the newest resume point in "
+        rf"{output / 'backup'} \(epoch 1, step 1\) holds the last finite weights; no model\.keras "
+        r"or metrics\.json was written; lower --learning-rate \(now 1e\+30 with sgd\) and start "
+        r"again with --overwrite or a new --output", _error_line(stderr)), stderr[-2000:]
+    assert not (output / "model.keras").exists() and not (output / "metrics.json").exists()
+    assert "complete" not in json.loads((output / "run.json").read_text())
+    point = _newest_point(output / "backup")
+    assert (point["epoch"], point["step"]) == (0, 1)
+    import h5py
+
+    with h5py.File(output / "backup" / point["weights"]) as weights:
+        arrays = []
+        weights.visititems(lambda _, item: arrays.append(item[()])
+                           if isinstance(item, h5py.Dataset) else None)
+    floating = [array for array in arrays if np.issubdtype(array.dtype, np.floating)]
+    assert floating and all(np.isfinite(array).all() for array in floating)
+
+
+def test_weights_that_are_no_weights_file_are_one_line_naming_it(finetune_cli, tmp_path):
+    text = tmp_path / "notes.weights.h5"
+    text.write_text("not weights")
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.save_weights(tmp_path / "whole.weights.h5")
+    whole = (tmp_path / "whole.weights.h5").read_bytes()
+    cut = tmp_path / "cut.weights.h5"  # a copy that stopped half-way
+    cut.write_bytes(whole[:len(whole) // 2])
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    unreadable = (r"cannot be read as HDF5 \({}\): it is not a Keras weights file, or a copy "
+                  r"that was cut short; copy it again \(its size should match the original's\), "
+                  r"or pass another file")
+    for path, message in [(text, unreadable.format("file signature not found")),
+                          (cut, unreadable.format(r"truncated file: eof = \d+, .*")),
+                          (folder, r"is a directory; pass the weights file in it \(a "
+                                   r"`\.weights\.h5`, or Keras's `\*_notop\.h5` backbone file\)")]:
+        status, _, stderr = finetune_cli("--weights", str(path), "--output",
+                                         str(tmp_path / "run"))
+        assert status == 2
+        assert re.fullmatch(rf"error: --weights: Weights file '{path}' {message}",
+                            _error_line(stderr)), stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_flags_checked_before_any_work_name_themselves(finetune_cli, tmp_path, monkeypatch):
+    output = tmp_path / "run"
+    for device in ("v100-64gb", "h100-unknown"):  # once taken for a v100-16gb and an h100
+        status, _, stderr = finetune_cli("--dry-run", "--device", device)
+        assert status == 2
+        assert re.fullmatch(rf"error: --device: '{device}' is not a known accelerator; known "
+                            r"names: k80, .*, v100-16gb, v100-32gb, .*h100, .*'cpu' \(this "
+                            r"host's RAM\), or a Cloud TPU type such as v5litepod-16",
+                            _error_line(stderr))
+    status, _, stderr = finetune_cli("--seed", "-1", "--output", str(output))
+    assert status == 2 and _error_line(stderr).startswith("error: flag --seed=-1: ")
+    with pytest.raises(tfmem.cli.UsageError, match=r"--seed -1: a seed is an int from 0"):
+        tfmem.finetune.FinetuneConfig(seed=-1)
+    # Without TensorBoard (a bare `pip install tfmem`), a run stops before anything is built.
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    status, _, stderr = finetune_cli("--output", str(output), "--epochs", "1")
+    assert (status, _error_line(stderr)) == (
+        1, "error: a training run writes TensorBoard logs, and the tensorboard package is not "
+           "installed; pip install tensorboard (or tfmem[cpu] / tfmem[tensorflow], which bring "
+           "it)")
+    assert not output.exists()
+
+
+def test_sigterm_says_how_to_resume_and_fewer_epochs_than_begun_are_refused(
+        finetune_cli, written_sets, tmp_path):
+    output, scratch = tmp_path / "run", tmp_path / "tmp"
+    scratch.mkdir()
+    common = ["--data", written_sets["demo512"], "--global-batch-size", "32",
+              "--save-every-steps", "2", "--output", str(output)]
+    process = subprocess.Popen(
+        [sys.executable, str(SCRIPT), *common, "--epochs", "4"], stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env=dict(os.environ, TMPDIR=str(scratch), PYTHONPATH=str(ROOT)))
+    deadline = time.monotonic() + 400
+    while time.monotonic() < deadline and process.poll() is None:
+        point = (output / "backup").is_dir() and _newest_point(output / "backup")
+        if point and (point["epoch"], point["step"]) > (1, 0):  # inside epoch 2 or later
+            process.send_signal(signal.SIGTERM)  # as a scheduler stops a job
+            break
+        time.sleep(0.05)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert _error_line(stderr) == ("error: stopped by SIGTERM; start the same command again to "
+                                   "resume from its last resume point")
+    # The supervising process's files are gone with it; nothing of it is left in /tmp.
+    assert not (output / ".attempts").exists() and not list(scratch.glob("tfmem-*"))
+
+    # Started again with fewer epochs than it has begun: one line, nothing trained or written.
+    epoch, step = (lambda p: (p["epoch"], p["step"]))(_newest_point(output / "backup"))
+    before = _files(output)
+    status, _, stderr = finetune_cli(*common, "--epochs", "1", "--memory-limit", "none")
+    trained = f"{epoch} epoch{'s' if epoch > 1 else ''}" + (
+        f" and {step} updates of epoch {epoch + 1}" if step else "")
+    assert (status, _error_line(stderr)) == (
+        2, f"error: --epochs 1, but the run in {output} has trained {trained} already; pass "
+           f"--epochs {epoch + (step > 0)} or more to go on with it, or use a new --output (or "
+           "--overwrite) to start again")
+    assert _files(output) == before

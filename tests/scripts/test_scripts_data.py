@@ -71,6 +71,11 @@ def test_every_script_reports_a_bad_command_in_one_line_with_status_2(tmp_path):
                        r"e\.g\. --shard-size-mb=128; see --helpshort for the flags"),
         "plan model": (["scripts/plan.py", "--model=resnet5", "--global-batch-size=8"],
                        r"error: Unknown model 'resnet5'\. Did you mean .*"),
+        # Checked before the model is built (as an unknown --device is).
+        "plot dir": (["scripts/plan.py", "--model=small-cnn", "--global-batch-size=8",
+                      f"--plot={tmp_path}"],
+                     rf"error: --plot {tmp_path} is a directory; pass a file name, e\.g\. "
+                     rf"--plot {tmp_path / 'plan.png'}"),
         "tfmem-env": (["-m", "tfmem.runtime.report", "--prefer=xpu"],
                       r"error: argument --prefer: invalid choice: 'xpu' \(choose from 'tpu', "
                       r"'gpu', 'cpu'\); see tfmem-env --help"),
@@ -100,3 +105,12 @@ def test_overwrite_replaces_a_set_and_keeps_no_old_shard(tmp_path):
                                                                            new.shards}
     assert sorted(os.listdir(tmp_path)) == sorted(["manifest.json",
                                                    *(s.name for s in new.shards)])
+
+
+def test_plan_plots_where_it_says(tmp_path):
+    # A name without an extension: matplotlib adds ".png", and the line names that file.
+    result = _run("scripts/plan.py", "--model=small-cnn", "--image-size=32",
+                  "--global-batch-size=8", f"--plot={tmp_path / 'memory'}")
+    assert result.stdout.splitlines()[-1] == f"wrote {tmp_path / 'memory.png'}"
+    assert (tmp_path / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert os.listdir(tmp_path) == ["memory.png"]

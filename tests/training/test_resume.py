@@ -336,3 +336,74 @@ def test_learning_rate_data_and_settings_are_checked(tmp_path):
                                       how_to_fix="-")["config"] == {"seed": 2}
     with pytest.raises(run_directory.RunConfigError, match=r"other settings \(seed 2 → 3\); -"):
         run_directory.check_config(fresh, {"seed": 3}, holds_run=True, how_to_fix="-")
+
+
+def _sgd_step(weights, x, y, rate):
+    """One SGD update of a Dense(1) on the mean squared error, in float32 (NumPy)."""
+    kernel, bias = (np.asarray(w, "float32") for w in weights)
+    error = x @ kernel + bias - y
+    loss = np.mean(error**2, dtype="float32")
+    kernel = kernel - np.float32(rate) * (2 / len(x)) * (x.T @ error)
+    bias = bias - np.float32(rate) * (2 / len(x)) * error.sum(axis=0)
+    return [kernel, bias], loss
+
+
+def test_a_diverging_run_stops_at_the_first_non_finite_loss(tmp_path):
+    x = np.arange(16, dtype="float32").reshape(8, 2)
+    y = x[:, :1]
+    model = _small_model()
+    model.optimizer.learning_rate = 1e30
+    start = [w.copy() for w in model.get_weights()]
+    with np.errstate(over="ignore", invalid="ignore"):
+        after_one, _ = _sgd_step(start, x[:4], y[:4], 1e30)
+        _, second_loss = _sgd_step(after_one, x[4:], y[4:], 1e30)
+    assert np.isfinite(after_one[0]).all() and not np.isfinite(second_loss)
+    with pytest.raises(tfmem.TrainingDivergedError) as error:
+        tfmem.fit_resumable(model, _data, epochs=3, steps_per_epoch=2, save_every_steps=1,
+                            backup_dir=tmp_path, verbose=0)
+    diverged = error.value
+    assert (diverged.epoch, diverged.step, diverged.resume_point) == (1, 2, (1, 1))
+    np.testing.assert_equal(diverged.loss, second_loss)
+    assert str(diverged) == (
+        f"training diverged: the loss is {second_loss} at epoch 1, step 2, and the run stopped "
+        f"there; the newest resume point in {tmp_path} (epoch 1, step 1) holds the last finite "
+        "weights; lower the learning rate (or clip the gradients) and start again")
+    # Nothing was saved after the first update: the newest point holds its weights.
+    assert sorted(_points(tmp_path)) == [0]
+    kept = _small_model()
+    kept.load_weights(tmp_path / _points(tmp_path)[0]["weights"])
+    for got, want in zip(kept.get_weights(), after_one):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+    # An update that leaves the loss finite but the weights not: no point is saved of them.
+    model = _small_model()
+    model.optimizer.learning_rate = 1e38
+    with pytest.raises(tfmem.TrainingDivergedError,
+                       match=r"^training diverged: the weights are no longer finite numbers at "
+                             r"epoch 1, step 1, and the run stopped there; no resume point was "
+                             r"saved;") as error:
+        tfmem.fit_resumable(model, _data, epochs=1, steps_per_epoch=2, save_every_steps=1,
+                            backup_dir=tmp_path / "weights", verbose=0)
+    assert error.value.resume_point is None and _points(tmp_path / "weights") == {}
+
+
+def test_a_restart_with_fewer_epochs_than_trained_is_refused(tmp_path):
+    tfmem.fit_resumable(_small_model(), _data, epochs=2, steps_per_epoch=2,
+                        backup_dir=tmp_path, verbose=0)
+    model = _small_model()
+    with pytest.raises(ValueError, match=rf"^`epochs` is 1, but the run in {tmp_path} has "
+                                         r"trained 2 epochs already; pass epochs=2 or more to "
+                                         r"go on with it, or another backup_dir for a new run$"):
+        tfmem.fit_resumable(model, _data, epochs=1, steps_per_epoch=2, backup_dir=tmp_path,
+                            verbose=0)
+    assert int(model.optimizer.iterations) == 4  # the point's, and no update after it
+
+
+def test_a_backup_dir_that_is_a_file_is_one_line(tmp_path):
+    (tmp_path / "taken").write_text("x")
+    with pytest.raises(ValueError, match=rf"^backup_dir {tmp_path / 'taken'} is a file, not a "
+                                         r"directory; pass a directory \(it is made if it does "
+                                         r"not exist\)$"):
+        tfmem.fit_resumable(_small_model(), _data, epochs=1, steps_per_epoch=2,
+                            backup_dir=tmp_path / "taken", verbose=0)
+    assert (tmp_path / "taken").read_text() == "x"

@@ -24,8 +24,8 @@ from keras import layers
 from tfmem import _keras_internals as internals
 from tfmem.models import applications, efficientnetv2_xl, tiramisu, unet as unet_module
 
-__all__ = ["MODELS", "ModelSpec", "build", "input_shape", "spec", "set_backbone_trainable",
-           "shapes_only"]
+__all__ = ["MODELS", "ModelSpec", "build", "check_weights", "input_shape", "spec",
+           "set_backbone_trainable", "shapes_only"]
 
 _RAW_PIXELS = (0.0, 255.0)
 
@@ -168,22 +168,41 @@ def _image_shape(model_spec: ModelSpec, image_size) -> tuple[int, int, int]:
     return (*(int(s) for s in sizes), 3)
 
 
-def _check_weights(weights: str | os.PathLike | None, name: str, keras_family: bool):
-    if weights is None:
-        return None
+def check_weights(name: str, weights: str | os.PathLike) -> str:
+    """Raises ValueError, naming the file and the fix, unless `weights` is a file `build(name,
+    weights=...)` can load: a readable HDF5 file (only its header is read) of an accepted kind.
+    Returns its path.
+
+    Example:
+        >>> check_weights("small-cnn", "notes.txt")  # doctest: +SKIP
+        ValueError: Cannot load 'notes.txt' into small-cnn: expected a `.weights.h5` ...
+    """
     path = os.fspath(weights)
+    if os.path.isdir(path):
+        raise ValueError(f"Weights file {path!r} is a directory; pass the weights file in it "
+                         "(a `.weights.h5`, or Keras's `*_notop.h5` backbone file)")
     if not os.path.isfile(path):
         raise ValueError(
             f"Weights file {path!r} does not exist. tfmem never downloads weights: copy "
             "the file to this machine first (on Kaggle attach it as a dataset, on Colab "
             "copy it from Drive/GCS), then pass its local path.")
-    if path.endswith(".weights.h5"):
-        return path
-    if path.endswith(".h5") and keras_family:
-        return path
-    accepted = ("a `.weights.h5` of this whole model (`model.save_weights`)"
-                + (" or the Keras `*_notop.h5` backbone file" if keras_family else ""))
-    raise ValueError(f"Cannot load {path!r} into {name}: expected {accepted}.")
+    keras_family = spec(name).name in applications.FAMILIES
+    if not (path.endswith(".weights.h5") or (path.endswith(".h5") and keras_family)):
+        accepted = ("a `.weights.h5` of this whole model (`model.save_weights`)"
+                    + (" or the Keras `*_notop.h5` backbone file" if keras_family else ""))
+        raise ValueError(f"Cannot load {path!r} into {name}: expected {accepted}.")
+    import h5py  # Keras's own dependency for weights files
+
+    try:
+        with h5py.File(path, "r"):
+            pass
+    except OSError as error:
+        detail = str(error).split("(")[-1].rstrip(")") if "(" in str(error) else str(error)
+        raise ValueError(
+            f"Weights file {path!r} cannot be read as HDF5 ({detail}): it is not a Keras "
+            "weights file, or a copy that was cut short; copy it again (its size should "
+            "match the original's), or pass another file") from None
+    return path
 
 
 def build(
@@ -240,7 +259,7 @@ def build(
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"`dropout` must be in [0, 1); got {dropout!r}.")
     family = applications.FAMILIES.get(name)
-    weights = _check_weights(weights, name, keras_family=family is not None)
+    weights = None if weights is None else check_weights(name, weights)
     backbone_weights = weights if weights and not weights.endswith(".weights.h5") else None
 
     if model_spec.task == "segmentation":

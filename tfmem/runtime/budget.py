@@ -76,7 +76,11 @@ def budget_for(*, runtime: Runtime | None = None, memory_budget: int | None = No
     elif device is None or device.lower() == "cpu":
         budget = Budget("cpu (this host)", "cpu", devices.host_memory_for_process(), 1)
     else:
-        budget = _of_runtime(Runtime.of_device(device))
+        try:
+            runtime = Runtime.of_device(device)
+        except ValueError as error:
+            raise ValueError(f"`device`: {error}") from None
+        budget = _of_runtime(runtime)
     if num_replicas:
         budget = dataclasses.replace(budget, num_replicas=num_replicas)
     return budget

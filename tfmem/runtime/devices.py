@@ -146,6 +146,29 @@ def _from_tpu_accelerator_type(key: str) -> Accelerator | None:
                     + (f" on {hosts} hosts" if hosts > 1 else ""))
 
 
+def by_name(name: str) -> Accelerator:
+    """The table entry a person names: a key of `ACCELERATORS` or a Cloud TPU accelerator
+    type (`"v3-8"`, `"v5litepod-16"`), nothing approximate (`lookup` reads the frameworks'
+    device names, which vary).
+
+    Raises:
+        ValueError: any other name; the message lists the known ones.
+
+    Example:
+        >>> by_name("v100-32gb").name
+        'v100-32gb'
+    """
+    key = str(name).strip().lower()
+    if key in ACCELERATORS:
+        return ACCELERATORS[key]
+    accelerator_type = _from_tpu_accelerator_type(key)
+    if accelerator_type is not None:
+        return accelerator_type
+    raise ValueError(
+        f"{name!r} is not a known accelerator; known names: {', '.join(ACCELERATORS)}, "
+        "'cpu' (this host's RAM), or a Cloud TPU type such as v5litepod-16")
+
+
 def lookup(name: str) -> Accelerator:
     """Returns the table entry for a command-line name or a framework's device name.
 

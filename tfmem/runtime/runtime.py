@@ -142,7 +142,7 @@ class Runtime:
             >>> Runtime.of_device("tpu-v3-8").num_replicas
             8
         """
-        accelerator = devices.lookup(name)
+        accelerator = devices.by_name(name)
         return cls(kind=accelerator.kind, strategy=None, num_replicas=accelerator.num_replicas,
                    num_workers=accelerator.num_hosts,
                    memory_per_replica=accelerator.memory_per_replica,

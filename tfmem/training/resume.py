@@ -44,6 +44,49 @@ _POINT = re.compile(r"^backup-(\d+)\.json$")
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
+class TrainingDivergedError(RuntimeError):
+    """The loss (or the weights) stopped being finite numbers: the run is stopped there.
+
+    No resume point is saved from that update on, so the newest one in `backup_dir` holds the
+    last finite weights. Lower the learning rate (or clip the gradients) and start again.
+
+    Attributes:
+        epoch: the epoch (from 1) of the update that diverged.
+        step: that update's number in its epoch (from 1).
+        loss: the loss reported there (nan or inf; a finite loss when the weights diverged).
+        resume_point: `(epoch, step)` of the newest resume point (finite weights), counted
+            as in the message (epoch from 1), or None when none was saved.
+        facts: what happened and what is kept, without the advice that ends the message.
+    """
+
+    def __init__(self, facts: str, advice: str, *, epoch: int, step: int, loss: float,
+                 resume_point: tuple[int, int] | None):
+        super().__init__(f"{facts}; {advice}")
+        self.facts = facts
+        self.epoch, self.step, self.loss, self.resume_point = epoch, step, loss, resume_point
+
+
+def _diverged(backup: _Backup, epoch: int, step: int, loss: float,
+              what: str) -> TrainingDivergedError:
+    """`epoch` from 0, `step` the update's number in it (from 1; 0: the epoch's end)."""
+    at = f"at epoch {epoch + 1}, step {step}" if step else f"at the end of epoch {epoch + 1}"
+    point = backup.latest
+    kept = (point["epoch"] + 1, point["step"]) if point else None
+    where = (f"the newest resume point in {backup.directory} (epoch {point['epoch'] + 1}, step "
+             f"{point['step']}) holds the last finite weights" if point
+             else "no resume point was saved")
+    return TrainingDivergedError(
+        f"training diverged: {what} {at}, and the run stopped there; {where}",
+        "lower the learning rate (or clip the gradients) and start again",
+        epoch=epoch + 1, step=step, loss=loss, resume_point=kept)
+
+
+def _finite(model: keras.Model) -> bool:
+    """Whether every floating weight of the model is a finite number."""
+    return all(np.isfinite(weight).all() for weight in model.get_weights()
+               if np.issubdtype(np.asarray(weight).dtype, np.inexact))
+
+
 def _digest(path: str) -> str:
     sha = hashlib.sha256()
     with open(path, "rb") as file:
@@ -86,6 +129,7 @@ class _Saver(keras.callbacks.Callback):
         self._steps_per_epoch = steps_per_epoch
         self.updates = 0
         self.validating = False  # between the start and the end of the validation pass
+        self.diverged: TrainingDivergedError | None = None
 
     def on_test_begin(self, logs=None):
         self.validating = True
@@ -96,6 +140,13 @@ class _Saver(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         self.updates = batch + 1
         step = self._first_step + batch + 1
+        loss = (logs or {}).get("loss")
+        # The epoch's running mean: it is not finite from the first update whose loss is not.
+        if loss is not None and not math.isfinite(float(loss)):
+            self.diverged = _diverged(self._backup, self._epoch, step, float(loss),
+                                      f"the loss is {float(loss)}")
+            self.model.stop_training = True
+            return
         # The epoch's last step is saved after `fit` returns, with the epoch's history.
         if step % self._save_every_steps == 0 and step < self._steps_per_epoch:
             self._backup.save(self.model, epoch=self._epoch, step=step)
@@ -195,6 +246,10 @@ class _Backup:
             recovery.rematerialize_all(model)
 
     def save(self, model: keras.Model, *, epoch: int, step: int, history=None) -> None:
+        if not _finite(model):  # an update with a finite loss can still make them inf or nan
+            # A point at the start of an epoch follows the previous epoch's last update.
+            raise _diverged(self, epoch - (step == 0), step, math.nan,
+                            "the weights are no longer finite numbers")
         if not self.writer:
             # Saving takes part in collectives (Keras makes variables while it saves), so every
             # process saves; only the writer's file is kept.
@@ -349,6 +404,34 @@ def _check_learning_rate(model: keras.Model) -> None:
                          "rate >= 0 (e.g. 1e-3)")
 
 
+def describe_trained(epoch: int, step: int) -> str:
+    """What a run at `(epoch, step)` has trained: `(2, 0)` → "2 epochs", `(2, 5)` → "2 epochs
+    and 5 updates of epoch 3"."""
+    done = f"{epoch} epoch{'s' if epoch != 1 else ''}"
+    return done + (f" and {step} update{'s' if step != 1 else ''} of epoch {epoch + 1}"
+                   if step else "")
+
+
+def epochs_needed(epoch: int, step: int) -> int:
+    """The fewest epochs a run resumed at `(epoch, step)` can have: those it has begun."""
+    return epoch + (step > 0)
+
+
+def trained_so_far(backup_dir: str | os.PathLike) -> tuple[int, int] | None:
+    """`(epoch, step)` of the newest resume point in `backup_dir` whose record reads (its
+    weights unchecked: a quick look before a run starts), or None."""
+    backup = _Backup(os.fspath(backup_dir))
+    for generation in backup.generations():
+        try:
+            with open(backup._path(f"backup-{generation}.json")) as file:
+                state = json.load(file)
+            return int(state["epoch"]), int(state["step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
+
 def fit_resumable(
     model: keras.Model,
     make_dataset: Callable[[int], tf.data.Dataset],
@@ -397,11 +480,14 @@ def fit_resumable(
 
     Raises:
         ValueError: a count is not a positive int; the learning rate is not finite or is
-            negative; `run_config` differs from the recorded one (naming each difference);
-            no resume point in `backup_dir` is usable (naming the damage); `make_dataset`
-            gave fewer than `steps_per_epoch` batches.
+            negative; `backup_dir` is a file or cannot be written; `epochs` is fewer than the
+            run in `backup_dir` has begun; `run_config` differs from the recorded one
+            (naming each difference); no resume point in `backup_dir` is usable (naming the
+            damage); `make_dataset` gave fewer than `steps_per_epoch` batches.
         OSError: no space left to save a resume point (`errno.ENOSPC`); the previous resume
             point is left intact.
+        TrainingDivergedError: the loss or the weights stopped being finite numbers; the run
+            stopped at that update, and the newest resume point holds finite weights.
         tfmem.training.recovery.OutOfMemoryError: a step ran out of memory at micro-batch 1,
             with what the memory plan says would fit; or the validation pass ran out of
             memory (a smaller micro-batch would not help), with a batch to evaluate at.
@@ -420,6 +506,8 @@ def fit_resumable(
     from tfmem.backend import processes
 
     backup = _Backup(os.fspath(backup_dir), memory_recoveries, writer=processes.index == 0)
+    if backup.writer:  # a file in the way, a read-only disk: said before any work
+        run_directory.check_writable(backup.directory, (), what="backup_dir")
     with (run_directory.lock(backup.directory, "backup_dir") if backup.writer
           else contextlib.nullcontext()):
         if run_config is not None and backup.writer:
@@ -436,6 +524,11 @@ def _train(model, make_dataset, backup, epochs, steps_per_epoch, save_every_step
     state = backup.restore(model)
     _check_same_point(backup, state)
     epoch, step = (0, 0) if state is None else (state["epoch"], state["step"])
+    if (epoch, step) > (epochs, 0):
+        raise ValueError(
+            f"`epochs` is {epochs}, but the run in {backup.directory} has trained "
+            f"{describe_trained(epoch, step)} already; pass epochs={epochs_needed(epoch, step)} "
+            "or more to go on with it, or another backup_dir for a new run")
     history: dict[str, list[float]] = {} if state is None else state["history"]
     if state is not None:  # said whatever `verbose` is: a resumed run is never silent
         print(f"Resuming from {backup.directory}: epoch {epoch + 1}, step {step} "
@@ -465,6 +558,8 @@ def _train(model, make_dataset, backup, epochs, steps_per_epoch, save_every_step
                 verbose=verbose,
                 **fit_kwargs,
             )
+            if saver.diverged is not None:
+                raise saver.diverged
             if model.stop_training:  # a callback stopped the run (e.g. TerminateOnNaN)
                 return history
             if saver.updates < steps_per_epoch - step:
