@@ -38,7 +38,7 @@ from tfmem.memory.plan_settings import PlanSettings
 from tfmem.memory.saved_tensors import saved_tensors
 from tfmem.runtime import precision as precision_lib
 from tfmem.runtime.budget import Budget, budget_for
-from tfmem.runtime.cluster import check_count, split_batch
+from tfmem.runtime.cluster import check_count, largest_divisor, split_batch
 from tfmem.training import remat
 from tfmem.training.accumulation_math import accumulator_nbytes
 
@@ -308,8 +308,7 @@ def _auto(model: keras.Model, plan_settings: PlanSettings, analyses: dict) -> Me
     plain_settings = dataclasses.replace(plan_settings, rematerialize=segments.Ranges(()))
     plain = choose(estimate(model, plain_settings, analyses))
     per_replica = plain.per_replica_batch_size
-    target = plan_settings.micro_batch_target or max(
-        d for d in range(1, min(per_replica, 16) + 1) if per_replica % d == 0)
+    target = plan_settings.micro_batch_target or largest_divisor(per_replica, 16)
     if plain.fits and plain.micro_batch_size >= target:
         return plain.replace(notes=plain.notes + (
             f"rematerialize auto: not needed, micro-batch {plain.micro_batch_size} fits",))
