@@ -138,13 +138,26 @@ def count_records(path_or_pattern: str | os.PathLike) -> int | None:
     counted (`image_dataset` names it when it reads there).
 
     Raises:
-        ValueError: no files there.
+        ValueError: no files there, or files that are not TFRecords (bytes, but no complete
+            record), each named.
 
     Example:
         >>> tfmem.count_records("/kaggle/input/flowers/train/*.tfrec")  # doctest: +SKIP
         12753
     """
-    counts = [integrity.count_records(path) for path in _glob(os.fspath(path_or_pattern))]
+    files = _glob(os.fspath(path_or_pattern))
+    counts = [integrity.count_records(path) for path in files]
+    foreign = [path for path, count in zip(files, counts)
+               if count == 0 and tf.io.gfile.stat(path).length > 0]
+    if foreign:
+        names = ", ".join(os.path.basename(path) for path in foreign[:5])
+        raise ValueError(
+            f"{len(foreign)} of the {len(files)} file(s) of {os.fspath(path_or_pattern)!r} are "
+            f"not TFRecord files: {names}{', ...' if len(foreign) > 5 else ''} "
+            f"{'holds' if len(foreign) == 1 else 'hold'} bytes but no complete record. "
+            "Expected TFRecord files of tf.train.Example: a directory written by "
+            "`tfmem.write_image_tfrecords` (scripts/make_tfrecords.py), or a glob of the shards "
+            "alone, such as '/data/train-*.tfrec'")
     return None if None in counts else sum(counts)
 
 
