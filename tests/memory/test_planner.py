@@ -197,6 +197,15 @@ def test_choice_equals_trying_every_divisor_and_is_immediate_for_huge_batches():
     assert expected == 1000  # = 2**3 × 5**3; the next divisor, 1024, is over the budget
 
 
+def test_what_is_not_a_model_or_an_optimizer_is_named():
+    with pytest.raises(TypeError, match=r"`model` must be a built keras\.Model .*, got object"):
+        tfmem.plan(object(), global_batch_size=8, memory_budget=GIB)
+    with pytest.raises(ValueError, match=r"`optimizer` \(`--optimizer`\) 'bogus' is not an "
+                                         r"optimizer Keras knows; use one of adadelta, .*adamw, "
+                                         r".*sgd, or pass a keras\.optimizers\.Optimizer"):
+        tfmem.plan(small_model(), global_batch_size=8, memory_budget=GIB, optimizer="bogus")
+
+
 def test_runtime_duck_type_and_device_table():
     runtime = types.SimpleNamespace(memory_per_replica=16 * GIB, num_replicas=8, kind="tpu")
     p = tfmem.plan(small_model(), global_batch_size=64, runtime=runtime)
