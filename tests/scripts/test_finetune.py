@@ -136,6 +136,16 @@ def test_demo_trains_on_the_jax_backend(tmp_path):
     assert len(metrics["history"]["loss"]) == 2
 
 
+def test_an_error_on_the_jax_backend_is_one_line_without_tensorflows_banner(tmp_path):
+    # TensorFlow is imported after Keras there (by the data pipeline); its native libraries
+    # print their notices at any TF_CPP_MIN_LOG_LEVEL below 2.
+    result = _finetune("--device", "t4", "--output", str(tmp_path), timeout=300,
+                       backend="jax", TF_CPP_MIN_LOG_LEVEL="0")
+    assert result.returncode == 2
+    assert result.stderr == ("error: --device t4 plans for another machine; it only goes with "
+                             "--dry-run (training always runs on the detected runtime)\n")
+
+
 def test_killed_run_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path, finetune_cli,
                                                                    written_sets):
     # 512 demo records: 16 updates an epoch, a resume point every 4.
