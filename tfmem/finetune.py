@@ -126,6 +126,10 @@ class FinetuneConfig:
                 and self.learning_rate > 0):
             raise cli.UsageError(f"--learning-rate {self.learning_rate}: the learning rate must "
                                  "be a finite number > 0, e.g. --learning-rate=1e-3")
+        if (isinstance(self.max_image_pixels, bool) or not isinstance(self.max_image_pixels, int)
+                or self.max_image_pixels < 1):
+            raise cli.UsageError(f"--max-image-pixels {self.max_image_pixels}: the limit must be "
+                                 f"a positive number of pixels, e.g. {MAX_IMAGE_PIXELS}")
         if self.optimizer not in OPTIMIZERS:
             raise cli.UsageError(f"--optimizer {self.optimizer!r} is not one of "
                                  f"{', '.join(OPTIMIZERS)}; pick one of them")
