@@ -8,6 +8,9 @@ message, and the caller's `describe(locator)` names it (shard and index for TFRe
 tfds file and index for tfds) in an error, or, with `skip_corrupt`, in a skip. Per batch, the
 guard costs nothing measurable; per record (one small dataset each), or in blocks that are
 then re-batched (two more copies of every image), it cost 15-20% of decoding 42 KB JPEGs.
+Before decoding, each image's size is read from its header (`encoded_size`) and one over
+`max_image_pixels` fails without being decoded; on a JPEG the frame-header search costs about
+a tenth of decoding a 500 × 375 image (CPU time, 2 shared cores, rough), a PNG's next to nothing.
 """
 
 from __future__ import annotations
