@@ -277,6 +277,9 @@ def test_an_image_over_the_pixel_limit_is_named_from_its_header(tmp_path, image_
     assert skipped.by_shard() == {shard: [(1, 1, (
         "its image is 8200×8200 = 67240000 pixels, above the limit of 67108864 "
         "(max_image_pixels, `--max-image-pixels`), read from its header"))]}
+    bomb_first = _encoded_set(tmp_path / "first.tfrec", [image_bomb])
+    assert ("'image' is an image of 8200×8200 pixels (its header), over the default "
+            "max_image_pixels: not decoded") in tfmem.inspect_tfrecords(bomb_first)
     # Raised: the image decodes (zeros), resized like the others.
     (read, _), = tfmem.image_dataset(shard, max_image_pixels=8200 * 8200, **options)
     np.testing.assert_array_equal(read.numpy()[1], np.zeros((6, 5, 3)))

@@ -181,6 +181,11 @@ def inspect_tfrecords(path_or_pattern: str | os.PathLike) -> str:
     lines = [f"{len(files)} file(s), e.g. {files[0]}", schema_lib.describe_features(features)]
     for key, info in features.items():
         if info.kind == "bytes" and schema_lib.image_format(info.first or b""):
+            height, width = pipeline.encoded_size(info.first).numpy().tolist()
+            if height * width > ReaderOptions.max_image_pixels:  # not decoded: named by size
+                lines.append(f"  {key!r} is an image of {width}×{height} pixels (its header), "
+                             "over the default max_image_pixels: not decoded")
+                continue
             shape = tf.io.decode_image(info.first, expand_animations=False).shape
             lines.append(f"  {key!r} decodes to an image of shape {tuple(shape)}")
     if manifest_lib.has_manifest(path_or_pattern):
