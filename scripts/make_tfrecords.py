@@ -34,7 +34,16 @@ _SHARD_SIZE_MB = flags.DEFINE_float("shard_size_mb", 128, "Shard size in MB (10*
 flags.register_validator("shard_size_mb", lambda value: value > 0,
                          "--shard-size-mb must be a number > 0, e.g. --shard-size-mb=128")
 _ENCODING = flags.DEFINE_enum("encoding", "png", ["png", "jpeg"], "How arrays are stored.")
-_SKIP_UNREADABLE = flags.DEFINE_bool("skip_unreadable", False, "Skip and count bad images.")
+_SKIP_UNREADABLE = flags.DEFINE_bool(
+    "skip_unreadable", False, "Skip and count bad images (and files that are not regular "
+    "files: FIFOs, devices, broken links).")
+_ALLOW_EMPTY_CLASSES = flags.DEFINE_bool(
+    "allow_empty_classes", False, "Keep a class folder without images as a class (warned) "
+    "instead of stopping.")
+_MAX_IMAGE_PIXELS = flags.DEFINE_integer(
+    "max_image_pixels", tfmem.ReaderOptions.max_image_pixels, "The most pixels (height × "
+    "width, from the header) an image may have; a larger one is unreadable, not decoded.",
+    lower_bound=1)
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace a set already in --output.")
 _NUM_EXAMPLES = flags.DEFINE_integer("num_examples", 2048, "Demo set: number of images.",
                                      lower_bound=1)
@@ -84,11 +93,12 @@ def write(source: str, output: str, progress: ProgressBar) -> tfmem.Manifest:
         return tfmem.write_image_tfrecords(
             dataset, output, shard_size_mb=_SHARD_SIZE_MB.value,
             class_names=builder.info.features["label"].names, overwrite=_OVERWRITE.value,
-            progress=progress)
+            progress=progress, max_image_pixels=_MAX_IMAGE_PIXELS.value)
     return tfmem.write_image_tfrecords(
         source, output, shard_size_mb=_SHARD_SIZE_MB.value, encoding=_ENCODING.value,
         seed=_SEED.value, skip_unreadable=_SKIP_UNREADABLE.value, overwrite=_OVERWRITE.value,
-        progress=progress)
+        progress=progress, allow_empty_classes=_ALLOW_EMPTY_CLASSES.value,
+        max_image_pixels=_MAX_IMAGE_PIXELS.value)
 
 
 def main(argv):

@@ -71,7 +71,7 @@ def draw(plan, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     top = max(plan.per_replica_batch_size, int(1.25 * max(plan.max_micro_batch, 1)), 2)
-    sizes = list(range(1, top + 1))
+    sizes = sorted({1 + (top - 1) * i // 255 for i in range(256)})  # at most 256 points
     gib = 2**30
     figure, axes = plt.subplots(figsize=(7, 4.5))
     axes.plot(sizes, [plan.peak_bytes(b, 1) / gib for b in sizes], label="one step of micro-batch b")

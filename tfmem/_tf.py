@@ -4,8 +4,11 @@ Keras's TensorFlow backend and tfmem's TFRecord pipeline (`tfmem.data`) need Ten
 `KERAS_BACKEND=jax` the rest of tfmem runs without it. Modules that need it import `tf` from here.
 """
 
+from tfmem import _import_banner
+
 try:
-    import tensorflow as tf
+    with _import_banner.set_aside():  # on the JAX backend, TensorFlow is first imported here
+        import tensorflow as tf
 except ImportError as error:  # pragma: no cover - exercised in a subprocess test
     raise ImportError(
         f"TensorFlow is not installed in this environment ({error}). tfmem needs it for "

@@ -37,6 +37,7 @@ import keras
 from tfmem import backend, cli, models
 from tfmem.data import demo, manifest as manifest_lib, reader
 from tfmem.data.integrity import SkippedRecords
+from tfmem.data.options import MAX_IMAGE_PIXELS
 from tfmem.memory import guard, levers, segments
 from tfmem.memory import plan_report
 from tfmem.memory.plan_report import format_bytes
@@ -95,6 +96,8 @@ class FinetuneConfig:
         rematerialize: what is recomputed in the backward pass instead of kept: "full",
             "auto" (as much as the micro-batch needs to fit), or comma-separated layer names
             and `first:last` ranges (docs/rematerialization.md).
+        max_image_pixels: the most pixels an image of the data (read from its header) and
+            `image_size`² may have.
     """
 
     model: str = "small-cnn"
@@ -123,6 +126,7 @@ class FinetuneConfig:
     deterministic: bool = False
     memory_limit: str = "auto"
     rematerialize: str | None = None
+    max_image_pixels: int = MAX_IMAGE_PIXELS
 
     def __post_init__(self):
         if not (isinstance(self.learning_rate, (int, float)) and math.isfinite(self.learning_rate)
@@ -133,6 +137,10 @@ class FinetuneConfig:
                 0 <= self.seed < 2**32):
             raise cli.UsageError(f"--seed {self.seed}: a seed is an int from 0 to 2**32 - 1, "
                                  "e.g. --seed 0")
+        if (isinstance(self.max_image_pixels, bool) or not isinstance(self.max_image_pixels, int)
+                or self.max_image_pixels < 1):
+            raise cli.UsageError(f"--max-image-pixels {self.max_image_pixels}: the limit must be "
+                                 f"a positive number of pixels, e.g. {MAX_IMAGE_PIXELS}")
         if self.optimizer not in OPTIMIZERS:
             raise cli.UsageError(f"--optimizer {self.optimizer!r} is not one of "
                                  f"{', '.join(OPTIMIZERS)}; pick one of them")
@@ -169,8 +177,7 @@ def run(config: FinetuneConfig) -> dict:
     if cap is None:
         return _run(config, _Attempt(config.accumulation_steps))
     data = _Data.of(config, spec)  # a wrong model or data stops here, before any process
-    with cli.usage_errors():  # and an image size the model cannot take
-        models.input_shape(spec.name, data.image_size)
+    _check_sizes(config, spec, data)
     # This process holds the run directory for its training processes, one after the other.
     with run_directory.lock(_output(config, spec), "--output"):
         return _supervise(config, cap, data, _output(config, spec))
@@ -204,6 +211,8 @@ def _run(config: FinetuneConfig, attempt: _Attempt) -> dict:
 
     output = _output(config, spec)
     data = _Data(**attempt.data) if attempt.data else _Data.of(config, spec)
+    if not config.dry_run:  # nothing is written for a run these refuse
+        _check_sizes(config, spec, data)
     if config.dry_run:
         if not config.device:  # the plan is for this machine: say what it is
             print(report.describe(runtime))
@@ -293,6 +302,26 @@ class _Data:
                    validation_identity, config.data, validation)
 
 
+def _check_sizes(config: FinetuneConfig, spec, data: _Data) -> None:
+    """The sizes a run asks of its model and data, checked before anything is written: an
+    image size the model takes and within the pixel limit, a global batch the data holds."""
+    with cli.usage_errors():  # an image size the model cannot take
+        models.input_shape(spec.name, data.image_size)
+    pixels = data.image_size**2
+    if pixels > config.max_image_pixels:
+        raise cli.UsageError(
+            f"--image-size {data.image_size}: images of {data.image_size}×{data.image_size} = "
+            f"{pixels:,} pixels are above the limit of {config.max_image_pixels:,} per image "
+            f"(--max-image-pixels); use a smaller --image-size ({spec.name} is made for "
+            f"{spec.default_image_size}), or raise --max-image-pixels")
+    if data.num_examples is not None and config.global_batch_size > data.num_examples:
+        where = "the demo set" if data.demo else data.train
+        raise cli.UsageError(
+            f"--global-batch-size {config.global_batch_size} is larger than the "
+            f"{data.num_examples} training examples of {where}; use at most "
+            f"{data.num_examples}")
+
+
 def _check(config: FinetuneConfig) -> None:
     """Combinations of settings that cannot work together."""
     if config.device and not config.dry_run:
@@ -356,8 +385,10 @@ def _dataset_facts(config: FinetuneConfig) -> tuple[int, int, str | None]:
         raise cli.UsageError(
             f"{data!r} has no tfmem manifest.json, so its classes are unknown; pass "
             "--num-classes (e.g. from the dataset's description)")
-    with cli.usage_errors():  # no files there: the path is wrong
+    try:  # no files there, or files that are no TFRecords: the path is wrong
         count = reader.count_records(data)
+    except ValueError as error:
+        raise cli.UsageError(f"--data {data}: {cli.one_line(error)}") from error
     if count is None and config.num_examples is None:
         raise cli.UsageError(f"{data!r} is remote and has no manifest.json, so its size is "
                              "unknown; pass --num-examples")
@@ -540,11 +571,7 @@ def _train(config: FinetuneConfig, spec, runtime: Runtime, precision: str, outpu
     """Builds, plans, trains and evaluates; returns metrics.json's dict."""
     model, optimizer, run_plan = _build_and_plan(config, spec, runtime, precision, data,
                                                  attempt)
-    steps_per_epoch = data.num_examples // config.global_batch_size
-    if steps_per_epoch < 1:
-        raise cli.UsageError(
-            f"--global-batch-size {config.global_batch_size} is larger than the "
-            f"{data.num_examples} training examples; use at most {data.num_examples}")
+    steps_per_epoch = data.num_examples // config.global_batch_size  # >= 1: _check_sizes
     setting = remat.names_of(config.rematerialize)
     if setting in ("full", "auto") and run_plan.plan is not None:
         # The segments the plan chose: the run cuts the same ones.
@@ -558,7 +585,7 @@ def _train(config: FinetuneConfig, spec, runtime: Runtime, precision: str, outpu
     skipped = SkippedRecords() if config.skip_corrupt else None
     options = dict(image_size=(data.image_size, data.image_size), data_range=spec.data_range,
                    num_classes=data.num_classes, skip_corrupt=config.skip_corrupt,
-                   skipped=skipped)
+                   skipped=skipped, max_image_pixels=config.max_image_pixels)
 
     def make_dataset(epoch):
         dataset = reader.image_dataset(data.train, batch_size=config.global_batch_size,

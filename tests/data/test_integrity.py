@@ -3,12 +3,15 @@
 import json
 import os
 import shutil
+import struct
+import zlib
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tfmem
+from tfmem import cli
 from tfrecord_framing import record_lengths
 
 NUM_EXAMPLES = 12
@@ -215,6 +218,89 @@ def test_a_label_outside_the_classes_stops_naming_its_record(written, tmp_path):
     with pytest.raises(ValueError, match=r"num_classes=2, but .* has 3 classes \(a, b, c\); "
                                          r"pass num_classes=3"):
         _read(manifest.directory, num_classes=2)
+
+
+def _png(width, height, rows=None):
+    """A real 8-bit greyscale PNG of zeros, compressed row by row (65 KB for 8200 × 8200);
+    `rows`: only that many rows of pixel data (the header still says `height`)."""
+    compressor = zlib.compressobj(9)
+    row = bytes(width + 1)  # filter byte + pixels
+    body = b"".join(compressor.compress(row) for _ in range(
+        height if rows is None else rows)) + compressor.flush()
+
+    def chunk(kind, data):
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data)))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)  # 8-bit grey
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", body)
+            + chunk(b"IEND", b""))
+
+
+@pytest.fixture(scope="module")
+def image_bomb():
+    """8200 × 8200 pixels (just above the default limit of 8192 × 8192) in 65 KB."""
+    return _png(8200, 8200)
+
+
+def _encoded_set(path, encoded):
+    """Foreign records (image, class) of these encoded images, labels 0, 1, 2, 0, ..."""
+    with tf.io.TFRecordWriter(str(path)) as writer:
+        for index, data in enumerate(encoded):
+            feature = {
+                "image": tf.train.Feature(bytes_list=tf.train.BytesList(value=[data])),
+                "class": tf.train.Feature(int64_list=tf.train.Int64List(value=[index % 3])),
+            }
+            writer.write(tf.train.Example(
+                features=tf.train.Features(feature=feature)).SerializeToString())
+    return str(path)
+
+
+def test_an_image_over_the_pixel_limit_is_named_from_its_header(tmp_path, image_bomb, capfd):
+    images, _ = _images(num_examples=4)
+    small = [tf.io.encode_png(image).numpy() for image in images]
+    shard = _encoded_set(tmp_path / "bomb.tfrec", [small[0], image_bomb, small[1], small[2]])
+    options = dict(image_size=(6, 5), batch_size=4, training=False, num_classes=3)
+    assert tfmem.ReaderOptions(image_size=(6, 5), batch_size=4,
+                               training=False).max_image_pixels == 8192 * 8192
+    with pytest.raises(tf.errors.InvalidArgumentError) as caught:
+        list(tfmem.image_dataset(shard, **options))
+    assert cli.one_line(caught.value) == (
+        f"record 1 of {shard}: its image is 8200×8200 = 67240000 pixels, above the limit of "
+        "67108864 (max_image_pixels, `--max-image-pixels`), read from its header; raise "
+        "max_image_pixels (`--max-image-pixels`) if such images are meant, or pass "
+        "skip_corrupt=True (`--skip-corrupt`) to skip them")
+    skipped = tfmem.SkippedRecords()
+    (read, labels), = tfmem.image_dataset(shard, skip_corrupt=True, skipped=skipped, **options)
+    np.testing.assert_array_equal(read.numpy(), images[:3])
+    np.testing.assert_array_equal(labels.numpy(), [0, 2, 0])
+    assert skipped.by_shard() == {shard: [(1, 1, (
+        "its image is 8200×8200 = 67240000 pixels, above the limit of 67108864 "
+        "(max_image_pixels, `--max-image-pixels`), read from its header"))]}
+    bomb_first = _encoded_set(tmp_path / "first.tfrec", [image_bomb])
+    assert ("'image' is an image of 8200×8200 pixels (its header), over the default "
+            "max_image_pixels: not decoded") in tfmem.inspect_tfrecords(bomb_first)
+    # Raised: the image decodes (zeros), resized like the others.
+    (read, _), = tfmem.image_dataset(shard, max_image_pixels=8200 * 8200, **options)
+    np.testing.assert_array_equal(read.numpy()[1], np.zeros((6, 5, 3)))
+    np.testing.assert_array_equal(read.numpy()[[0, 2, 3]], images[:3])
+
+
+def test_the_header_is_read_before_decoding_for_png_and_jpeg(tmp_path):
+    # 23000 × 23000 claimed with one row of data: decoding would fail, the header refuses first.
+    claimed = _png(23000, 23000, rows=1)
+    jpeg = tf.io.encode_jpeg(np.zeros((16, 12, 3), np.uint8)).numpy()
+    shard = _encoded_set(tmp_path / "claims.tfrec", [jpeg, claimed])
+    options = dict(image_size=(6, 5), batch_size=2, training=False, num_classes=3)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"record 1 of .*: its image is 23000×23000 = 529000000 pixels"):
+        list(tfmem.image_dataset(shard, **options))
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"record 0 of .*: its image is 12×16 = 192 pixels, above the "
+                             r"limit of 191 "):
+        list(tfmem.image_dataset(shard, max_image_pixels=191, **options))
+    with pytest.raises(ValueError, match=r"`max_image_pixels` must be a positive int"):
+        tfmem.image_dataset(shard, max_image_pixels=0, **options)
 
 
 def test_a_glob_reads_only_the_shards_its_manifest_lists(written, capfd):

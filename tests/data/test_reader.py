@@ -273,6 +273,84 @@ def test_unreadable_file_is_named_or_skipped_and_counted(tmp_path):
     assert tfmem.read_manifest(tmp_path / "out2").skipped == ("dogs/notes.txt",)
 
 
+def test_an_empty_class_folder_is_refused_or_kept_as_its_class(tmp_path):
+    files = _write_image_folder(tmp_path / "photos")
+    (tmp_path / "photos" / "ants").mkdir()  # sorted first: it would shift every label
+    with pytest.raises(ValueError, match=r"1 class folder\(s\) of '.*photos' hold no images: "
+                                         r"'ants'; .* allow_empty_classes=True "
+                                         r"\(`--allow-empty-classes`\)"):
+        tfmem.write_image_tfrecords(str(tmp_path / "photos"), tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # refused before anything is written
+    with pytest.warns(UserWarning, match=r"hold no images: 'ants'; kept as classes without "
+                                         r"examples"):
+        manifest = tfmem.write_image_tfrecords(str(tmp_path / "photos"), tmp_path / "out",
+                                               allow_empty_classes=True)
+    assert manifest.class_names == ("ants", "cats", "dogs")
+    labels = {feature["id"].bytes_list.value[0].decode(): feature["label"].int64_list.value[0]
+              for feature in (tf.train.Example.FromString(r.numpy()).features.feature
+                              for r in tf.data.TFRecordDataset(manifest.files))}
+    assert labels == {name: 1 if name.startswith("cats") else 2 for name in files}
+
+
+def _written_in_a_thread(*args, **kwargs):
+    """`write_image_tfrecords` in a thread: a write that would wait forever fails the test."""
+    import threading
+
+    outcome = {}
+
+    def write():
+        try:
+            outcome["manifest"] = tfmem.write_image_tfrecords(*args, **kwargs)
+        except ValueError as error:
+            outcome["error"] = error
+
+    thread = threading.Thread(target=write, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert outcome, "the write hangs"
+    return outcome
+
+
+def test_fifos_and_broken_links_are_never_opened(tmp_path):
+    _write_image_folder(tmp_path / "photos")
+    os.mkfifo(tmp_path / "photos" / "cats" / "pipe.png")  # opening it would wait for a writer
+    (tmp_path / "photos" / "dogs" / "gone.png").symlink_to(tmp_path / "deleted.png")
+    refused = _written_in_a_thread(str(tmp_path / "photos"), tmp_path / "out")
+    assert re.fullmatch(r"Cannot read image '.*cats/pipe\.png': not a regular file \(a FIFO, "
+                        r"socket or device\): it was not opened\. .*skip_unreadable.*",
+                        str(refused["error"]))
+    assert not (tmp_path / "out").exists()
+    os.remove(tmp_path / "photos" / "cats" / "pipe.png")
+    refused = _written_in_a_thread(str(tmp_path / "photos"), tmp_path / "out")
+    assert re.fullmatch(r"Cannot read image '.*dogs/gone\.png': it cannot be opened \(a "
+                        r"symbolic link to nothing\): No such file or directory\. .*",
+                        str(refused["error"]))
+    os.mkfifo(tmp_path / "photos" / "cats" / "pipe.png")
+    manifest = _written_in_a_thread(str(tmp_path / "photos"), tmp_path / "out",
+                                    skip_unreadable=True)["manifest"]
+    assert manifest.skipped == ("cats/pipe.png", "dogs/gone.png")
+    assert manifest.num_examples == 4
+
+
+def test_output_inside_the_folder_and_images_over_the_pixel_limit_are_refused(tmp_path):
+    _write_image_folder(tmp_path / "photos")
+    for output in (tmp_path / "photos", tmp_path / "photos" / "dogs" / "set"):
+        with pytest.raises(ValueError, match=r"`output_dir` '.*' is inside the image folder "
+                                             r"'.*photos' \(`--output` inside `--source`\)"):
+            tfmem.write_image_tfrecords(str(tmp_path / "photos"), output)
+    assert not (tmp_path / "photos" / "dogs" / "set").exists()
+    # Each image is 9 × 7 = 63 pixels: over a limit of 62, known from the header alone.
+    with pytest.raises(ValueError, match=r"Cannot read image '.*': its header says 7×9 = 63 "
+                                         r"pixels, above the limit of 62 \(max_image_pixels, "
+                                         r"`--max-image-pixels`\); it was not decoded"):
+        tfmem.write_image_tfrecords(str(tmp_path / "photos"), tmp_path / "out",
+                                    max_image_pixels=62)
+    manifest = tfmem.write_image_tfrecords(str(tmp_path / "photos"), tmp_path / "out",
+                                           max_image_pixels=62, skip_unreadable=True,
+                                           allow_empty_classes=True)
+    assert (manifest.num_examples, len(manifest.skipped)) == (0, 4)
+
+
 def test_missing_or_empty_inputs_name_the_path(tmp_path):
     with pytest.raises(ValueError, match=r"Image folder '.*nowhere' does not exist"):
         tfmem.write_image_tfrecords(str(tmp_path / "nowhere"), tmp_path / "out")

@@ -212,6 +212,14 @@ def test_tfds_prepared_split_streams_with_the_same_batching(tfds_dir, constant_i
                                      image_size=(4, 4), batch_size=8, training=True,
                                      input_context=context)
     assert [len(y) for _, y in split] == [4] * 4  # global 8 over 2 replicas
+    # The same pixel limit, read from each image's header: a tfds record is named by its file.
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=rf"record \d+ of .*tiny_patches-test\.tfrecord.*: its image is "
+                             rf"{SIZE}×{SIZE} = {SIZE * SIZE} pixels, above the limit of "
+                             rf"{SIZE * SIZE - 1} "):
+        list(tfmem.tfds_image_dataset("tiny_patches", split="test", data_dir=tfds_dir,
+                                      image_size=(4, 4), batch_size=4, training=False,
+                                      max_image_pixels=SIZE * SIZE - 1))
 
 
 def test_tfds_errors_point_to_the_right_call(tfds_dir, tmp_path):

@@ -176,6 +176,36 @@ def test_choice_is_largest_dividing_micro_batch_that_fits():
     assert p.peak_bytes(b, 1) <= p.budget_bytes < p.peak_bytes(b + 1, 1)
 
 
+def test_choice_equals_trying_every_divisor_and_is_immediate_for_huge_batches():
+    loose = tfmem.plan(activation_model(), global_batch_size=64, memory_budget=100 * GIB)
+    for budget in (loose.peak_bytes(8, 8), loose.peak_bytes(24, 2), loose.peak_bytes(64, 1)):
+        for batch in range(1, 200):
+            p = loose.replace(global_batch_size=batch, memory_per_replica=budget,
+                              safety=1.0)
+            tried = [(m, batch // m) for m in range(batch, 0, -1) if batch % m == 0
+                     and p.peak_bytes(m, batch // m) <= budget]
+            assert (p.micro_batch_size, p.accumulation_steps) == (tried or [(0, 0)])[0]
+    # 10**12 = 2**12 × 5**12 (the input of the global batch left out, or nothing would fit):
+    # the largest 2**a × 5**b whose micro-batch fits, by hand.
+    without_input = loose.replace(input_bytes_per_sample=0)
+    huge = without_input.replace(global_batch_size=10**12, safety=1.0,
+                                 memory_per_replica=without_input.peak_bytes(1001, 2))
+    expected = max(2**a * 5**b for a in range(13) for b in range(13)
+                   if huge.peak_bytes(2**a * 5**b, 10**12 // (2**a * 5**b))
+                   <= huge.budget_bytes)
+    assert (huge.micro_batch_size, huge.accumulation_steps) == (expected, 10**12 // expected)
+    assert expected == 1000  # = 2**3 × 5**3; the next divisor, 1024, is over the budget
+
+
+def test_what_is_not_a_model_or_an_optimizer_is_named():
+    with pytest.raises(TypeError, match=r"`model` must be a built keras\.Model .*, got object"):
+        tfmem.plan(object(), global_batch_size=8, memory_budget=GIB)
+    with pytest.raises(ValueError, match=r"`optimizer` \(`--optimizer`\) 'bogus' is not an "
+                                         r"optimizer Keras knows; use one of adadelta, .*adamw, "
+                                         r".*sgd, or pass a keras\.optimizers\.Optimizer"):
+        tfmem.plan(small_model(), global_batch_size=8, memory_budget=GIB, optimizer="bogus")
+
+
 def test_runtime_duck_type_and_device_table():
     runtime = types.SimpleNamespace(memory_per_replica=16 * GIB, num_replicas=8, kind="tpu")
     p = tfmem.plan(small_model(), global_batch_size=64, runtime=runtime)

@@ -136,6 +136,16 @@ def test_demo_trains_on_the_jax_backend(tmp_path):
     assert len(metrics["history"]["loss"]) == 2
 
 
+def test_an_error_on_the_jax_backend_is_one_line_without_tensorflows_banner(tmp_path):
+    # TensorFlow is imported after Keras there (by the data pipeline); its native libraries
+    # print their notices at any TF_CPP_MIN_LOG_LEVEL below 2.
+    result = _finetune("--device", "t4", "--output", str(tmp_path), timeout=300,
+                       backend="jax", TF_CPP_MIN_LOG_LEVEL="0")
+    assert result.returncode == 2
+    assert result.stderr == ("error: --device t4 plans for another machine; it only goes with "
+                             "--dry-run (training always runs on the detected runtime)\n")
+
+
 def test_killed_run_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path, finetune_cli,
                                                                    written_sets):
     # 512 demo records: 16 updates an epoch, a resume point every 4.
@@ -379,6 +389,39 @@ def test_bad_input_is_one_line_with_the_fix_and_status_2(finetune_cli, written_s
     assert status == 2, stderr
     assert re.fullmatch(rf"error: .*{message}.*\n", stderr, flags=re.S), stderr
     assert stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--global-batch-size", "1000000000"],
+     r"--global-batch-size 1000000000 is larger than the 2048 training examples of the demo "
+     r"set; use at most 2048"),
+    (["--data", "{labels}", "--num-classes", "4", "--global-batch-size", "65"],
+     r"--global-batch-size 65 is larger than the 64 training examples of .*labels\.tfrec; use "
+     r"at most 64"),
+    (["--image-size", "100000"],
+     r"--image-size 100000: images of 100000×100000 = 10,000,000,000 pixels are above the "
+     r"limit of 67,108,864 per image \(--max-image-pixels\); use a smaller --image-size "
+     r"\(small-cnn is made for 32\), or raise --max-image-pixels"),
+    (["--image-size", "100", "--max-image-pixels", "9999"],
+     r"--image-size 100: images of 100×100 = 10,000 pixels are above the limit of 9,999 .*"),
+    (["--data", "{text}", "--num-classes", "3"],
+     r"--data .*text: 3 of the 3 file\(s\) of '.*text' are not TFRecord files: a\.txt, b\.csv, "
+     r"c\.tfrec hold bytes but no complete record\. Expected TFRecord files of "
+     r"tf\.train\.Example: a directory written by `tfmem\.write_image_tfrecords` "
+     r"\(scripts/make_tfrecords\.py\), or a glob of the shards alone, .*"),
+])
+def test_sizes_and_data_are_checked_before_anything_is_written(finetune_cli, written_sets,
+                                                               tmp_path, args, message):
+    text = tmp_path / "text"
+    text.mkdir()
+    for name, content in (("a.txt", "some notes\n"), ("b.csv", "x,y\n1,2\n"),
+                          ("c.tfrec", "not a record, only text\n")):
+        (text / name).write_text(content)
+    args = [arg.format(text=text, **written_sets) for arg in args]
+    status, _, stderr = finetune_cli("--output", str(tmp_path / "run"), *args)
+    assert status == 2, stderr
+    assert re.fullmatch(rf"error: {message}\n", stderr), stderr
+    assert not (tmp_path / "run").exists()  # no run directory, no run.json, no demo data
 
 
 def test_a_failure_while_training_is_one_line_with_status_1(finetune_cli, written_sets,

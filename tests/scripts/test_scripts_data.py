@@ -32,17 +32,18 @@ def test_make_tfrecords_writes_a_folder_and_inspects_the_result(tmp_path):
         image = rng.integers(0, 256, size=(16, 16, 3), dtype=np.uint8)
         path.write_bytes(tf.io.encode_png(image).numpy())
     (tmp_path / "photos" / "owls" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 truncated")
+    (tmp_path / "photos" / "owls" / "moved.png").symlink_to(tmp_path / "elsewhere.png")
     result = _run("scripts/make_tfrecords.py", f"--source={tmp_path / 'photos'}",
                   f"--output={tmp_path / 'out'}", "--shard_size_mb=0.003", "--skip_unreadable")
     manifest = tfmem.read_manifest(tmp_path / "out")
     assert manifest.num_examples == 12 and manifest.class_names == ("cats", "dogs", "owls")
-    assert manifest.skipped == ("owls/broken.jpg",)
+    assert manifest.skipped == ("owls/moved.png", "owls/broken.jpg")  # the link, when listed
     summary = result.stdout.strip().splitlines()[-1]
     assert re.fullmatch(
         rf"wrote 12 examples in {len(manifest.shards)} shards, "
         rf"{manifest.num_bytes / 1e6:.1f} MB, in \d+\.\d s to {tmp_path / 'out'}, "
-        r"skipped 1 unreadable file\(s\)", summary), summary
-    assert "12/13" in result.stderr  # the progress bar's last state: 12 of 13 files written
+        r"skipped 2 unreadable file\(s\)", summary), summary
+    assert "12/14" in result.stderr  # the progress bar's last state: 12 of 14 files written
 
     inspected = _run("scripts/make_tfrecords.py", f"--inspect={tmp_path / 'out' / '*.tfrecord'}")
     assert f"{len(manifest.shards)} file(s)" in inspected.stdout
@@ -56,7 +57,22 @@ def test_every_script_reports_a_bad_command_in_one_line_with_status_2(tmp_path):
     """make_tfrecords.py, plan.py and tfmem-env, started at once (each imports TensorFlow)."""
     (tmp_path / "set").mkdir()
     (tmp_path / "set" / "manifest.json").write_text("{}")
+    for folder in ("ants", "cats"):
+        (tmp_path / "photos" / folder).mkdir(parents=True)
+    (tmp_path / "photos" / "cats" / "a.png").write_bytes(
+        tf.io.encode_png(np.zeros((4, 4, 3), np.uint8)).numpy())
     commands = {
+        "empty class": (["scripts/make_tfrecords.py", f"--source={tmp_path / 'photos'}",
+                         f"--output={tmp_path / 'out'}"],
+                        rf"error: 1 class folder\(s\) of '{tmp_path / 'photos'}' hold no images: "
+                        r"'ants'; each would be a class without examples\. Add images to it, "
+                        r"remove it, or pass allow_empty_classes=True "
+                        r"\(`--allow-empty-classes`\) to keep it as a class"),
+        "plan optimizer": (["scripts/plan.py", "--model=small-cnn", "--global-batch-size=8",
+                            "--image-size=32", "--optimizer=bogus"],
+                           r"error: `optimizer` \(`--optimizer`\) 'bogus' is not an "
+                           r"optimizer Keras knows; use one of adadelta, .*, adamw, .*, sgd, "
+                           r"or pass a keras\.optimizers\.Optimizer"),
         "no folder": (["scripts/make_tfrecords.py", f"--source={tmp_path / 'nowhere'}",
                        f"--output={tmp_path / 'out'}"],
                       rf"error: Image folder '{tmp_path / 'nowhere'}' does not exist or is not "

@@ -5,12 +5,15 @@ same initial weights, and hand-computed formulas (BatchNorm statistics, SGD
 updates under a learning-rate schedule).
 """
 
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
 import keras
 
 import tfmem
+from tfmem import cli
 from tests.training import remat_cases
 
 # float32 exactness budget of the issue: relative difference on the weights.
@@ -348,6 +351,19 @@ def test_dynamic_partial_last_batch_fails_the_step_with_advice():
     model.compile("sgd", "mse")
     with pytest.raises(tf.errors.InvalidArgumentError, match="drop_remainder=True"):
         model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+
+
+def test_a_dynamic_batch_that_k_does_not_divide_is_named_with_its_size():
+    x, y, _ = _data((6,), 64)
+    model = _dense(tfmem.AccumModel, accumulation_steps=3)
+    model.compile("sgd", "mse")
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(64)  # a batch of unknown size
+    with pytest.raises(tf.errors.InvalidArgumentError) as caught:
+        model.fit(dataset, verbose=0)
+    assert re.search(r"the batch of this step \(64\) must be divisible by replicas × "
+                     r"accumulation_steps \(1 × 3 = 3\)\. Try 63 or 66 as the batch size\.",
+                     caught.value.message), caught.value.message
+    assert cli.one_line(caught.value).startswith("AccumModel: the batch of this step (64)")
 
 
 def test_rejects_losses_that_a_mean_cannot_recombine_and_double_accumulation():

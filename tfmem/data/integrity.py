@@ -17,7 +17,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
-import tensorflow as tf
+from tfmem._tf import tf
 
 from tfmem.data import manifest as manifest_lib
 

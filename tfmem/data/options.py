@@ -11,9 +11,13 @@ import dataclasses
 import inspect
 from collections.abc import Sequence
 
-import tensorflow as tf
+from tfmem._tf import tf
 
 DATA_RANGES = ((0, 255), (0, 1))
+# The most pixels an image may have, read from its header before it is decoded: 8192 × 8192
+# (192 MiB as 8-bit RGB, 768 MiB as the float32 image resized from it). A PNG of a few
+# megabytes can claim gigapixels; such a record is refused, named, without being decoded.
+MAX_IMAGE_PIXELS = 8192 * 8192
 
 
 def _positive_int(name: str, value, example: str) -> None:
@@ -56,6 +60,10 @@ class ReaderOptions:
             there are at least as many files as workers, else DATA); default: from TF_CONFIG.
         input_context: from `strategy.distribute_datasets_from_function`; the dataset then
             reads only its pipeline's part of the data and batches `batch_size / replicas`.
+        max_image_pixels: the most pixels (height × width, read from the image's header
+            before decoding) an image may have; a larger one raises an error naming its
+            shard and record (with `skip_corrupt`, it is skipped). Default `MAX_IMAGE_PIXELS`
+            (8192 × 8192).
 
     Raises:
         ValueError: a value out of range, naming the argument and what it accepts.
@@ -80,6 +88,7 @@ class ReaderOptions:
     seed: int | None = None
     num_workers: int | None = None
     input_context: tf.distribute.InputContext | None = None
+    max_image_pixels: int = MAX_IMAGE_PIXELS
 
     def __post_init__(self):
         size = self.image_size
@@ -104,6 +113,8 @@ class ReaderOptions:
             raise ValueError(
                 f"`prefetch_batches` must be a positive int (e.g. 2) or tf.data.AUTOTUNE, got "
                 f"{self.prefetch_batches!r}.")
+        _positive_int("max_image_pixels", self.max_image_pixels,
+                      f"pixels per image, e.g. {MAX_IMAGE_PIXELS} = 8192 × 8192")
         if self.num_workers is not None:
             _positive_int("num_workers", self.num_workers, "workers of the cluster")
         if self.seed is not None and (isinstance(self.seed, bool)

@@ -138,13 +138,26 @@ def count_records(path_or_pattern: str | os.PathLike) -> int | None:
     counted (`image_dataset` names it when it reads there).
 
     Raises:
-        ValueError: no files there.
+        ValueError: no files there, or files that are not TFRecords (bytes, but no complete
+            record), each named.
 
     Example:
         >>> tfmem.count_records("/kaggle/input/flowers/train/*.tfrec")  # doctest: +SKIP
         12753
     """
-    counts = [integrity.count_records(path) for path in _glob(os.fspath(path_or_pattern))]
+    files = _glob(os.fspath(path_or_pattern))
+    counts = [integrity.count_records(path) for path in files]
+    foreign = [path for path, count in zip(files, counts)
+               if count == 0 and tf.io.gfile.stat(path).length > 0]
+    if foreign:
+        names = ", ".join(os.path.basename(path) for path in foreign[:5])
+        raise ValueError(
+            f"{len(foreign)} of the {len(files)} file(s) of {os.fspath(path_or_pattern)!r} are "
+            f"not TFRecord files: {names}{', ...' if len(foreign) > 5 else ''} "
+            f"{'holds' if len(foreign) == 1 else 'hold'} bytes but no complete record. "
+            "Expected TFRecord files of tf.train.Example: a directory written by "
+            "`tfmem.write_image_tfrecords` (scripts/make_tfrecords.py), or a glob of the shards "
+            "alone, such as '/data/train-*.tfrec'")
     return None if None in counts else sum(counts)
 
 
@@ -168,6 +181,11 @@ def inspect_tfrecords(path_or_pattern: str | os.PathLike) -> str:
     lines = [f"{len(files)} file(s), e.g. {files[0]}", schema_lib.describe_features(features)]
     for key, info in features.items():
         if info.kind == "bytes" and schema_lib.image_format(info.first or b""):
+            height, width = pipeline.encoded_size(info.first).numpy().tolist()
+            if height * width > ReaderOptions.max_image_pixels:  # not decoded: named by size
+                lines.append(f"  {key!r} is an image of {width}×{height} pixels (its header), "
+                             "over the default max_image_pixels: not decoded")
+                continue
             shape = tf.io.decode_image(info.first, expand_animations=False).shape
             lines.append(f"  {key!r} decodes to an image of shape {tuple(shape)}")
     if manifest_lib.has_manifest(path_or_pattern):

@@ -16,7 +16,9 @@ from __future__ import annotations
 import os
 import random
 import secrets
+import stat
 import struct
+import warnings
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -24,6 +26,7 @@ import numpy as np
 from tfmem._tf import tf
 
 from tfmem.data import manifest as manifest_lib
+from tfmem.data.options import MAX_IMAGE_PIXELS
 from tfmem.data.schema import Schema, image_format
 
 SHARD_PATTERN = "shard-*.tfrecord"
@@ -76,7 +79,8 @@ def _encoded_shape(data: bytes, encoding: str) -> tuple[int, int, int]:
 # ---- sources: each yields _Encoded items and knows its class names -----------------------
 
 
-def _folder_source(root: str, skip_unreadable: bool, shuffle: bool, seed: int, skipped: list):
+def _folder_source(root: str, skip_unreadable: bool, shuffle: bool, seed: int, skipped: list,
+                   allow_empty_classes: bool, max_image_pixels: int):
     if not tf.io.gfile.isdir(root):
         raise ValueError(
             f"Image folder {root!r} does not exist or is not a directory: expected "
@@ -89,13 +93,19 @@ def _folder_source(root: str, skip_unreadable: bool, shuffle: bool, seed: int, s
     files = []
     for label, name in enumerate(class_names):
         for directory, _, names in tf.io.gfile.walk(os.path.join(root, name)):
-            files += [(os.path.join(directory, f), label) for f in sorted(names)
-                      if not f.startswith(".")]
+            for path in (os.path.join(directory, f) for f in sorted(names)
+                         if not f.startswith(".")):
+                reason = _not_a_file(path)
+                if reason is None:
+                    files.append((path, label))
+                else:  # told before anything is written; opening a FIFO would wait forever
+                    _unreadable(path, root, reason, skip_unreadable, skipped)
     if not files:
         raise ValueError(
             f"Found no images in {root!r} (class folders: {class_names or 'none'}): expected "
             "root/<class_name>/<image>.{jpg,jpeg,png}, one sub-folder per class."
         )
+    _check_empty_classes(root, class_names, {label for _, label in files}, allow_empty_classes)
     # Folders list one class after another; shuffled once here so that every shard (and so
     # every window of the reader's shuffle buffer) holds a mix of classes.
     if shuffle:
@@ -103,27 +113,74 @@ def _folder_source(root: str, skip_unreadable: bool, shuffle: bool, seed: int, s
 
     def items():
         for path, label in files:
-            data = tf.io.gfile.GFile(path, "rb").read()
-            encoding = image_format(data)
             try:
+                data = tf.io.gfile.GFile(path, "rb").read()
+                encoding = image_format(data)
                 if encoding not in _FOLDER_FORMATS:
                     raise ValueError(f"not a JPEG or PNG file (starts with {data[:8]!r})")
+                _check_pixels(_encoded_shape(data, encoding), max_image_pixels)
                 # Decoded in full (not only the header) so that a damaged file fails here,
                 # naming itself, instead of in the middle of someone's training run.
                 shape = tf.io.decode_image(data, expand_animations=False).shape
-            except (ValueError, tf.errors.OpError) as error:
-                reason = getattr(error, "message", str(error))
-                if skip_unreadable:
-                    skipped.append(os.path.relpath(path, root))
-                    continue
-                raise ValueError(
-                    f"Cannot read image {path!r}: {reason}. Remove or fix the file, or pass "
-                    "skip_unreadable=True (`--skip_unreadable`) to skip and count such files."
-                ) from None
+            except (ValueError, OSError, tf.errors.OpError) as error:
+                _unreadable(path, root, getattr(error, "message", str(error)), skip_unreadable,
+                            skipped)
+                continue
             yield _Encoded(data, label, shape[0], shape[1], shape[2], encoding,
                            os.path.relpath(path, root))
 
     return class_names, len(files), items()
+
+
+def _not_a_file(path: str) -> str | None:
+    """Why `path` is no image file to open (a FIFO, a device, a broken link), or None."""
+    if "://" in path:  # object stores hold files only
+        return None
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as error:
+        link = " (a symbolic link to nothing)" if os.path.islink(path) else ""
+        return f"it cannot be opened{link}: {error.strerror}"
+    if not stat.S_ISREG(mode):
+        return "not a regular file (a FIFO, socket or device): it was not opened"
+    return None
+
+
+def _unreadable(path: str, root: str, reason: str, skip_unreadable: bool, skipped: list) -> None:
+    """Skips `path` (counted) with `skip_unreadable`, else raises naming it."""
+    if skip_unreadable:
+        skipped.append(os.path.relpath(path, root))
+        return
+    raise ValueError(
+        f"Cannot read image {path!r}: {reason}. Remove or fix the file, or pass "
+        "skip_unreadable=True (`--skip_unreadable`) to skip and count such files."
+    )
+
+
+def _check_pixels(shape: tuple[int, int, int], max_image_pixels: int) -> None:
+    height, width = shape[:2]
+    if height * width > max_image_pixels:
+        raise ValueError(
+            f"its header says {width}×{height} = {height * width:,} pixels, above the limit of "
+            f"{max_image_pixels:,} (max_image_pixels, `--max-image-pixels`); it was not "
+            "decoded. Raise the limit if such images are meant")
+
+
+def _check_empty_classes(root: str, class_names: Sequence[str], used: set[int],
+                         allow_empty_classes: bool) -> None:
+    """A class folder without images keeps its label (the others' stay as sorted), but is
+    refused unless allowed, and then said."""
+    empty = [name for label, name in enumerate(class_names) if label not in used]
+    if not empty:
+        return
+    said = (f"{len(empty)} class folder(s) of {root!r} hold no images: "
+            f"{', '.join(repr(name) for name in empty[:10])}")
+    if not allow_empty_classes:
+        raise ValueError(
+            f"{said}; each would be a class without examples. Add images to it, remove it, "
+            "or pass allow_empty_classes=True (`--allow-empty-classes`) to keep it as a class")
+    warnings.warn(f"{said}; kept as classes without examples (allow_empty_classes)",
+                  stacklevel=3)
 
 
 def _check_labels(labels: np.ndarray, class_names: Sequence[str] | None) -> list[str]:
@@ -174,7 +231,7 @@ def _numpy_source(images, labels, class_names, encoding, shuffle, seed):
     return class_names, len(images), items()
 
 
-def _dataset_source(dataset: tf.data.Dataset, class_names, encoding):
+def _dataset_source(dataset: tf.data.Dataset, class_names, encoding, max_image_pixels: int):
     cardinality = int(dataset.cardinality())
     total = cardinality if cardinality >= 0 else None
     names = list(class_names) if class_names is not None else None
@@ -211,6 +268,10 @@ def _dataset_source(dataset: tf.data.Dataset, class_names, encoding):
             if kind not in _FOLDER_FORMATS:
                 raise ValueError(f"Example {index}: its bytes are not a JPEG or PNG image.")
             shape = _encoded_shape(data, kind) if encoded else tuple(element[1].tolist())
+            try:
+                _check_pixels(shape, max_image_pixels)
+            except ValueError as error:
+                raise ValueError(f"Example {index}: {error}.") from None
             yield _Encoded(data, label, *shape, kind, str(index))
 
     return names, total, items()
@@ -268,6 +329,20 @@ class _ShardWriter:
             tf.io.gfile.remove(os.path.join(self.directory, shard.name))
 
 
+def _check_outside(root: str, output_dir: str) -> None:
+    """The set is not written into the folder it is made from (the next write would read
+    its shards and manifest as images)."""
+    def resolved(path):
+        return path.rstrip("/") if "://" in path else os.path.realpath(path)
+
+    folder, output = resolved(root), resolved(output_dir)
+    if output == folder or output.startswith(folder.rstrip(os.sep) + os.sep):
+        raise ValueError(
+            f"`output_dir` {output_dir!r} is inside the image folder {root!r} (`--output` "
+            "inside `--source`): its shards and manifest would be read as images by the "
+            "next write. Write the set to a directory outside the folder")
+
+
 def _check_directory(output_dir: str, overwrite: bool) -> None:
     tf.io.gfile.makedirs(output_dir)
     existing = tf.io.gfile.glob(os.path.join(output_dir, SHARD_PATTERN))
@@ -304,6 +379,8 @@ def write_image_tfrecords(
     skip_unreadable: bool = False,
     overwrite: bool = False,
     progress: Progress | None = None,
+    allow_empty_classes: bool = False,
+    max_image_pixels: int = MAX_IMAGE_PIXELS,
 ) -> manifest_lib.Manifest:
     """Writes an image-classification set to sharded TFRecords plus a `manifest.json`.
 
@@ -329,13 +406,20 @@ def write_image_tfrecords(
             stays readable until the new one is complete.
         progress: called after each example with `(examples_written, bytes_written, total)`;
             `total` is None when the source's size is unknown.
+        allow_empty_classes: keep a class folder without images as a class (with a warning
+            naming it) instead of raising; its label stays, so the others' do too.
+        max_image_pixels: the most pixels (height × width, from the header, before decoding)
+            a folder or encoded image may have; a larger one is unreadable (raised, or skipped
+            with `skip_unreadable`).
 
     Returns:
         The `Manifest` written beside the shards.
 
     Raises:
-        ValueError: missing or empty folder, unreadable image (unless `skip_unreadable`),
-            labels out of range or lengths that differ (numpy: before anything is written).
+        ValueError: missing or empty folder, a class folder without images (unless
+            `allow_empty_classes`), `output_dir` inside the folder, unreadable image (unless
+            `skip_unreadable`; a FIFO, device or broken link is never opened), labels out of
+            range or lengths that differ (numpy and folders: before anything is written).
 
     Example:
         >>> manifest = tfmem.write_image_tfrecords("photos/", "/data/photos-tfrecords")
@@ -349,13 +433,17 @@ def write_image_tfrecords(
         raise ValueError(f"`shard_size_mb` must be positive, got {shard_size_mb}.")
     output_dir = os.fspath(output_dir)
     skipped: list[str] = []
+    if isinstance(max_image_pixels, bool) or not isinstance(max_image_pixels, int) or (
+            max_image_pixels < 1):
+        raise ValueError(f"`max_image_pixels` must be a positive int, got {max_image_pixels!r}.")
     if isinstance(source, (str, os.PathLike)):
+        _check_outside(os.fspath(source), output_dir)
         names, total, items = _folder_source(os.fspath(source), skip_unreadable, shuffle, seed,
-                                             skipped)
+                                             skipped, allow_empty_classes, max_image_pixels)
     elif isinstance(source, (tuple, list)) and len(source) == 2:
         names, total, items = _numpy_source(*source, class_names, encoding, shuffle, seed)
     elif isinstance(source, tf.data.Dataset):
-        names, total, items = _dataset_source(source, class_names, encoding)
+        names, total, items = _dataset_source(source, class_names, encoding, max_image_pixels)
     else:
         raise TypeError(
             "`source` must be an image folder path, a pair (images, labels) of numpy arrays "

@@ -10,6 +10,7 @@ import dataclasses
 import enum
 
 from tfmem.memory import plan_report
+from tfmem.runtime.cluster import divisors
 
 
 class Term(enum.Enum):
@@ -219,14 +220,30 @@ class MemoryPlan:
 
 
 def choose(p: MemoryPlan) -> MemoryPlan:
-    """Largest micro-batch dividing the per-replica batch whose peak (with its k) fits."""
+    """Largest micro-batch dividing the per-replica batch whose peak (with its k) fits.
+
+    Without accumulation (micro-batch = the per-replica batch) the buffers are not needed, so
+    that one is checked alone; among the others the peak grows with the micro-batch (the
+    input of a global batch is the same for each), so the largest that fits is searched by
+    bisection over the divisors.
+    """
     per_replica = p.per_replica_batch_size
-    for micro in sorted((d for d in range(1, per_replica + 1) if per_replica % d == 0),
-                        reverse=True):
+    candidates = divisors(per_replica)
+    if p.peak_bytes(per_replica, 1) <= p.budget_bytes:
+        return dataclasses.replace(p, micro_batch_size=per_replica, accumulation_steps=1)
+    low, high = 0, len(candidates) - 1  # candidates[:low] fit (with k > 1); [high:] do not
+    while low < high:
+        middle = (low + high) // 2
+        micro = candidates[middle]
         if p.peak_bytes(micro, per_replica // micro) <= p.budget_bytes:
-            return dataclasses.replace(p, micro_batch_size=micro,
-                                       accumulation_steps=per_replica // micro)
-    return dataclasses.replace(p, micro_batch_size=0, accumulation_steps=0)
+            low = middle + 1
+        else:
+            high = middle
+    if low == 0:
+        return dataclasses.replace(p, micro_batch_size=0, accumulation_steps=0)
+    micro = candidates[low - 1]
+    return dataclasses.replace(p, micro_batch_size=micro,
+                               accumulation_steps=per_replica // micro)
 
 
 class MemoryPlanError(ValueError):

@@ -38,7 +38,7 @@ from tfmem.memory.plan_settings import PlanSettings
 from tfmem.memory.saved_tensors import saved_tensors
 from tfmem.runtime import precision as precision_lib
 from tfmem.runtime.budget import Budget, budget_for
-from tfmem.runtime.cluster import check_count, split_batch
+from tfmem.runtime.cluster import check_count, largest_divisor, split_batch
 from tfmem.training import remat
 from tfmem.training.accumulation_math import accumulator_nbytes
 
@@ -120,6 +120,7 @@ def settings(
         budget = dataclasses.replace(budget, num_replicas=num_replicas)
     check_count("global_batch_size", global_batch_size)
     split_batch(global_batch_size, budget.num_replicas, 1)
+    _check_optimizer(optimizer)
     if not 0 < safety <= 1:
         raise ValueError(f"`safety` must be in (0, 1], got {safety}.")
     chosen, note = _resolve_precision(precision, budget)
@@ -152,6 +153,20 @@ def _itemsize(variable) -> int:
 
 def _nbytes(variables) -> int:
     return sum(math.prod(v.shape) * _itemsize(v) for v in variables)
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    """Raises unless Keras makes an optimizer of `optimizer`, listing the names it knows."""
+    try:
+        keras.optimizers.get(optimizer)
+    except ValueError:
+        names = sorted(name.lower() for name, value in vars(keras.optimizers).items()
+                       if isinstance(value, type) and issubclass(value, keras.optimizers.Optimizer)
+                       and value is not keras.optimizers.Optimizer
+                       and "Optimizer" not in name)  # the wrappers take another optimizer
+        raise ValueError(
+            f"`optimizer` (`--optimizer`) {optimizer!r} is not an optimizer Keras knows; use "
+            f"one of {', '.join(names)}, or pass a keras.optimizers.Optimizer") from None
 
 
 def estimate(model: keras.Model, settings: PlanSettings,
@@ -308,8 +323,7 @@ def _auto(model: keras.Model, plan_settings: PlanSettings, analyses: dict) -> Me
     plain_settings = dataclasses.replace(plan_settings, rematerialize=segments.Ranges(()))
     plain = choose(estimate(model, plain_settings, analyses))
     per_replica = plain.per_replica_batch_size
-    target = plan_settings.micro_batch_target or max(
-        d for d in range(1, min(per_replica, 16) + 1) if per_replica % d == 0)
+    target = plan_settings.micro_batch_target or largest_divisor(per_replica, 16)
     if plain.fits and plain.micro_batch_size >= target:
         return plain.replace(notes=plain.notes + (
             f"rematerialize auto: not needed, micro-batch {plain.micro_batch_size} fits",))
@@ -389,6 +403,11 @@ def plan(
         ValueError: the global batch does not split over the replicas, bad arguments, or a
             model whose shapes are unknown.
     """
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            f"`model` must be a built keras.Model (functional, Sequential or subclassed), got "
+            f"{type(model).__name__}: {model!r:.80}. Build it first, e.g. "
+            "`tfmem.models.build(name)` or `keras.Model(inputs, outputs)`.")
     if plan_settings is None:
         plan_settings = settings(**arguments)
     elif arguments:

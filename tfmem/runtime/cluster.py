@@ -6,7 +6,9 @@ Pure Python (no TensorFlow, no JAX), so every backend and the planner can use it
 from __future__ import annotations
 
 import json
+import math
 import numbers
+import random
 
 
 def nearest_multiples(size: int, divisor: int) -> str:
@@ -18,6 +20,86 @@ def nearest_multiples(size: int, divisor: int) -> str:
     """
     below = size // divisor * divisor
     return f"{below} or {below + divisor}" if below else f"{below + divisor}"
+
+
+def divisors(n: int) -> list[int]:
+    """Every divisor of `n` (an int >= 1), ascending, made from its prime factors: no scan of
+    the numbers up to `n` (a global batch of 10**12 has 169 divisors, found in microseconds).
+
+    Example:
+        >>> divisors(12)
+        [1, 2, 3, 4, 6, 12]
+    """
+    found = [1]
+    for prime, power in _prime_factors(n).items():
+        found = [d * prime**e for d in found for e in range(power + 1)]
+    return sorted(found)
+
+
+def largest_divisor(n: int, at_most: int) -> int:
+    """The largest divisor of `n` that is at most `at_most` (at least 1).
+
+    Example:
+        >>> largest_divisor(96, 20)
+        16
+    """
+    return max(d for d in divisors(n) if d <= max(at_most, 1))
+
+
+def _prime_factors(n: int) -> dict[int, int]:
+    """`{prime: power}` of `n`: small primes by trial division, the rest by Pollard's rho."""
+    factors: dict[int, int] = {}
+    for prime in (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37):
+        while n % prime == 0:
+            factors[prime] = factors.get(prime, 0) + 1
+            n //= prime
+    pending = [n] if n > 1 else []
+    while pending:
+        m = pending.pop()
+        if _is_prime(m):
+            factors[m] = factors.get(m, 0) + 1
+        else:
+            d = _pollard_rho(m)
+            pending += [d, m // d]
+    return factors
+
+
+def _is_prime(n: int) -> bool:
+    """Miller-Rabin with the first 12 primes as bases: exact below 3.3 × 10**24."""
+    if n < 2:
+        return False
+    bases = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)
+    if n in bases:
+        return True
+    d, s = n - 1, 0
+    while d % 2 == 0:
+        d, s = d // 2, s + 1
+    for a in bases:
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(s - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def _pollard_rho(n: int) -> int:
+    """A proper divisor of the composite odd `n` (Pollard's rho, Floyd's cycle finding)."""
+    rng = random.Random(n)  # the same numbers every time: a deterministic result
+    while True:
+        c, x = rng.randrange(1, n), rng.randrange(2, n)
+        y, d = x, 1
+        while d == 1:
+            x = (x * x + c) % n
+            y = (y * y + c) % n
+            y = (y * y + c) % n
+            d = math.gcd(abs(x - y), n)
+        if d != n:
+            return d
 
 
 def split_batch(global_batch_size: int, num_replicas: int, accumulation_steps: int, *,

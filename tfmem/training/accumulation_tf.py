@@ -372,19 +372,28 @@ def _check_rows(leaves: list, k: int) -> tuple[tf.Tensor, list]:
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         split_batch(batch_size * replicas, replicas, k, in_a_step=True)
     if batch_size is None:
-        checks.append(
-            tf.debugging.assert_equal(
-                rows % k,
-                0,
-                message=(
-                    f"AccumModel: the batch of this step is not divisible by "
-                    f"accumulation_steps={k} (typically the partial last batch of "
-                    "an epoch). Batch the dataset with drop_remainder=True, or make "
-                    "the number of samples a multiple of the global batch size."
-                ),
-            )
-        )
+        checks.append(_divisible(rows, k))
     return rows, checks
+
+
+def _divisible(rows: tf.Tensor, k: int):
+    """The check of a batch whose size is known only when the step runs: `split_batch`'s
+    message, with the batch's own size and the nearest sizes that split."""
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    divisor = replicas * k
+    size = tf.cast(rows, tf.int64) * replicas
+    below = size // divisor * divisor
+
+    def text(value):
+        return tf.strings.as_string(value)
+
+    nearest = tf.where(below > 0, tf.strings.join([text(below), " or ", text(below + divisor)]),
+                       text(below + divisor))
+    return tf.debugging.Assert(tf.equal(size % divisor, 0), [tf.strings.join([
+        "tfmem: AccumModel: the batch of this step (", text(size), ") must be divisible by "
+        f"replicas × accumulation_steps ({replicas} × {k} = {divisor}). Try ", nearest,
+        " as the batch size. If this is the last batch of an epoch, batch the data with "
+        "`drop_remainder=True`."])])
 
 
 def _split(tensor, k: int):

@@ -16,7 +16,7 @@ from typing import Any
 
 import keras
 
-from tfmem.runtime.cluster import split_batch
+from tfmem.runtime.cluster import largest_divisor, split_batch
 
 # How each framework says it: TensorFlow's `tf.errors.ResourceExhaustedError` (by class name:
 # no TensorFlow import on the JAX backend); JAX's runtime errors with XLA's status code, or
@@ -71,10 +71,9 @@ def what_it_said(error: BaseException) -> str:
 def halved(micro_batch_size: int) -> int | None:
     """The micro-batch after running out of memory: the largest divisor of `micro_batch_size`
     up to its half (so replicas × micro-batch × k still make the global batch); None below 2."""
-    for size in range(micro_batch_size // 2, 0, -1):
-        if micro_batch_size % size == 0:
-            return size
-    return None
+    if micro_batch_size < 2:
+        return None
+    return largest_divisor(micro_batch_size, micro_batch_size // 2)
 
 
 def can_recover(model: keras.Model) -> bool:
