@@ -61,7 +61,7 @@ class Term(NamedTuple):
     """One compiled loss on one micro-batch."""
 
     index: int
-    name: str
+    name: str  # for messages: "'loss_name' of the output 'output_name'"
     kind: str
     weight: Any  # its `loss_weights` entry, None for 1
     value: Any  # Keras's value of the loss (before its weight)
@@ -100,7 +100,8 @@ def recording(model: keras.Model):
     record = None
     if _overrides_compute_loss(model):
         _warn_once(model, f"{type(model).__name__}.compute_loss",
-                   f"{type(model).__name__} overrides `compute_loss`")
+                   f"{type(model).__name__} overrides `compute_loss`",
+                   "compile the loss (`compile(loss=...)`) and leave `compute_loss` to Keras")
     elif _install(model):
         record = Recording(model)
     previous = getattr(_LOCAL, "record", None)
@@ -168,8 +169,9 @@ def split(total, record: Recording | None, num_steps: int) -> Split:
     terms = record.terms if record is not None else []
     for term in terms:
         if term.kind == UNKNOWN:
-            _warn_once(record.model, term.name, f"the loss {term.name!r} returns a value "
-                       "whose count Keras does not know (a scalar)")
+            _warn_once(record.model, term.name, f"the loss {term.name} returns a value "
+                       "whose count Keras does not know (a scalar)",
+                       "return the per-sample values from the loss (Keras then reduces them)")
     if not any(term.kind in (COUNTED, SUM, ELEMENTWISE) for term in terms):
         return Split(SINGLE, [total], total, [])
     fixed = bool(record.num_added) or any(term.kind != COUNTED for term in terms)
@@ -257,8 +259,10 @@ class _Recorded:
             return self.loss(y_true, y_pred, sample_weight)
         value, kind, count = evaluate(self.loss, y_true, y_pred, sample_weight)
         record.num_added = len(record.model.losses)
-        record.terms.append(Term(self.index, self.name or getattr(self.loss, "name", ""),
-                                 kind, self.weight, value, count))
+        name = repr(getattr(self.loss, "name", type(self.loss).__name__))
+        if self.name:
+            name += f" of the output {self.name!r}"
+        record.terms.append(Term(self.index, name, kind, self.weight, value, count))
         return value
 
 
@@ -279,7 +283,7 @@ def _overrides_compute_loss(model: keras.Model) -> bool:
     return type(model).compute_loss is not keras.Model.compute_loss
 
 
-def _warn_once(model: keras.Model, key: str, what: str) -> None:
+def _warn_once(model: keras.Model, key: str, what: str, fix: str) -> None:
     with _LOCK:
         warned = model.__dict__.setdefault("_tfmem_loss_warnings", set())
         if key in warned:
@@ -289,8 +293,7 @@ def _warn_once(model: keras.Model, key: str, what: str) -> None:
         f"AccumModel: {what}, so each micro-batch's loss is taken as a mean over the same "
         f"number of elements and the window averages the {model.accumulation_steps} values. "
         "That is the whole batch's loss only when every micro-batch divides by the same count "
-        "(docs/accumulation.md, 'Loss normalisation'). For the exact whole-batch loss, return "
-        "per-sample values from the loss's `call` (Keras then reduces them).",
+        f"(docs/accumulation.md, 'Loss normalisation'). For the whole batch's loss always, {fix}.",
         UserWarning, stacklevel=4)
 
 
