@@ -124,17 +124,20 @@ def case(name: str) -> dict:
     raise ValueError(f"unknown case {name!r}; one of {CASES}")
 
 
+# `class_weight` reaches the loss as a sample weight: its case is the reduction that divides by
+# the weights.
 CASES = ("ignore_class", "mask_zero",
-         *(f"{weighting}:{reduction}" for weighting in ("sample_weight", "class_weight")
+         *(f"sample_weight:{reduction}"
            for reduction in ("sum_over_batch_size", "sum", "mean_with_sample_weight")),
-         "two_outputs", "add_loss", "scalar_loss")
+         "class_weight:mean_with_sample_weight", "two_outputs", "add_loss", "scalar_loss")
 
 
 def run(name: str, accumulation_steps: int = 4, strategy=None, keras_accumulation=False,
-        **compile_kwargs) -> dict:
+        repeat: int = 1, **compile_kwargs) -> dict:
     """One step of the global batch: AccumModel (or, with `keras_accumulation`, a keras.Model
     whose optimizer accumulates `accumulation_steps` micro-batches itself) against a
-    keras.Model on the whole batch, under `strategy` if given.
+    keras.Model on the whole batch, under `strategy` if given. `repeat` makes the global batch
+    that many copies of the case's 8 rows (one per replica of a data-parallel run).
 
     Returns `update` (max |Δ - Δ_plain| / max |Δ_plain| over all weights), both logs
     (`history`, `plain_history`), `finite` and the AccumModel warnings (`warnings`).
@@ -157,14 +160,19 @@ def run(name: str, accumulation_steps: int = 4, strategy=None, keras_accumulatio
             model.compile(optimizer=optimizer, loss=spec["loss"](),
                           loss_weights=spec.get("loss_weights"),
                           metrics=spec.get("metrics", lambda: None)(), **compile_kwargs)
-    fit = spec.get("fit", {})
+    def tiled(value):
+        return keras.tree.map_structure(
+            lambda array: np.concatenate([array] * repeat), value)
+
+    x, y = tiled(spec["x"]), tiled(spec["y"])
+    fit = {key: tiled(value) if key == "sample_weight" else value
+           for key, value in spec.get("fit", {}).items()}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        batch = BATCH // accumulation_steps if keras_accumulation else BATCH
-        history = accum.fit(spec["x"], spec["y"], batch_size=batch, shuffle=False,
-                            verbose=0, **fit).history
-    plain_history = plain.fit(spec["x"], spec["y"], batch_size=BATCH, shuffle=False,
-                              verbose=0, **fit).history
+        batch = BATCH * repeat // (accumulation_steps if keras_accumulation else 1)
+        history = accum.fit(x, y, batch_size=batch, shuffle=False, verbose=0, **fit).history
+    plain_history = plain.fit(x, y, batch_size=BATCH * repeat, shuffle=False, verbose=0,
+                              **fit).history
     accum_update = _flat(accum.get_weights()) - _flat(initial)
     plain_update = _flat(plain.get_weights()) - _flat(initial)
     return {

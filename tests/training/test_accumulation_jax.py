@@ -184,7 +184,6 @@ def _assert_whole_batch_step(result):
 
 @pytest.mark.parametrize("name", ["ignore_class", "mask_zero", "sample_weight:sum_over_batch_size",
                                   "sample_weight:sum", "sample_weight:mean_with_sample_weight",
-                                  "class_weight:sum_over_batch_size", "class_weight:sum",
                                   "class_weight:mean_with_sample_weight", "two_outputs",
                                   "add_loss"])
 def test_every_loss_reduction_gives_the_whole_batch_step(losses, name):
@@ -195,8 +194,9 @@ def test_every_loss_reduction_gives_the_whole_batch_step(losses, name):
 
 
 @pytest.mark.parametrize("name", ["add_loss", "two_outputs"])
-def test_masked_groups_in_the_in_graph_loop(losses, name):
+def test_masked_groups_in_the_in_graph_loop_and_under_data_parallel(losses, data_parallel, name):
     _assert_whole_batch_step(losses["in_graph_loop"][name])
+    _assert_whole_batch_step(data_parallel["masked_losses"][name])  # 8 devices
 
 
 def test_a_loss_returning_a_scalar_is_averaged_with_one_warning(losses):

@@ -188,7 +188,7 @@ class HostLoopStep:
         carry = AccumulationState(
             gradient_sums=_zeros_like(trainable),
             statistic_deltas=_zeros_like(statistics),
-            loss_sum=jnp.zeros((), accumulator_dtype(model.compute_dtype)),
+            loss_sum=_replicated_zero(trainable, accumulator_dtype(model.compute_dtype)),
             carried=_select(non_trainable, is_averaged, False),
             metrics_variables=list(metrics_variables),
         )
@@ -392,6 +392,14 @@ def _averaged_flags(model: keras.Model) -> list[bool]:
 def _zeros_like(values: list) -> list:
     """Accumulator zeros shaped and placed like `values` (replicated where they are)."""
     return [jnp.zeros(v.shape, accumulator_dtype(v.dtype), device=v.sharding) for v in values]
+
+
+def _replicated_zero(values: list, dtype):
+    """A scalar 0 on every device the first of `values` is on (replicated like the sums)."""
+    sharding = getattr(values[0], "sharding", None) if values else None
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    return jnp.zeros((), dtype, device=sharding)
 
 
 def _committed(values):

@@ -167,8 +167,8 @@ def _accumulate(model: keras.Model, window: _Window, split, k: int,
     def micro_batch_at(i):
         return tf.nest.map_structure(lambda t: None if t is None else _micro_batch(t, i, k), split)
 
-    def step(carry, micro_batch):
-        return _micro_step(model, window, carry, micro_batch)
+    def step(carry, micro_batch, traced_again_if_new=False):
+        return _micro_step(model, window, carry, micro_batch, traced_again_if_new)
 
     if tf.executing_eagerly():  # `run_eagerly`: the loop runs in Python, as `tf.while_loop` would
         return _one_after_another(model, step, carry, micro_batch_at, k)
@@ -177,7 +177,8 @@ def _accumulate(model: keras.Model, window: _Window, split, k: int,
     # (`tfmem.training.placement`) the step runs without XLA and the micro-step is one loop-free
     # XLA program. It takes the micro-batch, not its index: XLA needs slice bounds as
     # compile-time constants, so an index would compile k programs.
-    function = tf.function(step, jit_compile=True if xla_loop_on_host else None, autograph=False)
+    function = tf.function(lambda carry, micro_batch: step(carry, micro_batch, True),
+                           jit_compile=True if xla_loop_on_host else None, autograph=False)
     try:
         traced = function.get_concrete_function(carry, micro_batch_at(tf.constant(0)))
         if loss_terms.stored_layout(model) != layout:  # the loss sums other parts
@@ -236,16 +237,18 @@ def _after_sums(carry: AccumulationState, i: int) -> tf.Tensor:
 
 
 def _micro_step(model: keras.Model, window: _Window, carry: AccumulationState,
-                micro_batch: tuple) -> AccumulationState:
+                micro_batch: tuple, traced_again_if_new: bool = False) -> AccumulationState:
     """Forward + backward of one micro-batch `(x, y, sample_weight)`, added into `carry`.
 
     Returns the new carry, in which a variable that got no gradient has None for its sum, as
     `tape.gradient` has None for its gradient (`_keep_sums` puts the sum back). Each gradient
     group of the loss (`loss_terms`) has its own sums; the carry takes the layout the loss has.
+    `traced_again_if_new`: this trace is discarded when it finds a layout other than the
+    stored one (`_accumulate`), so it may assume the stored one.
     """
     x, y, sample_weight = micro_batch
     # Several gradient groups take one gradient each from the tape.
-    persistent = tf.executing_eagerly() or loss_terms.stored_layout(model).num_groups > 1
+    persistent = not traced_again_if_new or loss_terms.stored_layout(model).num_groups > 1
     with tf.GradientTape(persistent=persistent) as tape:
         y_pred = model(x, training=True) if internals.call_has_training_arg(model) else model(x)
         with loss_terms.recording(model) as record:
