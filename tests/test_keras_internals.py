@@ -74,6 +74,9 @@ def test_compiled_loss_entries_are_what_the_compiled_loss_calls_and_its_metrics_
     model = _functional()
     model.compile("sgd", loss=["mse", "mae"], loss_weights=[0.5, 2.0])
     assert internals.compiled_loss_entries(model) is None  # built on the first call
+    uncompiled = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    uncompiled.compile("sgd")  # no loss: compute_loss is the user's
+    assert internals.compiled_loss_entries(uncompiled) == []
     data = {"a": np.ones((4, 3)), "b": np.ones((4, 2))}
     y = [np.zeros((4, 1)), np.zeros((4, 2))]
     model.train_on_batch(data, y)

@@ -117,11 +117,11 @@ def compiled_losses(model: keras.Model) -> list[tuple[str, object]]:
 
 def compiled_loss_entries(model: keras.Model) -> list | None:
     """The compiled loss's own list of `(path, loss, loss_weight, name)` entries, in the order
-    it sums them (None before it is built, or without a compiled loss). Entries may be replaced
+    it sums them ([] without a compiled loss, None before it is built). Entries may be replaced
     in place (`entry._replace(loss=...)`): the compiled loss calls what the list holds."""
     compile_loss = _attribute(model, "_compile_loss", "the compiled loss")
     if compile_loss is None:
-        return None
+        return []
     return _attribute(compile_loss, "_flat_losses", "the compiled loss's list of losses")
 
 

@@ -177,14 +177,21 @@ def _accumulate(model: keras.Model, window: _Window, split, k: int,
     # (`tfmem.training.placement`) the step runs without XLA and the micro-step is one loop-free
     # XLA program. It takes the micro-batch, not its index: XLA needs slice bounds as
     # compile-time constants, so an index would compile k programs.
-    function = tf.function(lambda carry, micro_batch: step(carry, micro_batch, True),
-                           jit_compile=True if xla_loop_on_host else None, autograph=False)
+    def trace(carry):
+        function = tf.function(lambda carry, micro_batch: step(carry, micro_batch, True),
+                               jit_compile=True if xla_loop_on_host else None, autograph=False)
+        return function.get_concrete_function(carry, micro_batch_at(tf.constant(0)))
+
     try:
-        traced = function.get_concrete_function(carry, micro_batch_at(tf.constant(0)))
-        if loss_terms.stored_layout(model) != layout:  # the loss sums other parts
+        traced = trace(carry)
+        # Traced again when the loss sums other parts than the carry has; twice at most (the
+        # first trace builds the compiled loss if the model had not).
+        for _ in range(2):
+            if loss_terms.stored_layout(model) == layout:
+                break
             layout = loss_terms.stored_layout(model)
             carry = _laid_out(carry, layout)
-            traced = function.get_concrete_function(carry, micro_batch_at(tf.constant(0)))
+            traced = trace(carry)
     except RuntimeError as error:
         if "merge_call" not in str(error):
             raise

@@ -43,6 +43,7 @@ class Layout(NamedTuple):
 
     fixed: bool = True
     tracked: tuple = ()
+    seen: bool = True  # False: traced before the compiled loss existed (traced again)
 
     @property
     def counted(self) -> tuple:
@@ -55,6 +56,7 @@ class Layout(NamedTuple):
 
 
 SINGLE = Layout()  # one gradient group: the micro-batch loss Keras computes, as a mean
+UNSEEN = Layout(seen=False)  # as SINGLE, from a trace that could not see the compiled loss
 
 
 class Term(NamedTuple):
@@ -80,8 +82,8 @@ class Split(NamedTuple):
 class Recording:
     """The compiled losses one call of `compute_loss` evaluated (`recording`)."""
 
-    def __init__(self, model: keras.Model):
-        self.model = model
+    def __init__(self, model: keras.Model, built: bool = True):
+        self.model, self.built = model, built
         self.terms: list[Term] = []
         self.num_added = 0  # `add_loss` terms (regularisers) compute_loss added
 
@@ -94,18 +96,23 @@ _LOCK = threading.Lock()
 def recording(model: keras.Model):
     """Notes each compiled loss `compute_loss` evaluates in this thread while inside.
 
-    Yields a `Recording`, or None where the losses cannot be told apart: no compiled loss, one
-    not built yet, or a `compute_loss` the model overrides (warned about once).
+    Yields a `Recording`, or None where the losses cannot be told apart: no compiled loss, or
+    a `compute_loss` the model overrides (warned about once). Before Keras builds the compiled
+    loss (on its first call) nothing is noted, and the recording says so (`built`).
     """
     record = None
     if _overrides_compute_loss(model):
         _warn_once(model, f"{type(model).__name__}.compute_loss",
                    f"{type(model).__name__} overrides `compute_loss`",
                    "compile the loss (`compile(loss=...)`) and leave `compute_loss` to Keras")
-    elif _install(model):
-        record = Recording(model)
+    else:
+        entries = _install(model)
+        if entries is None:
+            record = Recording(model, built=False)
+        elif entries:
+            record = Recording(model)
     previous = getattr(_LOCAL, "record", None)
-    _LOCAL.record = record
+    _LOCAL.record = record if record is not None and record.built else None
     try:
         yield record
     finally:
@@ -166,6 +173,8 @@ def split(total, record: Recording | None, num_steps: int) -> Split:
     counted `num_steps` times, so that the window's mean of it is the whole batch's; a counted
     loss's group loss is its weighted value times its count (the sum Keras divided).
     """
+    if record is not None and not record.built:
+        return Split(UNSEEN, [total], total, [])
     terms = record.terms if record is not None else []
     for term in terms:
         if term.kind == UNKNOWN:
@@ -266,17 +275,17 @@ class _Recorded:
         return value
 
 
-def _install(model: keras.Model) -> bool:
-    """Puts a `_Recorded` around each compiled loss; False without a built compiled loss."""
+def _install(model: keras.Model) -> list | None:
+    """Puts a `_Recorded` around each compiled loss; returns the entries (None: not built)."""
     entries = internals.compiled_loss_entries(model)
     if not entries:
-        return False
+        return entries
     with _LOCK:
         for i, entry in enumerate(entries):
             if not isinstance(entry[1], _Recorded):
                 path, loss, weight, name = entry
                 entries[i] = entry._replace(loss=_Recorded(loss, i, name, weight))
-    return True
+    return entries
 
 
 def _overrides_compute_loss(model: keras.Model) -> bool:
