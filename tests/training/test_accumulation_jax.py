@@ -3,8 +3,9 @@
 The Keras backend is fixed when Keras is first imported, and this test session runs on
 TensorFlow (tests/conftest.py), so the JAX cases are real subprocesses
 (tests/jax_cases/*.py, KERAS_BACKEND=jax) that print their numbers as JSON; the tests here
-assert on those numbers. The programs start together at module set-up (they are mostly
-compilation, and two cores run them side by side) and each test waits for the one it needs.
+assert on those numbers. Two programs start together at module set-up (they are mostly
+compilation, and two cores run them side by side) and each test waits for the one it needs;
+the third starts after them.
 `data_parallel_cases.py` runs on 8 host devices (XLA_FLAGS), the shape of a TPU v3-8;
 `loss_normalisation_cases.py` runs the loss cases of `loss_cases.py`.
 """
@@ -67,7 +68,6 @@ def cases():
     started = {
         "accumulation": _Case("accumulation_cases", num_devices=1),
         "data_parallel": _Case("data_parallel_cases", num_devices=8),
-        "losses": _Case("loss_normalisation_cases", num_devices=1),
     }
     yield started
     for case in started.values():
@@ -86,7 +86,13 @@ def data_parallel(cases):
 
 @pytest.fixture(scope="module")
 def losses(cases):
-    return cases["losses"].results()
+    # Started once the first two are done with, not beside them: three programs on two cores
+    # would each take longer than their timeout allows.
+    for case in cases.values():
+        case.results()
+    case = _Case("loss_normalisation_cases", num_devices=1)
+    yield case.results()
+    case.stop()
 
 
 @pytest.mark.parametrize(
