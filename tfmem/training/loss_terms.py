@@ -256,10 +256,12 @@ class _Recorded:
     """A compiled loss that notes its value and count in the thread's `Recording`, if any;
     otherwise the loss itself."""
 
-    def __init__(self, loss, index: int, name: str, weight):
-        self.loss, self.index, self.name, self.weight = loss, index, name, weight
+    def __init__(self, loss, index: int, output: str, weight):
+        self.loss, self.index, self.output, self.weight = loss, index, output, weight
 
     def __getattr__(self, name):  # `reduction`, `dtype`, ... of the loss
+        if name == "loss" or name.startswith("__"):  # not set yet (a copy being made)
+            raise AttributeError(name)
         return getattr(self.loss, name)
 
     def __call__(self, y_true, y_pred, sample_weight=None):
@@ -269,8 +271,8 @@ class _Recorded:
         value, kind, count = evaluate(self.loss, y_true, y_pred, sample_weight)
         record.num_added = len(record.model.losses)
         name = repr(getattr(self.loss, "name", type(self.loss).__name__))
-        if self.name:
-            name += f" of the output {self.name!r}"
+        if self.output:
+            name += f" of the output {self.output!r}"
         record.terms.append(Term(self.index, name, kind, self.weight, value, count))
         return value
 
