@@ -35,7 +35,7 @@ def pixel_labels(num_classes: int = 3, seed: int = 0) -> np.ndarray:
 def _pixels(cls, num_classes=(3,), regularized=False, **kwargs):
     inputs = keras.Input((4, 4, 2))
     hidden = keras.layers.Conv2D(
-        4, 1, activation="tanh",
+        4, 1, activation="tanh", name="hidden",
         kernel_regularizer=keras.regularizers.L2(0.01) if regularized else None,
         activity_regularizer=keras.regularizers.L2(0.01) if regularized else None)(inputs)
     outputs = [keras.layers.Conv2D(n, 1, name=f"head{i}")(hidden)
@@ -133,11 +133,12 @@ CASES = ("ignore_class", "mask_zero",
 
 
 def run(name: str, accumulation_steps: int = 4, strategy=None, keras_accumulation=False,
-        repeat: int = 1, **compile_kwargs) -> dict:
+        repeat: int = 1, rematerialize=None, **compile_kwargs) -> dict:
     """One step of the global batch: AccumModel (or, with `keras_accumulation`, a keras.Model
     whose optimizer accumulates `accumulation_steps` micro-batches itself) against a
     keras.Model on the whole batch, under `strategy` if given. `repeat` makes the global batch
-    that many copies of the case's 8 rows (one per replica of a data-parallel run).
+    that many copies of the case's 8 rows (one per replica of a data-parallel run);
+    `rematerialize` is the AccumModel's.
 
     Returns `update` (max |Δ - Δ_plain| / max |Δ_plain| over all weights), both logs
     (`history`, `plain_history`), `finite` and the AccumModel warnings (`warnings`).
@@ -149,7 +150,8 @@ def run(name: str, accumulation_steps: int = 4, strategy=None, keras_accumulatio
         if keras_accumulation:
             accum = spec["build"](keras.Model)
         else:
-            accum = spec["build"](tfmem.AccumModel, accumulation_steps=accumulation_steps)
+            accum = spec["build"](tfmem.AccumModel, accumulation_steps=accumulation_steps,
+                                  rematerialize=rematerialize)
         plain = spec["build"](keras.Model)
         plain.set_weights(accum.get_weights())
         initial = accum.get_weights()

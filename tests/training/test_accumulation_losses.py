@@ -1,9 +1,13 @@
 """AccumModel's step is keras.Model's whole-batch step for every loss reduction Keras has
 (TensorFlow; the same cases on JAX: test_accumulation_jax.py). Cases: `loss_cases.py`."""
 
+import warnings
+
+import keras
 import numpy as np
 import pytest
 
+import tfmem
 from tests.training import loss_cases
 
 # float32 exactness budget: relative to the size of the update.
@@ -33,11 +37,13 @@ def test_a_none_reduction_trains_on_the_sum_and_logs_the_mean():
 
 
 @pytest.mark.parametrize("name,mode", [("two_outputs", "run_eagerly"),
-                                       ("add_loss", "run_eagerly"), ("add_loss", "jit_compile")])
+                                       ("add_loss", "run_eagerly"), ("add_loss", "jit_compile"),
+                                       ("two_outputs", "rematerialize")])
 def test_masked_groups_in_every_kind_of_step(name, mode):
     # add_loss: two gradient groups (the regularisers' and the masked loss's); two_outputs:
     # two counted outputs with loss weights.
-    result = loss_cases.run(name, **{mode: True})
+    setting = {"rematerialize": ["hidden"]} if mode == "rematerialize" else {mode: True}
+    result = loss_cases.run(name, **setting)
     _assert_whole_batch_step(result, [k for k in result["plain_history"] if k != "loss"])
 
 
@@ -61,3 +67,30 @@ def test_keras_own_accumulation_is_not_the_whole_batch_step(name):
     # micro-batch means, so a micro-batch with few valid elements weighs as much as a full one.
     result = loss_cases.run(name, keras_accumulation=True)
     assert result["update"] > 0.1
+
+
+def test_an_overridden_compute_loss_is_averaged_with_one_warning():
+    class Net(tfmem.AccumModel):
+        def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+            return keras.ops.mean(keras.ops.square(y_pred - y))
+
+    class Plain(keras.Model):
+        compute_loss = Net.compute_loss
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(8, 3)).astype("float32"), rng.normal(size=(8, 2)).astype("float32")
+    models = []
+    for cls in (Net, Plain):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((3,))
+        kwargs = {"accumulation_steps": 4} if cls is Net else {}
+        models.append(cls(inputs, keras.layers.Dense(2)(inputs), **kwargs))
+        models[-1].compile(keras.optimizers.SGD(0.5))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for model in models:
+            model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    messages = [str(w.message) for w in caught if "AccumModel:" in str(w.message)]
+    assert len(messages) == 1 and "Net overrides `compute_loss`" in messages[0]
+    np.testing.assert_allclose(models[0].get_weights()[0], models[1].get_weights()[0],
+                               rtol=1e-5)
