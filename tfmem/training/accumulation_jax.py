@@ -86,6 +86,11 @@ class AccumTrainer:
         self.train_function = internals.jax_train_function(self, HostLoopStep(self))
 
 
+# Traces of a micro-step per step at most: the model's last layout, the one the compiled loss
+# has once Keras builds it (on its first call), and that one's (`loss_terms.Layout`).
+_TRACES = 3
+
+
 def train_step(model: keras.Model, state: tuple, data) -> tuple[dict, tuple]:
     """One optimizer update from `model.accumulation_steps` micro-batches of `data`.
 
@@ -121,7 +126,7 @@ def train_step(model: keras.Model, state: tuple, data) -> tuple[dict, tuple]:
     statistics = _select(non_trainable, is_averaged, True)
     micro_batches = _split(_unpack(data), num_steps, _num_batch_shards())
     starts = _loss_metric_starts(model, metrics_variables)
-    while True:  # once more only when the trace finds that the loss sums other parts
+    for attempt in range(_TRACES):  # again only when the trace finds the loss sums other parts
         layout = loss_terms.stored_layout(model)
 
         def body(carry, micro_batch):
@@ -145,7 +150,8 @@ def train_step(model: keras.Model, state: tuple, data) -> tuple[dict, tuple]:
             carry, _ = jax.lax.scan(body, carry, micro_batches)
             break
         except loss_terms.LayoutChanged:
-            continue
+            if attempt == _TRACES - 1:
+                raise
     return _update(model, is_averaged, trainable, statistics, optimizer_variables, carry,
                    starts, _num_rows(data))
 
@@ -197,14 +203,15 @@ class HostLoopStep:
         data = jax.tree_util.tree_map(
             lambda leaf: jax.device_put(leaf) if isinstance(leaf, np.ndarray) else leaf, data)
         start = carry
-        while True:  # once more only when the trace finds that the loss sums other parts
+        for attempt in range(_TRACES):  # again only when the loss sums other parts
             carry = _committed(_laid_out(start, loss_terms.stored_layout(model)))
             try:
                 for index in range(model.accumulation_steps):
                     carry = self.micro_step(carry, fixed, data, index)
                 break
             except loss_terms.LayoutChanged:  # raised while tracing: nothing was donated yet
-                continue
+                if attempt == _TRACES - 1:
+                    raise
         return self.update(fixed, starts=starts, num_rows=_num_rows(data), **carry._asdict())
 
     def _micro_step(self, carry, fixed, data, index):
@@ -254,15 +261,20 @@ def _micro_step(model, is_averaged, trainable, statistics, optimizer_variables, 
                 losses = [model.optimizer.scale_loss(part) for part in parts.losses]
         return losses, (aux, parts.report, parts.term_sums)
 
+    def first_loss(trainable):
+        losses, rest = group_losses(trainable)
+        return losses[0], rest
+
+    def stacked_losses(trainable):
+        losses, rest = group_losses(trainable)
+        return jnp.stack(losses), rest
+
     if layout.num_groups == 1:
         (_, (aux, report, term_sums)), grads = jax.value_and_grad(
-            lambda t: (lambda losses, rest: (losses[0], rest))(*group_losses(t)),
-            has_aux=True)(trainable)
+            first_loss, has_aux=True)(trainable)
         group_grads = [grads]
-    else:
-        losses, vjp, (aux, report, term_sums) = jax.vjp(
-            lambda t: (lambda losses, rest: (jnp.stack(losses), rest))(*group_losses(t)),
-            trainable, has_aux=True)
+    else:  # one backward pass per gradient group, from one forward pass
+        losses, vjp, (aux, report, term_sums) = jax.vjp(stacked_losses, trainable, has_aux=True)
         group_grads = [vjp(jnp.eye(layout.num_groups, dtype=losses.dtype)[group])[0]
                        for group in range(layout.num_groups)]
     if found[0] != layout:
