@@ -32,7 +32,9 @@ with `k`, and only one micro-batch of activations is alive at a time):
   Under a `keras.distribution` the JAX program is global, so a micro-batch's statistics are
   those of all its rows on every device (TensorFlow's `MirroredStrategy` uses per-replica ones).
 - **Metrics** are updated once per micro-batch with that micro-batch's rows; Keras metrics
-  accumulate totals and counts, so the logged values equal those of the whole batch.
+  accumulate totals and counts, so the logged values equal those of the whole batch. The
+  logged losses (`loss`, and a counted or summed loss's `<output>_loss`) move once, by the
+  window's value.
 
 The split is the TensorFlow path's: each replica's rows of the global batch are cut into k
 contiguous blocks, and micro-batch `j` is block `j` of every replica. Under
