@@ -70,6 +70,53 @@ def test_compiled_losses_lists_each_loss_once_built():
     assert internals.compiled_losses(uncompiled) == []
 
 
+def test_compiled_loss_entries_are_what_the_compiled_loss_calls_and_its_metrics_align():
+    model = _functional()
+    model.compile("sgd", loss=["mse", "mae"], loss_weights=[0.5, 2.0])
+    assert internals.compiled_loss_entries(model) is None  # built on the first call
+    uncompiled = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    uncompiled.compile("sgd")  # no loss: compute_loss is the user's
+    assert internals.compiled_loss_entries(uncompiled) == []
+    data = {"a": np.ones((4, 3)), "b": np.ones((4, 2))}
+    y = [np.zeros((4, 1)), np.zeros((4, 2))]
+    model.train_on_batch(data, y)
+    entries = internals.compiled_loss_entries(model)
+    assert [entry[2] for entry in entries] == [0.5, 2.0]  # (path, loss, weight, name)
+    metrics = internals.compiled_loss_metrics(model)
+    assert [m.name for m in metrics] == [f"{entry[3]}_loss" for entry in entries]
+    calls = []
+
+    def doubled(y_true, y_pred, sample_weight=None, loss=entries[1][1]):
+        calls.append(1)
+        return 2 * loss(y_true, y_pred, sample_weight)
+
+    y_pred = model(data)
+    before = internals.compute_loss(model, x=data, y=y, y_pred=y_pred, sample_weight=None)
+    entries[1] = entries[1]._replace(loss=doubled)
+    after = internals.compute_loss(model, x=data, y=y, y_pred=y_pred, sample_weight=None)
+    mae = float(np.mean(np.abs(np.asarray(y_pred[1]))))
+    assert calls == [1]
+    assert float(after) - float(before) == pytest.approx(2.0 * mae, rel=1e-5)
+
+
+def test_keras_mask_and_the_reduction_helpers_are_keras_loss_arithmetic():
+    tokens = np.array([[3, 4, 0, 0], [5, 0, 0, 0]], "int32")
+    embedded = keras.layers.Embedding(8, 2, mask_zero=True)(tokens)
+    mask = internals.keras_mask(embedded)
+    np.testing.assert_array_equal(np.asarray(mask), tokens != 0)
+    assert internals.keras_mask(tf.constant([1.0])) is None
+    values = np.array([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]], "float32")
+    weights = np.array([2.0, 1.0], "float32")
+    masked = internals.reduce_weighted_values(values, None, mask, "sum_over_batch_size",
+                                              "float32")
+    assert float(masked) == pytest.approx((1 + 2 + 5) / 3)  # over the 3 valid elements
+    summed = internals.reduce_weighted_values(values, weights[:, None], None, "sum", "float32")
+    assert float(summed) == pytest.approx(2 * 10 + 26)
+    merged = internals.masked_sample_weight(tf.constant(weights[:, None]), tf.constant(mask),
+                                            "float32", "mean_with_sample_weight")
+    np.testing.assert_array_equal(np.asarray(merged), [[2, 2, 0, 0], [1, 0, 0, 0]])
+
+
 def test_flatten_layers_is_recursive_and_own_variables_are_not():
     inner = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3, name="inner_dense")], name="inner")
     inputs = keras.Input((2,))

@@ -116,6 +116,43 @@ def compiled_losses(model: keras.Model) -> list[tuple[str, object]]:
     return [(entry.name, entry.loss) for entry in entries]
 
 
+def compiled_loss_entries(model: keras.Model) -> list | None:
+    """The compiled loss's own list of `(path, loss, loss_weight, name)` entries, in the order
+    it sums them ([] without a compiled loss, None before it is built). Entries may be replaced
+    in place (`entry._replace(loss=...)`): the compiled loss calls what the list holds."""
+    compile_loss = _attribute(model, "_compile_loss", "the compiled loss")
+    if compile_loss is None:
+        return []
+    return _attribute(compile_loss, "_flat_losses", "the compiled loss's list of losses")
+
+
+def compiled_loss_metrics(model: keras.Model) -> list:
+    """The `Mean` metrics behind the `<output>_loss` logs, one per compiled loss in the order of
+    `compiled_loss_entries` (none when the model has a single loss)."""
+    compile_loss = _attribute(model, "_compile_loss", "the compiled loss")
+    return [] if compile_loss is None else list(compile_loss.metrics)
+
+
+def keras_mask(tensor):
+    """The Keras mask a layer (or a loss's `call`) set on `tensor`, or None."""
+    return _module_attribute("keras.src.backend.common.masking", "get_keras_mask",
+                             "Keras's mask of a tensor")(tensor)
+
+
+def reduce_weighted_values(values, sample_weight, mask, reduction: str | None, dtype):
+    """Keras's reduction of a loss's per-element values (`Loss.__call__`'s last step)."""
+    return _module_attribute("keras.src.losses.loss", "reduce_weighted_values",
+                             "how Keras reduces a loss's values")(
+        values, sample_weight=sample_weight, mask=mask, reduction=reduction, dtype=dtype)
+
+
+def masked_sample_weight(sample_weight, mask, dtype, reduction: str | None):
+    """The sample weight Keras reduces a loss with once a mask is merged into it (None: none)."""
+    return _module_attribute("keras.src.losses.loss", "apply_mask",
+                             "how Keras merges a mask into the sample weight")(
+        sample_weight, mask, dtype=dtype, reduction=reduction)
+
+
 def flatten_layers(model: keras.layers.Layer) -> list[keras.layers.Layer]:
     """Every layer inside `model` (recursively), not `model` itself."""
     return list(_attribute(model, "_flatten_layers", "the layers inside a model")(

@@ -3,9 +3,11 @@
 The Keras backend is fixed when Keras is first imported, and this test session runs on
 TensorFlow (tests/conftest.py), so the JAX cases are real subprocesses
 (tests/jax_cases/*.py, KERAS_BACKEND=jax) that print their numbers as JSON; the tests here
-assert on those numbers. Both programs start together at module set-up (they are mostly
-compilation, and two cores run them side by side) and each test waits for the one it needs.
-`data_parallel_cases.py` runs on 8 host devices (XLA_FLAGS), the shape of a TPU v3-8.
+assert on those numbers. Two programs start together at module set-up (they are mostly
+compilation, and two cores run them side by side) and each test waits for the one it needs;
+the third starts after them.
+`data_parallel_cases.py` runs on 8 host devices (XLA_FLAGS), the shape of a TPU v3-8;
+`loss_normalisation_cases.py` runs the loss cases of `loss_cases.py`.
 """
 
 import json
@@ -82,6 +84,17 @@ def accumulation(cases):
 @pytest.fixture(scope="module")
 def data_parallel(cases):
     return cases["data_parallel"].results()
+
+
+@pytest.fixture(scope="module")
+def losses(cases):
+    # Started once the first two are done with, not beside them: three programs on two cores
+    # would each take longer than their timeout allows.
+    for case in cases.values():
+        case.results()
+    case = _Case("loss_normalisation_cases", num_devices=1)
+    yield case.results()
+    case.stop()
 
 
 @pytest.mark.parametrize(
@@ -166,8 +179,43 @@ def test_indivisible_global_batch_names_the_nearest_sizes(accumulation):
 def test_same_checks_as_the_tensorflow_path(accumulation):
     kind, message = accumulation["errors"]["double_accumulation"]
     assert kind == "ValueError" and "`gradient_accumulation_steps=2`" in message
-    kind, message = accumulation["errors"]["sum_reduction"]
-    assert kind == "ValueError" and "reduction='sum'" in message
+
+
+def _assert_whole_batch_step(result):
+    assert result["finite"]
+    assert result["update"] <= 1e-5
+    plain = result["plain_history"]
+    assert result["history"].keys() == plain.keys()
+    for name, values in result["history"].items():  # loss, per-output losses, metrics
+        assert values == pytest.approx(plain[name], rel=1e-5), name
+
+
+@pytest.mark.parametrize("name", ["ignore_class", "mask_zero", "sample_weight:sum_over_batch_size",
+                                  "sample_weight:sum", "sample_weight:mean_with_sample_weight",
+                                  "class_weight:mean_with_sample_weight", "two_outputs",
+                                  "add_loss"])
+def test_every_loss_reduction_gives_the_whole_batch_step(losses, name):
+    # tests/training/loss_cases.py; the same cases as test_accumulation_losses.py on TensorFlow.
+    result = losses["host_loop"][name]
+    _assert_whole_batch_step(result)
+    assert result["warnings"] == []
+
+
+@pytest.mark.parametrize("name", ["add_loss", "two_outputs"])
+def test_masked_groups_in_the_in_graph_loop_and_under_data_parallel(losses, data_parallel, name):
+    _assert_whole_batch_step(losses["in_graph_loop"][name])
+    _assert_whole_batch_step(data_parallel["masked_losses"][name])  # 8 devices
+
+
+def test_a_loss_returning_a_scalar_is_averaged_with_one_warning(losses):
+    result = losses["host_loop"]["scalar_loss"]
+    _assert_whole_batch_step(result)
+    assert len(result["warnings"]) == 1 and "'_scalar_mean_square'" in result["warnings"][0]
+
+
+@pytest.mark.parametrize("name", ["ignore_class", "mask_zero"])
+def test_keras_own_accumulation_is_not_the_whole_batch_step(losses, name):
+    assert losses["keras_accumulation"][name]["update"] > 0.1
 
 
 def test_indivisible_per_replica_batch_names_the_nearest_sizes(data_parallel):

@@ -21,10 +21,6 @@ from tfmem.memory.guard import RunPlan
 from tfmem.runtime.cluster import check_accumulation_steps
 from tfmem.training import remat
 
-# Reductions for which "mean of the k micro-batch losses" == "big-batch loss".
-_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
-
-
 class AccumModel(backend.AccumTrainer, keras.Model):
     """A `keras.Model` that accumulates gradients over micro-batches in one step.
 
@@ -328,7 +324,7 @@ class AccumModel(backend.AccumTrainer, keras.Model):
     # `Model.from_config` revives functional configs through `cls(inputs=...,
     # outputs=..., **config)`, which passes `accumulation_steps` back to __init__.
 
-    # The three hooks the backend's train step calls (`tfmem.training.accumulation_math` lists
+    # The two hooks the backend's train step calls (`tfmem.training.accumulation_math` lists
     # what an `AccumTrainer` needs of this class).
 
     def batch_norm_statistics(self) -> list:
@@ -362,23 +358,6 @@ class AccumModel(backend.AccumTrainer, keras.Model):
                 "Remove `gradient_accumulation_steps` from the optimizer; AccumModel "
                 "accumulates inside each step."
             )
-
-    def check_loss_reductions(self) -> None:
-        """Raises `ValueError` for a compiled loss the mean of micro-batch losses misstates.
-
-        Only the "sum_over_batch_size" reduction (or "mean") averages to the big-batch loss.
-        Called once the micro-step is traced, since the compiled loss is built then.
-        """
-        for name, loss in internals.compiled_losses(self):
-            reduction = getattr(loss, "reduction", "sum_over_batch_size")
-            if reduction not in _MEAN_REDUCTIONS:
-                raise ValueError(
-                    f"AccumModel needs losses reduced with 'sum_over_batch_size' (the "
-                    f"Keras default), but {name or loss!r} uses "
-                    f"reduction={reduction!r}: averaging {self.accumulation_steps} "
-                    "micro-batch losses reduced that way does not give the big-batch "
-                    "loss. Use the loss's default reduction."
-                )
 
 
 class Functional(AccumModel, internals.functional_class()):

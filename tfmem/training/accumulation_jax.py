@@ -13,10 +13,10 @@ with `k`, and only one micro-batch of activations is alive at a time):
 
 - **Gradients** are summed in float32 (float64 for float64 weights) and the optimizer sees
   their mean once: one `optimizer.stateless_apply`, so `optimizer.iterations`, LR schedules
-  and callbacks count real updates. With Keras's default loss reduction
-  (`"sum_over_batch_size"`: the weighted sum divided by the number of samples) the mean of k
-  equal micro-batch losses *is* the loss of the whole batch, sample weights included, so the
-  update equals one plain step on the global batch.
+  and callbacks count real updates. A loss Keras divides by a count that differs between
+  micro-batches (a mask, `ignore_class`, "mean_with_sample_weight") has its own sums, divided
+  by its summed count (`tfmem.training.loss_terms`), so the update equals one plain step on
+  the global batch.
 - **Loss scaling** (`mixed_float16`, Keras wraps the optimizer in a `LossScaleOptimizer`):
   each micro-batch loss is multiplied by the current scale; the scaled sum is unscaled once by
   `LossScaleOptimizer.stateless_apply`. A non-finite value in any micro-batch makes the sum
@@ -32,7 +32,9 @@ with `k`, and only one micro-batch of activations is alive at a time):
   Under a `keras.distribution` the JAX program is global, so a micro-batch's statistics are
   those of all its rows on every device (TensorFlow's `MirroredStrategy` uses per-replica ones).
 - **Metrics** are updated once per micro-batch with that micro-batch's rows; Keras metrics
-  accumulate totals and counts, so the logged values equal those of the whole batch.
+  accumulate totals and counts, so the logged values equal those of the whole batch. The
+  logged losses (`loss`, and a counted or summed loss's `<output>_loss`) move once, by the
+  window's value.
 
 The split is the TensorFlow path's: each replica's rows of the global batch are cut into k
 contiguous blocks, and micro-batch `j` is block `j` of every replica. Under
@@ -52,7 +54,7 @@ from keras import tree
 
 from tfmem import _keras_internals as internals
 from tfmem.runtime.cluster import split_batch
-from tfmem.training import micro_batches, placement
+from tfmem.training import loss_terms, micro_batches, placement
 from tfmem.training.accumulation_math import (
     AccumulationState,
     accumulator_dtype,
@@ -66,7 +68,7 @@ class AccumTrainer:
 
     The class it is mixed into is a `keras.Model` with the hooks that
     `tfmem.training.accumulation_math` lists: `accumulation_steps`,
-    `check_accumulation_setup()`, `check_loss_reductions()` and `batch_norm_statistics()`.
+    `check_accumulation_setup()` and `batch_norm_statistics()`.
     A step is pure: the micro-batch loop carries an `AccumulationState` (sums, the
     non-trainable values other than the BatchNorm statistics, the metric variables) through
     `_micro_step`, and `_update` turns it into the new Keras state.
@@ -86,6 +88,11 @@ class AccumTrainer:
         self.train_function = internals.jax_train_function(self, HostLoopStep(self))
 
 
+# Traces of a micro-step per step at most: the model's last layout, the one the compiled loss
+# has once Keras builds it (on its first call), and that one's (`loss_terms.Layout`).
+_TRACES = 3
+
+
 def train_step(model: keras.Model, state: tuple, data) -> tuple[dict, tuple]:
     """One optimizer update from `model.accumulation_steps` micro-batches of `data`.
 
@@ -103,8 +110,7 @@ def train_step(model: keras.Model, state: tuple, data) -> tuple[dict, tuple]:
 
     Raises:
         ValueError: the batch of a replica is not divisible by `accumulation_steps`; the
-            optimizer accumulates too (`gradient_accumulation_steps`); a loss reduction other
-            than the mean.
+            optimizer accumulates too (`gradient_accumulation_steps`).
 
     Example:
         >>> # KERAS_BACKEND=jax: AccumModel.train_step(state, data) calls this.
@@ -121,26 +127,35 @@ def train_step(model: keras.Model, state: tuple, data) -> tuple[dict, tuple]:
     is_averaged = _averaged_flags(model)
     statistics = _select(non_trainable, is_averaged, True)
     micro_batches = _split(_unpack(data), num_steps, _num_batch_shards())
+    starts = _loss_metric_starts(model, metrics_variables)
+    for attempt in range(_TRACES):  # again only when the trace finds the loss sums other parts
+        layout = loss_terms.stored_layout(model)
 
-    def body(carry, micro_batch):
-        carry = _micro_step(
-            model, is_averaged, trainable, statistics, optimizer_variables, carry, micro_batch)
-        return carry, None
+        def body(carry, micro_batch):
+            carry = _micro_step(model, is_averaged, trainable, statistics, optimizer_variables,
+                                carry, micro_batch, layout)
+            return carry, None
 
-    carry = AccumulationState(
-        gradient_sums=[jnp.zeros(v.shape, accumulator_dtype(v.dtype)) for v in trainable],
-        statistic_deltas=[jnp.zeros(v.shape, accumulator_dtype(v.dtype)) for v in statistics],
-        carried=_select(non_trainable, is_averaged, False),
-        metrics_variables=list(metrics_variables),
-    )
-    # A rolled loop (an XLA while loop) is what keeps one micro-batch of activations alive:
-    # unrolled, XLA schedules the k micro-batches like one big batch (4 convolutions at 96×96,
-    # 8 micro-batches of 8: 620 MB of temporaries unrolled, 76 MB rolled, even with an
-    # optimization barrier between them).
-    carry, _ = jax.lax.scan(body, carry, micro_batches)
-    # The compiled loss is built while the micro-step traces, so its reduction is checked here.
-    model.check_loss_reductions()
-    return _update(model, is_averaged, trainable, statistics, optimizer_variables, carry)
+        carry = _laid_out(AccumulationState(
+            gradient_sums=[jnp.zeros(v.shape, accumulator_dtype(v.dtype)) for v in trainable],
+            statistic_deltas=[jnp.zeros(v.shape, accumulator_dtype(v.dtype))
+                              for v in statistics],
+            loss_sum=jnp.zeros((), accumulator_dtype(model.compute_dtype)),
+            carried=_select(non_trainable, is_averaged, False),
+            metrics_variables=list(metrics_variables),
+        ), layout)
+        # A rolled loop (an XLA while loop) is what keeps one micro-batch of activations
+        # alive: unrolled, XLA schedules the k micro-batches like one big batch (4
+        # convolutions at 96×96, 8 micro-batches of 8: 620 MB of temporaries unrolled, 76 MB
+        # rolled, even with an optimization barrier between them).
+        try:
+            carry, _ = jax.lax.scan(body, carry, micro_batches)
+            break
+        except loss_terms.LayoutChanged:
+            if attempt == _TRACES - 1:
+                raise
+    return _update(model, is_averaged, trainable, statistics, optimizer_variables, carry,
+                   starts, _num_rows(data))
 
 
 class HostLoopStep:
@@ -176,20 +191,30 @@ class HostLoopStep:
         statistics = _select(non_trainable, is_averaged, True)
         # Every argument committed to its device, as the micro-step's outputs are: JAX compiles
         # a function again for arguments that differ only in being committed.
-        carry = _committed(AccumulationState(
+        # The loss metrics' values before the window (copies: the carry's are donated).
+        starts = [jnp.copy(v) for v in _loss_metric_starts(model, metrics_variables)]
+        carry = AccumulationState(
             gradient_sums=_zeros_like(trainable),
             statistic_deltas=_zeros_like(statistics),
+            loss_sum=_replicated_zero(trainable, accumulator_dtype(model.compute_dtype)),
             carried=_select(non_trainable, is_averaged, False),
             metrics_variables=list(metrics_variables),
-        ))
+        )
         fixed = _committed((trainable, statistics, optimizer_variables))
         # Host arrays (numpy, from Keras's iterator) moved once, not once per micro-step.
         data = jax.tree_util.tree_map(
             lambda leaf: jax.device_put(leaf) if isinstance(leaf, np.ndarray) else leaf, data)
-        for index in range(model.accumulation_steps):
-            carry = self.micro_step(carry, fixed, data, index)
-        model.check_loss_reductions()
-        return self.update(fixed, **carry._asdict())
+        start = carry
+        for attempt in range(_TRACES):  # again only when the loss sums other parts
+            carry = _committed(_laid_out(start, loss_terms.stored_layout(model)))
+            try:
+                for index in range(model.accumulation_steps):
+                    carry = self.micro_step(carry, fixed, data, index)
+                break
+            except loss_terms.LayoutChanged:  # raised while tracing: nothing was donated yet
+                if attempt == _TRACES - 1:
+                    raise
+        return self.update(fixed, starts=starts, num_rows=_num_rows(data), **carry._asdict())
 
     def _micro_step(self, carry, fixed, data, index):
         model = self.model
@@ -199,37 +224,68 @@ class HostLoopStep:
         micro_batch = jax.tree_util.tree_map(lambda leaf: leaf[index], micro_batches)
         trainable, statistics, optimizer_variables = fixed
         return _micro_step(model, _averaged_flags(model), trainable, statistics,
-                           optimizer_variables, carry, micro_batch)
+                           optimizer_variables, carry, micro_batch,
+                           loss_terms.stored_layout(model))
 
-    def _update(self, fixed, carried, metrics_variables, **sums):
+    def _update(self, fixed, carried, metrics_variables, starts, num_rows, **sums):
         trainable, statistics, optimizer_variables = fixed
         carry = AccumulationState(carried=carried, metrics_variables=metrics_variables, **sums)
         return _update(self.model, _averaged_flags(self.model), trainable, statistics,
-                       optimizer_variables, carry)
+                       optimizer_variables, carry, starts, num_rows)
 
 
 def _micro_step(model, is_averaged, trainable, statistics, optimizer_variables, carry,
-                micro_batch):
-    """Forward + backward of one micro-batch, added into `carry`; returns the new carry."""
+                micro_batch, layout):
+    """Forward + backward of one micro-batch, added into `carry`; returns the new carry.
+
+    `layout` is the loss's layout the carry has (`loss_terms`); a trace that finds another
+    stores it and raises `loss_terms.LayoutChanged`, and the caller traces again.
+    """
     micro_x, micro_y, micro_weight = _assemble(micro_batch)
     # BatchNorm statistics restart from the step's value in every micro-batch and their changes
     # are averaged; all other state (seed generators, custom state) is carried from one
     # micro-batch to the next.
     non_trainable_in = _merge(is_averaged, statistics, carry.carried)
-    grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
-    (_, aux), grads = grad_fn(
-        trainable,
-        non_trainable_in,
-        carry.metrics_variables,
-        micro_x,
-        micro_y,
-        micro_weight,
-        training=True,
-        optimizer_variables=optimizer_variables,
-    )
+    found = []
+
+    def group_losses(trainable):
+        with loss_terms.recording(model) as record:
+            loss, aux = model.compute_loss_and_updates(
+                trainable, non_trainable_in, carry.metrics_variables, micro_x, micro_y,
+                micro_weight, training=True, optimizer_variables=optimizer_variables)
+        parts = loss_terms.split(aux[0], record, model.accumulation_steps)
+        found.append(parts.layout)
+        if parts.layout == loss_terms.SINGLE:
+            losses = [loss]  # Keras's own, scaled
+        else:
+            mapping = list(zip(model.optimizer.variables, optimizer_variables))
+            with keras.StatelessScope(state_mapping=mapping):
+                losses = [model.optimizer.scale_loss(part) for part in parts.losses]
+        return losses, (aux, parts.report, parts.term_sums)
+
+    def first_loss(trainable):
+        losses, rest = group_losses(trainable)
+        return losses[0], rest
+
+    def stacked_losses(trainable):
+        losses, rest = group_losses(trainable)
+        return jnp.stack(losses), rest
+
+    if layout.num_groups == 1:
+        (_, (aux, report, term_sums)), grads = jax.value_and_grad(
+            first_loss, has_aux=True)(trainable)
+        group_grads = [grads]
+    else:  # one backward pass per gradient group, from one forward pass
+        losses, vjp, (aux, report, term_sums) = jax.vjp(stacked_losses, trainable, has_aux=True)
+        group_grads = [vjp(jnp.eye(layout.num_groups, dtype=losses.dtype)[group])[0]
+                       for group in range(layout.num_groups)]
+    if found[0] != layout:
+        loss_terms.store_layout(model, found[0])
+        raise loss_terms.LayoutChanged(found[0])
     unscaled_loss, y_pred, non_trainable_out, metrics_variables = aux
-    gradient_sums = [
-        total + g.astype(total.dtype) for total, g in zip(carry.gradient_sums, grads)
+    gradient_sums, *group_gradient_sums = [
+        [total + g.astype(total.dtype) for total, g in zip(sums, grads)]
+        for sums, grads in zip((carry.gradient_sums, *carry.group_gradient_sums), group_grads)
     ]
     statistic_deltas = [
         total + (new - old).astype(total.dtype)
@@ -244,27 +300,89 @@ def _micro_step(model, is_averaged, trainable, statistics, optimizer_variables, 
     )
     return carry._replace(
         gradient_sums=gradient_sums,
+        group_gradient_sums=group_gradient_sums,
         statistic_deltas=statistic_deltas,
+        loss_sum=carry.loss_sum + report.astype(carry.loss_sum.dtype),
+        term_sums=[[total + part.astype(total.dtype) for total, part in zip(sums, new)]
+                   for sums, new in zip(carry.term_sums, term_sums)],
         carried=_select(non_trainable_out, is_averaged, False),
         metrics_variables=metrics_variables,
     )
 
 
-def _update(model, is_averaged, trainable, statistics, optimizer_variables, carry):
-    """The optimizer update with the mean gradient, and the averaged statistics: `(logs, state)`."""
+def _laid_out(carry: AccumulationState, layout: loss_terms.Layout) -> AccumulationState:
+    """`carry` with zero sums for `layout`'s further gradient groups and tracked losses."""
+    # Each zero an array of its own: the host loop's micro-step donates every one.
+    return carry._replace(
+        group_gradient_sums=[[jnp.zeros_like(total) for total in carry.gradient_sums]
+                             for _ in range(layout.num_groups - 1)],
+        term_sums=[[jnp.zeros_like(carry.loss_sum), jnp.zeros_like(carry.loss_sum)]
+                   for _ in layout.tracked],
+    )
+
+
+def _update(model, is_averaged, trainable, statistics, optimizer_variables, carry, starts,
+            num_rows):
+    """The optimizer update with the window's gradient, the averaged statistics and the
+    window's loss logs: `(logs, state)`."""
     num_steps = model.accumulation_steps
-    # The mean of the k (possibly loss-scaled) micro-batch gradients; a LossScaleOptimizer
-    # unscales it and skips the update if any micro-batch produced an inf or a NaN.
-    grads = [mean(total, num_steps).astype(v.dtype)
-             for total, v in zip(carry.gradient_sums, trainable)]
+    layout = loss_terms.stored_layout(model)
+    # The mean of the k (possibly loss-scaled) micro-batch gradients (a counted loss's: their
+    # sum over its summed count); a LossScaleOptimizer unscales it and skips the update if any
+    # micro-batch produced an inf or a NaN.
+    grads = loss_terms.window_gradient(
+        layout, [carry.gradient_sums, *carry.group_gradient_sums], carry.term_sums, num_steps,
+        mean)
+    grads = [g.astype(v.dtype) for g, v in zip(grads, trainable)]
     trainable, optimizer_variables = model.optimizer.stateless_apply(
         optimizer_variables, grads, trainable
     )
     averaged = [average_statistic(old, delta_sum, num_steps)
                 for old, delta_sum in zip(statistics, carry.statistic_deltas)]
     non_trainable = _merge(is_averaged, averaged, carry.carried)
-    logs = _metrics_result(model, carry.metrics_variables)
-    return logs, (trainable, non_trainable, optimizer_variables, carry.metrics_variables)
+    metrics_variables = _log_losses(model, layout, carry, starts, num_rows)
+    logs = _metrics_result(model, metrics_variables)
+    return logs, (trainable, non_trainable, optimizer_variables, metrics_variables)
+
+
+def _loss_metrics(model: keras.Model) -> list:
+    """The loss tracker and the compiled losses' own `Mean`s (`<output>_loss`)."""
+    return [internals.loss_tracker(model), *internals.compiled_loss_metrics(model)]
+
+
+def _loss_metric_starts(model: keras.Model, metrics_variables) -> list:
+    """The values the loss metrics' variables have in `metrics_variables`."""
+    positions = {id(v): i for i, v in enumerate(model.metrics_variables)}
+    return [metrics_variables[positions[id(v)]]
+            for metric in _loss_metrics(model) for v in metric.variables]
+
+
+def _log_losses(model, layout, carry, starts, num_rows) -> list:
+    """The metric variables with the loss tracker (and each tracked loss's own `Mean`) moved
+    once by the window's value, from their values before the window, as one step on the whole
+    batch moves them; the others as the micro-steps left them."""
+    loss, term_values = loss_terms.window_values(
+        layout, carry.loss_sum, carry.term_sums, model.accumulation_steps, mean)
+    metrics = _loss_metrics(model)
+    tracker, per_loss = metrics[0], metrics[1:]
+    updates = [(tracker, loss)] + [(per_loss[index], value) for (index, _, _), value
+                                   in zip(layout.tracked, term_values) if index < len(per_loss)]
+    start_of = dict(zip([id(v) for metric in metrics for v in metric.variables], starts))
+    restarted = {id(v) for metric, _ in updates for v in metric.variables}
+    values = [start_of[id(v)] if id(v) in restarted else value
+              for v, value in zip(model.metrics_variables, carry.metrics_variables)]
+    mapping = list(zip(model.metrics_variables, values))
+    with keras.StatelessScope(state_mapping=mapping) as scope:
+        for metric, value in updates:
+            metric.update_state(value, sample_weight=num_rows)
+    return [scope.get_current_value(v) if scope.get_current_value(v) is not None else value
+            for v, value in mapping]
+
+
+def _num_rows(data) -> int:
+    """The rows of the batch (of its first input), as Keras weighs a step's logged loss."""
+    x, _, _ = _unpack(data)
+    return next(leaf for leaf in tree.flatten(x) if leaf is not None).shape[0]
 
 
 def _platform() -> str:
@@ -288,6 +406,14 @@ def _averaged_flags(model: keras.Model) -> list[bool]:
 def _zeros_like(values: list) -> list:
     """Accumulator zeros shaped and placed like `values` (replicated where they are)."""
     return [jnp.zeros(v.shape, accumulator_dtype(v.dtype), device=v.sharding) for v in values]
+
+
+def _replicated_zero(values: list, dtype):
+    """A scalar 0 on every device the first of `values` is on (replicated like the sums)."""
+    sharding = getattr(values[0], "sharding", None) if values else None
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    return jnp.zeros((), dtype, device=sharding)
 
 
 def _committed(values):

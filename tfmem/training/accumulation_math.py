@@ -2,7 +2,8 @@
 
 A window is `k = accumulation_steps` micro-batches and one optimizer update
 (docs/accumulation.md). Its sums are kept in `accumulator_dtype`; the update takes their
-`mean`, and each BatchNorm statistic ends at `average_statistic`. `AccumulationState` is what
+`mean` (for a loss Keras divides by a count that differs between micro-batches, their sum over
+the summed count: `loss_terms`), and each BatchNorm statistic ends at `average_statistic`. `AccumulationState` is what
 the micro-batch loop carries. The rules use `keras.ops` (or Python operators), so one
 definition runs inside a TensorFlow graph and inside a JAX `jit`; this module imports neither
 framework itself (the planner imports no TensorFlow).
@@ -13,9 +14,6 @@ into (`AccumModel`): a `keras.Model` with
 * `accumulation_steps`: `k`, an integer >= 1 (or "auto" until `fit` chooses it);
 * `check_accumulation_setup()`: raises `ValueError` when no step can run (`k` still "auto",
   an optimizer that accumulates gradients too); called before each step;
-* `check_loss_reductions()`: raises `ValueError` for a compiled loss whose micro-batch mean
-  is not the big-batch loss; called after the micro-step is traced (the compiled loss is built
-  then);
 * `batch_norm_statistics()`: the variables averaged over the window (`average_statistic`)
   rather than threaded through the micro-batches.
 """
@@ -38,13 +36,17 @@ class AccumulationState(NamedTuple):
 
     Attributes:
         gradient_sums: per trainable variable, the sum of its micro-batch gradients (scaled by
-            the loss scale, if any), in `accumulator_dtype`.
+            the loss scale, if any), in `accumulator_dtype`: those of the first gradient group
+            (`loss_terms.Layout`; the only one unless a loss is divided by a varying count).
         statistic_deltas: per BatchNorm statistic, the sum of the changes each micro-batch
             made to it from the window's start, in `accumulator_dtype`.
-        loss_sum: the sum of the micro-batch losses (TensorFlow).
+        loss_sum: the sum of the micro-batch losses (the fixed group's part of them).
         carried: the other non-trainable values, threaded from one micro-batch to the next
             (JAX).
         metrics_variables: the metric variables' values (JAX).
+        group_gradient_sums: per further gradient group, its `gradient_sums`.
+        term_sums: per tracked loss (`loss_terms.Layout.tracked`), the sums of its
+            numerators and counts.
     """
 
     gradient_sums: list
@@ -52,6 +54,8 @@ class AccumulationState(NamedTuple):
     loss_sum: Any = ()
     carried: list | tuple = ()
     metrics_variables: list | tuple = ()
+    group_gradient_sums: list | tuple = ()
+    term_sums: list | tuple = ()
 
 
 def accumulator_dtype(dtype) -> str:

@@ -17,7 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmem import _keras_internals as internals
-from tfmem.training import micro_batches
+from tfmem.training import loss_terms, micro_batches
 from tfmem.runtime.cluster import split_batch
 from tfmem.training import placement
 from tfmem.training.accumulation_math import (
@@ -33,7 +33,7 @@ class AccumTrainer:
 
     The class it is mixed into is a `keras.Model` with the hooks that
     `tfmem.training.accumulation_math` lists: `accumulation_steps`,
-    `check_accumulation_setup()`, `check_loss_reductions()` and `batch_norm_statistics()`.
+    `check_accumulation_setup()` and `batch_norm_statistics()`.
     A step checks and splits the batch, runs `_micro_step` on each micro-batch over an
     `AccumulationState` (`_accumulate`), and applies the window's one update (`_update`).
     Metrics and other layer state (dropout seeds) are TensorFlow variables, updated in place.
@@ -61,10 +61,9 @@ class AccumTrainer:
         with tf.control_dependencies(checks):
             split = tf.nest.map_structure(lambda t: None if t is None else _split(t, k), batch)
         window = _window(self)
-        carry, has_gradient = _accumulate(self, window, split, k, self._xla_loop_on_host())
-        # The compiled loss is built while the micro-step traces, so check it here.
-        self.check_loss_reductions()
-        _update(self, window, carry, has_gradient, dynamic_batch, checks)
+        carry, has_gradient, layout = _accumulate(self, window, split, k,
+                                                  self._xla_loop_on_host())
+        _update(self, window, layout, carry, has_gradient, dynamic_batch, checks)
         return self._multi_worker_logs(self.get_metrics_result())
 
     def make_train_function(self, force=False):
@@ -134,6 +133,7 @@ class _Window(NamedTuple):
     variables: list  # the trainable variables, in `gradient_sums` order
     statistics: list  # the BatchNorm statistics, in `statistic_deltas` order
     starts: list  # their values before the window
+    loss_metrics: list  # per compiled loss, `(metric, [(variable, value before the window)])`
 
 
 def _window(model: keras.Model) -> _Window:
@@ -141,39 +141,57 @@ def _window(model: keras.Model) -> _Window:
     if not variables:
         warnings.warn("The model does not have any trainable weights.")
     statistics = model.batch_norm_statistics()
-    return _Window(variables, statistics, [tf.identity(v.value) for v in statistics])
+    loss_metrics = [(metric, [(v, tf.identity(v.value)) for v in metric.variables])
+                    for metric in internals.compiled_loss_metrics(model)]
+    return _Window(variables, statistics, [tf.identity(v.value) for v in statistics],
+                   loss_metrics)
 
 
 def _accumulate(model: keras.Model, window: _Window, split, k: int,
-                xla_loop_on_host: bool) -> tuple[AccumulationState, list[bool]]:
+                xla_loop_on_host: bool) -> tuple[AccumulationState, list, loss_terms.Layout]:
     """Runs `_micro_step` on the `k` micro-batches of `split`, one after the other.
 
-    Returns the final carry and, per trainable variable, whether it got a gradient. That is a
-    property of the graph, not of the values: it is read from the micro-step's one trace (from
-    its first call, when running eagerly), where such a variable's sum is None.
+    Returns the final carry; per gradient group, per trainable variable, whether it got a
+    gradient; and the loss's `Layout`. Both are properties of the graph, not of the values:
+    they are read from the micro-step's trace (from its first call, when running eagerly),
+    where a variable without a gradient has None for its sum. The carry is laid out as the
+    model's last trace found; a trace that finds another layout is made again with it.
     """
-    carry = AccumulationState(
+    layout = loss_terms.stored_layout(model)
+    carry = _laid_out(AccumulationState(
         gradient_sums=[tf.zeros(v.shape, accumulator_dtype(v.dtype)) for v in window.variables],
         statistic_deltas=[tf.zeros(s.shape, accumulator_dtype(s.dtype)) for s in window.starts],
         loss_sum=tf.zeros((), accumulator_dtype(model.compute_dtype)),
-    )
+    ), layout)
 
     def micro_batch_at(i):
         return tf.nest.map_structure(lambda t: None if t is None else _micro_batch(t, i, k), split)
 
-    def step(carry, micro_batch):
-        return _micro_step(model, window, carry, micro_batch)
+    def step(carry, micro_batch, traced_again_if_new=False):
+        return _micro_step(model, window, carry, micro_batch, traced_again_if_new)
 
     if tf.executing_eagerly():  # `run_eagerly`: the loop runs in Python, as `tf.while_loop` would
-        return _one_after_another(step, carry, micro_batch_at, k)
+        return _one_after_another(model, step, carry, micro_batch_at, k)
     # The micro-step is traced once, as a function that every iteration calls (TensorFlow
     # inlines it; micro-batch 0 only gives the argument types). On a host-loop platform
     # (`tfmem.training.placement`) the step runs without XLA and the micro-step is one loop-free
     # XLA program. It takes the micro-batch, not its index: XLA needs slice bounds as
     # compile-time constants, so an index would compile k programs.
-    traced = tf.function(step, jit_compile=True if xla_loop_on_host else None, autograph=False)
+    def trace(carry):
+        function = tf.function(lambda carry, micro_batch: step(carry, micro_batch, True),
+                               jit_compile=True if xla_loop_on_host else None, autograph=False)
+        return function.get_concrete_function(carry, micro_batch_at(tf.constant(0)))
+
     try:
-        traced = traced.get_concrete_function(carry, micro_batch_at(tf.constant(0)))
+        traced = trace(carry)
+        # Traced again when the loss sums other parts than the carry has; twice at most (the
+        # first trace builds the compiled loss if the model had not).
+        for _ in range(2):
+            if loss_terms.stored_layout(model) == layout:
+                break
+            layout = loss_terms.stored_layout(model)
+            carry = _laid_out(carry, layout)
+            traced = trace(carry)
     except RuntimeError as error:
         if "merge_call" not in str(error):
             raise
@@ -187,7 +205,7 @@ def _accumulate(model: keras.Model, window: _Window, split, k: int,
             f"{k} micro-steps one after another instead: the same training, but the graph and "
             "the first step's tracing grow with accumulation_steps (fewer steps, a larger "
             "micro-batch, cost less).", stacklevel=2)
-        return _one_after_another(step, carry, micro_batch_at, k)
+        return _one_after_another(model, step, carry, micro_batch_at, k)
     _, carry = tf.while_loop(
         lambda i, _: i < k,
         lambda i, carry: (i + 1, _keep_sums(carry, traced(carry, micro_batch_at(i)))),
@@ -197,11 +215,11 @@ def _accumulate(model: keras.Model, window: _Window, split, k: int,
         parallel_iterations=1,
         maximum_iterations=k,
     )
-    return carry, _has_gradient(traced.structured_outputs)
+    return carry, _has_gradient(traced.structured_outputs), layout
 
 
-def _one_after_another(step, carry: AccumulationState, micro_batch_at,
-                       k: int) -> tuple[AccumulationState, list[bool]]:
+def _one_after_another(model: keras.Model, step, carry: AccumulationState, micro_batch_at,
+                       k: int) -> tuple[AccumulationState, list, loss_terms.Layout]:
     """`_accumulate`'s loop written out: `step` on each of the `k` micro-batches in turn.
 
     Traced, micro-batch `i + 1` is taken only once micro-step `i`'s sums exist (its index is
@@ -212,7 +230,7 @@ def _one_after_another(step, carry: AccumulationState, micro_batch_at,
         index = tf.constant(i) if i == 0 or tf.executing_eagerly() else _after_sums(carry, i)
         stepped = step(carry, micro_batch_at(index))
         carry = _keep_sums(carry, stepped)
-    return carry, _has_gradient(stepped)
+    return carry, _has_gradient(stepped), loss_terms.stored_layout(model)
 
 
 def _after_sums(carry: AccumulationState, i: int) -> tf.Tensor:
@@ -220,29 +238,46 @@ def _after_sums(carry: AccumulationState, i: int) -> tf.Tensor:
     first element of each is added to it (`remat_tf.zero_after`; a NaN one adds 0 too)."""
     from tfmem.training.remat_tf import zero_after
 
-    zero = zero_after([*carry.gradient_sums, *carry.statistic_deltas, carry.loss_sum])
+    zero = zero_after([*carry.gradient_sums, *carry.statistic_deltas, carry.loss_sum,
+                       *tf.nest.flatten(carry.group_gradient_sums)])
     return i + tf.minimum(tf.cast(tf.math.is_nan(zero), tf.int32), 0)
 
 
 def _micro_step(model: keras.Model, window: _Window, carry: AccumulationState,
-                micro_batch: tuple) -> AccumulationState:
+                micro_batch: tuple, traced_again_if_new: bool = False) -> AccumulationState:
     """Forward + backward of one micro-batch `(x, y, sample_weight)`, added into `carry`.
 
     Returns the new carry, in which a variable that got no gradient has None for its sum, as
-    `tape.gradient` has None for its gradient (`_keep_sums` puts the sum back).
+    `tape.gradient` has None for its gradient (`_keep_sums` puts the sum back). Each gradient
+    group of the loss (`loss_terms`) has its own sums; the carry takes the layout the loss has.
+    `traced_again_if_new`: this trace is discarded when it finds a layout other than the
+    stored one (`_accumulate`), so it may assume the stored one.
     """
     x, y, sample_weight = micro_batch
-    with tf.GradientTape() as tape:
+    # Several gradient groups take one gradient each from the tape.
+    persistent = not traced_again_if_new or loss_terms.stored_layout(model).num_groups > 1
+    with tf.GradientTape(persistent=persistent) as tape:
         y_pred = model(x, training=True) if internals.call_has_training_arg(model) else model(x)
-        loss = internals.compute_loss(
-            model, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
-        )
-        scaled = model.optimizer.scale_loss(loss) if model.optimizer else loss
-    grads = tape.gradient(scaled, window.variables) if window.variables else []
-    gradient_sums = [
-        None if g is None else total + tf.cast(tf.convert_to_tensor(g), total.dtype)
-        for total, g in zip(carry.gradient_sums, grads)
-    ]
+        with loss_terms.recording(model) as record:
+            loss = internals.compute_loss(
+                model, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+            )
+        parts = loss_terms.split(loss, record, model.accumulation_steps)
+        scaled = [model.optimizer.scale_loss(part) if model.optimizer else part
+                  for part in parts.losses]
+    loss_terms.store_layout(model, parts.layout)
+    carry = _laid_out(carry, parts.layout)
+    group_sums = []
+    for group, (sums, part) in enumerate(zip([carry.gradient_sums,
+                                              *carry.group_gradient_sums], scaled)):
+        # A tape that is not persistent gives one gradient; this trace is then made again.
+        grads = (tape.gradient(part, window.variables) if window.variables
+                 and (group == 0 or persistent) else [None] * len(window.variables))
+        group_sums.append([
+            None if g is None else total + tf.cast(tf.convert_to_tensor(g), total.dtype)
+            for total, g in zip(sums, grads)
+        ])
+    del tape
     # Collect this micro-batch's change of the BN statistics, then rewind them so
     # every micro-batch steps from the same start (docs/accumulation.md).
     statistic_deltas = [
@@ -253,40 +288,78 @@ def _micro_step(model: keras.Model, window: _Window, carry: AccumulationState,
         v.assign(start)
     model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
     return carry._replace(
-        gradient_sums=gradient_sums,
+        gradient_sums=group_sums[0],
+        group_gradient_sums=group_sums[1:],
         statistic_deltas=statistic_deltas,
-        loss_sum=carry.loss_sum + tf.cast(loss, carry.loss_sum.dtype),
+        loss_sum=carry.loss_sum + tf.cast(parts.report, carry.loss_sum.dtype),
+        term_sums=[[total + tf.cast(part, total.dtype) for total, part in zip(sums, new)]
+                   for sums, new in zip(carry.term_sums, parts.term_sums)],
+    )
+
+
+def _laid_out(carry: AccumulationState, layout: loss_terms.Layout) -> AccumulationState:
+    """`carry` with the sums of `layout`'s gradient groups and tracked losses: those it has,
+    zeros for those it lacks."""
+    return _with_sums(carry, layout.num_groups - 1, len(layout.tracked))
+
+
+def _with_sums(carry: AccumulationState, num_groups: int, num_terms: int) -> AccumulationState:
+    groups = list(carry.group_gradient_sums)[:num_groups]
+    terms = list(carry.term_sums)[:num_terms]
+    zero = tf.zeros((), carry.loss_sum.dtype)
+    return carry._replace(
+        group_gradient_sums=groups + [[tf.zeros_like(total) for total in carry.gradient_sums]
+                                      for _ in range(num_groups - len(groups))],
+        term_sums=terms + [[zero, zero] for _ in range(num_terms - len(terms))],
     )
 
 
 def _keep_sums(carry: AccumulationState, stepped: AccumulationState) -> AccumulationState:
     """`stepped`, with the sums it has None for (no gradient) taken from `carry`."""
-    return stepped._replace(gradient_sums=[
-        total if new is None else new
-        for total, new in zip(carry.gradient_sums, stepped.gradient_sums)
-    ])
+    carry = _with_sums(carry, len(stepped.group_gradient_sums), len(stepped.term_sums))
+
+    def kept(totals, news):
+        return [total if new is None else new for total, new in zip(totals, news)]
+
+    return stepped._replace(
+        gradient_sums=kept(carry.gradient_sums, stepped.gradient_sums),
+        group_gradient_sums=[kept(totals, news) for totals, news in
+                             zip(carry.group_gradient_sums, stepped.group_gradient_sums)],
+    )
 
 
-def _has_gradient(stepped: AccumulationState) -> list[bool]:
-    return [total is not None for total in stepped.gradient_sums]
+def _has_gradient(stepped: AccumulationState) -> list[list[bool]]:
+    """Per gradient group, per trainable variable: whether it got a gradient."""
+    return [[total is not None for total in sums]
+            for sums in (stepped.gradient_sums, *stepped.group_gradient_sums)]
 
 
-def _update(model: keras.Model, window: _Window, carry: AccumulationState,
-            has_gradient: list[bool], dynamic_batch: tf.Tensor, checks: list) -> None:
-    """The window's one update: the BatchNorm statistics, the logged loss, the mean gradient."""
+def _update(model: keras.Model, window: _Window, layout: loss_terms.Layout,
+            carry: AccumulationState, has_gradient: list, dynamic_batch: tf.Tensor,
+            checks: list) -> None:
+    """The window's one update: the BatchNorm statistics, the logged losses, the gradient."""
     k = model.accumulation_steps
     for v, start, delta_sum in zip(window.statistics, window.starts, carry.statistic_deltas):
         v.assign(average_statistic(start, delta_sum, k))
     # The logged loss is the mean over replicas: Keras sums replica logs, so each replica
     # reports its loss × replicas (as Keras's own step does).
     replicas = tf.distribute.get_strategy().num_replicas_in_sync
-    internals.loss_tracker(model).update_state(
-        mean(carry.loss_sum, k) * replicas,
-        sample_weight=dynamic_batch,
-    )
+    loss, term_values = loss_terms.window_values(layout, carry.loss_sum, carry.term_sums, k,
+                                                 mean)
+    internals.loss_tracker(model).update_state(loss * replicas, sample_weight=dynamic_batch)
+    # A tracked loss's own log (`<output>_loss`) takes the window's value once, as on the
+    # whole batch, instead of its k micro-batch values.
+    for (index, _, _), value in zip(layout.tracked, term_values):
+        if index < len(window.loss_metrics):
+            metric, starts = window.loss_metrics[index]
+            for v, start in starts:
+                v.assign(start)
+            metric.update_state(value * replicas, sample_weight=dynamic_batch)
     if window.variables:
-        grads = [mean(total, k) if used else None
-                 for total, used in zip(carry.gradient_sums, has_gradient)]
+        group_sums = [[total if used else None for total, used in zip(sums, flags)]
+                      for sums, flags in zip((carry.gradient_sums, *carry.group_gradient_sums),
+                                             has_gradient)]
+        grads = loss_terms.window_gradient(layout, group_sums, carry.term_sums, k, mean)
         with tf.control_dependencies(checks):  # `optimizer.iterations` moves only then
             model.optimizer.apply_gradients(zip(grads, window.variables))
 

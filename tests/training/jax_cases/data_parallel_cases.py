@@ -104,5 +104,12 @@ try:
     results["indivisible"] = None
 except ValueError as error:
     results["indivisible"] = str(error)
+# Masked losses under DataParallel: 8 copies of a loss case's rows, one per device, against a
+# keras.Model under the same distribution (the counts are those of all devices' rows).
+from tests.training import loss_cases  # noqa: E402
+
+with runtime.scope():
+    results["masked_losses"] = {name: loss_cases.run(name, repeat=8)
+                                for name in ("add_loss", "two_outputs")}
 results["peak_bytes_in_use"] = probe_jax.peak_bytes_in_use()
 emit(results)

@@ -1,0 +1,193 @@
+"""Losses Keras divides by a count: one step of AccumModel against keras.Model on the whole batch.
+
+Backend-neutral (Keras and NumPy only): `test_accumulation_losses.py` runs the cases on
+TensorFlow, `jax_cases/loss_cases.py` on JAX. Each case is a tiny model, a global batch of 8
+and one SGD step; `run` returns the two updates' relative difference and both runs' logs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import keras
+import numpy as np
+from keras import ops
+
+import tfmem
+
+BATCH = 8
+IGNORE = 255
+
+
+def pixel_labels(num_classes: int = 3, seed: int = 0) -> np.ndarray:
+    """Per-pixel labels of 8 images of 4×4 with `IGNORE` pixels: at 4 micro-batches of 2
+    images, 3 valid pixels in the first, none in the second, 30 and 32 in the others."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, num_classes, (BATCH, 4, 4))
+    labels[0:2] = IGNORE
+    labels[0, 0, :3] = np.arange(3) % num_classes
+    labels[2:4] = IGNORE
+    labels[4, 0, :2] = IGNORE
+    return labels
+
+
+def _pixels(cls, num_classes=(3,), regularized=False, **kwargs):
+    inputs = keras.Input((4, 4, 2))
+    hidden = keras.layers.Conv2D(
+        4, 1, activation="tanh", name="hidden",
+        kernel_regularizer=keras.regularizers.L2(0.01) if regularized else None,
+        activity_regularizer=keras.regularizers.L2(0.01) if regularized else None)(inputs)
+    outputs = [keras.layers.Conv2D(n, 1, name=f"head{i}")(hidden)
+               for i, n in enumerate(num_classes)]
+    return cls(inputs, outputs if len(outputs) > 1 else outputs[0], **kwargs)
+
+
+def _tokens(cls, **kwargs):
+    inputs = keras.Input((6,), dtype="int32")
+    hidden = keras.layers.Embedding(10, 4, mask_zero=True)(inputs)
+    return cls(inputs, keras.layers.Dense(3)(hidden), **kwargs)
+
+
+def _dense(cls, **kwargs):
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Dense(4, activation="tanh")(inputs)
+    return cls(inputs, keras.layers.Dense(3)(hidden), **kwargs)
+
+
+def _images(seed=1):
+    return np.random.default_rng(seed).normal(size=(BATCH, 4, 4, 2)).astype("float32")
+
+
+def _token_data():
+    """Tokens with padding (0): micro-batch 0 (rows 0-1) holds 2 tokens, the rest 4 to 6 each."""
+    rng = np.random.default_rng(2)
+    tokens = rng.integers(1, 10, (BATCH, 6))
+    lengths = [1, 1, 6, 5, 4, 6, 5, 6]
+    for row, length in enumerate(lengths):
+        tokens[row, length:] = 0
+    return tokens.astype("int32"), rng.integers(0, 3, (BATCH, 6))
+
+
+def _dense_data():
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(BATCH, 5)).astype("float32")
+    labels = np.array([0, 0, 0, 1, 2, 2, 1, 2])
+    sample_weight = np.array([0.1, 0.0, 2.0, 1.0, 0.5, 3.0, 0.0, 1.5], "float32")
+    return x, labels, sample_weight
+
+
+def _scalar_mean_square(y_true, y_pred):
+    """A user's loss that returns its own mean: Keras cannot tell what it divided by."""
+    return ops.mean(ops.square(ops.one_hot(ops.cast(y_true, "int32"), 3) - y_pred))
+
+
+def _cross_entropy(**kwargs):
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True, **kwargs)
+
+
+def case(name: str) -> dict:
+    """The model builder, data, compile and fit arguments of case `name` (`CASES`)."""
+    if name == "ignore_class":
+        return dict(build=_pixels, x=_images(), y=pixel_labels(),
+                    loss=lambda: _cross_entropy(ignore_class=IGNORE),
+                    metrics=lambda: [keras.metrics.MeanIoU(3, name="iou", ignore_class=IGNORE,
+                                                           sparse_y_pred=False)])
+    if name == "mask_zero":
+        tokens, labels = _token_data()
+        return dict(build=_tokens, x=tokens, y=labels, loss=_cross_entropy,
+                    metrics=lambda: ["sparse_categorical_accuracy"])
+    if name.startswith(("sample_weight:", "class_weight:")):
+        weighting, reduction = name.split(":")
+        x, labels, sample_weight = _dense_data()
+        fit = (dict(sample_weight=sample_weight) if weighting == "sample_weight"
+               else dict(class_weight={0: 0.2, 1: 1.0, 2: 3.0}))
+        return dict(build=_dense, x=x, y=labels, fit=fit,
+                    loss=lambda: _cross_entropy(reduction=reduction),
+                    metrics=lambda: ["sparse_categorical_accuracy"])
+    if name == "two_outputs":
+        labels = pixel_labels()
+        other = pixel_labels(2, seed=5)
+        other[4:8] = IGNORE  # the second output's valid pixels lie elsewhere
+        other[6, 1, :] = [0, 1, 1, 0]
+        return dict(build=lambda cls, **kw: _pixels(cls, num_classes=(3, 2), **kw),
+                    x=_images(), y=[labels, other],
+                    loss=lambda: [_cross_entropy(ignore_class=IGNORE)] * 2,
+                    loss_weights=[0.5, 2.0])
+    if name == "add_loss":
+        return dict(build=lambda cls, **kw: _pixels(cls, regularized=True, **kw),
+                    x=_images(), y=pixel_labels(), loss=lambda: _cross_entropy(
+                        ignore_class=IGNORE))
+    if name == "scalar_loss":
+        x, labels, _ = _dense_data()
+        return dict(build=_dense, x=x, y=labels, loss=lambda: _scalar_mean_square)
+    raise ValueError(f"unknown case {name!r}; one of {CASES}")
+
+
+# `class_weight` reaches the loss as a sample weight: its case is the reduction that divides by
+# the weights.
+CASES = ("ignore_class", "mask_zero",
+         *(f"sample_weight:{reduction}"
+           for reduction in ("sum_over_batch_size", "sum", "mean_with_sample_weight")),
+         "class_weight:mean_with_sample_weight", "two_outputs", "add_loss", "scalar_loss")
+
+
+def run(name: str, accumulation_steps: int = 4, strategy=None, keras_accumulation=False,
+        repeat: int = 1, rematerialize=None, **compile_kwargs) -> dict:
+    """One step of the global batch: AccumModel (or, with `keras_accumulation`, a keras.Model
+    whose optimizer accumulates `accumulation_steps` micro-batches itself) against a
+    keras.Model on the whole batch, under `strategy` if given. `repeat` makes the global batch
+    that many copies of the case's 8 rows (one per replica of a data-parallel run);
+    `rematerialize` is the AccumModel's.
+
+    Returns `update` (max |Δ - Δ_plain| / max |Δ_plain| over all weights), both logs
+    (`history`, `plain_history`), `finite` and the AccumModel warnings (`warnings`).
+    """
+    spec = case(name)
+    scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
+    with scope:
+        keras.utils.set_random_seed(1)
+        if keras_accumulation:
+            accum = spec["build"](keras.Model)
+        else:
+            accum = spec["build"](tfmem.AccumModel, accumulation_steps=accumulation_steps,
+                                  rematerialize=rematerialize)
+        plain = spec["build"](keras.Model)
+        plain.set_weights(accum.get_weights())
+        initial = accum.get_weights()
+        for model in (accum, plain):
+            optimizer = keras.optimizers.SGD(
+                0.5, gradient_accumulation_steps=accumulation_steps
+                if keras_accumulation and model is accum else None)
+            model.compile(optimizer=optimizer, loss=spec["loss"](),
+                          loss_weights=spec.get("loss_weights"),
+                          metrics=spec.get("metrics", lambda: None)(), **compile_kwargs)
+    def tiled(value):
+        return keras.tree.map_structure(
+            lambda array: np.concatenate([array] * repeat), value)
+
+    x, y = tiled(spec["x"]), tiled(spec["y"])
+    fit = {key: tiled(value) if key == "sample_weight" else value
+           for key, value in spec.get("fit", {}).items()}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        batch = BATCH * repeat // (accumulation_steps if keras_accumulation else 1)
+        history = accum.fit(x, y, batch_size=batch, shuffle=False, verbose=0, **fit).history
+    plain_history = plain.fit(x, y, batch_size=BATCH * repeat, shuffle=False, verbose=0,
+                              **fit).history
+    accum_update = _flat(accum.get_weights()) - _flat(initial)
+    plain_update = _flat(plain.get_weights()) - _flat(initial)
+    return {
+        "update": float(np.max(np.abs(accum_update - plain_update))
+                        / np.max(np.abs(plain_update))),
+        "finite": bool(np.all(np.isfinite(accum_update))),
+        "history": {key: [float(v) for v in values] for key, values in history.items()},
+        "plain_history": {key: [float(v) for v in values]
+                          for key, values in plain_history.items()},
+        "warnings": [str(w.message) for w in caught if "AccumModel:" in str(w.message)],
+    }
+
+
+def _flat(weights) -> np.ndarray:
+    return np.concatenate([np.asarray(w, np.float64).ravel() for w in weights])
+
