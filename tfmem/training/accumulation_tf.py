@@ -20,6 +20,7 @@ from tfmem import _keras_internals as internals
 from tfmem.training import micro_batches
 from tfmem.runtime.cluster import split_batch
 from tfmem.training import placement
+from tfmem.training import sparse_gradients
 from tfmem.training.accumulation_math import (
     AccumulationState,
     accumulator_dtype,
@@ -61,10 +62,11 @@ class AccumTrainer:
         with tf.control_dependencies(checks):
             split = tf.nest.map_structure(lambda t: None if t is None else _split(t, k), batch)
         window = _window(self)
-        carry, has_gradient = _accumulate(self, window, split, k, self._xla_loop_on_host())
+        carry, has_gradient, rows = _accumulate(
+            self, window, split, k, self._xla_loop_on_host())
         # The compiled loss is built while the micro-step traces, so check it here.
         self.check_loss_reductions()
-        _update(self, window, carry, has_gradient, dynamic_batch, checks)
+        _update(self, window, carry, has_gradient, rows, dynamic_batch, checks)
         return self._multi_worker_logs(self.get_metrics_result())
 
     def make_train_function(self, force=False):
@@ -144,13 +146,14 @@ def _window(model: keras.Model) -> _Window:
     return _Window(variables, statistics, [tf.identity(v.value) for v in statistics])
 
 
-def _accumulate(model: keras.Model, window: _Window, split, k: int,
-                xla_loop_on_host: bool) -> tuple[AccumulationState, list[bool]]:
+def _accumulate(model: keras.Model, window: _Window, split, k: int, xla_loop_on_host: bool
+                ) -> tuple[AccumulationState, list[bool], dict[int, sparse_gradients.Rows]]:
     """Runs `_micro_step` on the `k` micro-batches of `split`, one after the other.
 
-    Returns the final carry and, per trainable variable, whether it got a gradient. That is a
-    property of the graph, not of the values: it is read from the micro-step's one trace (from
-    its first call, when running eagerly), where such a variable's sum is None.
+    Returns the final carry, per trainable variable whether it got a gradient, and the rows of
+    those whose gradient is rows (`sparse_gradients`). Both are properties of the graph, not of
+    the values: they are read from the micro-step's one trace (from its first call, when
+    running eagerly), where a variable without gradient has None for its sum.
     """
     carry = AccumulationState(
         gradient_sums=[tf.zeros(v.shape, accumulator_dtype(v.dtype)) for v in window.variables],
@@ -173,7 +176,9 @@ def _accumulate(model: keras.Model, window: _Window, split, k: int,
     # compile-time constants, so an index would compile k programs.
     traced = tf.function(step, jit_compile=True if xla_loop_on_host else None, autograph=False)
     try:
-        traced = traced.get_concrete_function(carry, micro_batch_at(tf.constant(0)))
+        traced = traced.get_concrete_function(
+            carry._replace(gradient_sums=sparse_gradients.relaxed(carry.gradient_sums)),
+            micro_batch_at(tf.constant(0)))
     except RuntimeError as error:
         if "merge_call" not in str(error):
             raise
@@ -188,39 +193,56 @@ def _accumulate(model: keras.Model, window: _Window, split, k: int,
             "the first step's tracing grow with accumulation_steps (fewer steps, a larger "
             "micro-batch, cost less).", stacklevel=2)
         return _one_after_another(step, carry, micro_batch_at, k)
-    _, carry = tf.while_loop(
-        lambda i, _: i < k,
-        lambda i, carry: (i + 1, _keep_sums(carry, traced(carry, micro_batch_at(i)))),
-        (tf.constant(0), carry),
+    rows = sparse_gradients.buffers(traced.structured_outputs.gradient_sums, k)
+    carry = carry._replace(
+        gradient_sums=sparse_gradients.without_sums(carry.gradient_sums, rows))
+
+    def body(i, carry, rows):
+        stepped = traced(carry, micro_batch_at(i))
+        return i + 1, _keep_sums(carry, stepped), sparse_gradients.write(
+            rows, i, stepped.gradient_sums)
+
+    _, carry, rows = tf.while_loop(
+        lambda i, *_: i < k,
+        body,
+        (tf.constant(0), carry, rows),
         # Sequential micro-batches: running them in parallel would keep
         # several micro-batches of activations alive and defeat the purpose.
         parallel_iterations=1,
         maximum_iterations=k,
     )
-    return carry, _has_gradient(traced.structured_outputs)
+    return carry, _has_gradient(traced.structured_outputs), rows
 
 
-def _one_after_another(step, carry: AccumulationState, micro_batch_at,
-                       k: int) -> tuple[AccumulationState, list[bool]]:
+def _one_after_another(step, carry: AccumulationState, micro_batch_at, k: int
+                       ) -> tuple[AccumulationState, list[bool], dict[int, sparse_gradients.Rows]]:
     """`_accumulate`'s loop written out: `step` on each of the `k` micro-batches in turn.
 
-    Traced, micro-batch `i + 1` is taken only once micro-step `i`'s sums exist (its index is
-    made from them), so TensorFlow's executor runs the micro-steps one after another, as the
-    loop would, not side by side with their activations all held.
+    Traced, micro-batch `i + 1` is taken only once micro-step `i`'s sums and rows exist (its
+    index is made from them), so TensorFlow's executor runs the micro-steps one after another,
+    as the loop would, not side by side with their activations all held.
     """
     for i in range(k):
-        index = tf.constant(i) if i == 0 or tf.executing_eagerly() else _after_sums(carry, i)
+        index = (tf.constant(i) if i == 0 or tf.executing_eagerly()
+                 else _after_sums(carry, i, sparse_gradients.values(rows, stepped.gradient_sums)))
         stepped = step(carry, micro_batch_at(index))
+        if i == 0:
+            rows = sparse_gradients.buffers(stepped.gradient_sums, k)
+        rows = sparse_gradients.write(rows, i, stepped.gradient_sums)
         carry = _keep_sums(carry, stepped)
-    return carry, _has_gradient(stepped)
+        if i == 0:
+            carry = carry._replace(
+                gradient_sums=sparse_gradients.without_sums(carry.gradient_sums, rows))
+    return carry, _has_gradient(stepped), rows
 
 
-def _after_sums(carry: AccumulationState, i: int) -> tf.Tensor:
-    """`i`, as an int32 tensor made only once every sum of `carry` exists: a 0 made from the
-    first element of each is added to it (`remat_tf.zero_after`; a NaN one adds 0 too)."""
+def _after_sums(carry: AccumulationState, i: int, rows: list) -> tf.Tensor:
+    """`i`, as an int32 tensor made only once every sum of `carry` and the `rows` (tensors)
+    exist: a 0 made from the first element of each is added to it (`remat_tf.zero_after`; a
+    NaN one adds 0 too)."""
     from tfmem.training.remat_tf import zero_after
 
-    zero = zero_after([*carry.gradient_sums, *carry.statistic_deltas, carry.loss_sum])
+    zero = zero_after([*carry.gradient_sums, *carry.statistic_deltas, carry.loss_sum, *rows])
     return i + tf.minimum(tf.cast(tf.math.is_nan(zero), tf.int32), 0)
 
 
@@ -240,7 +262,7 @@ def _micro_step(model: keras.Model, window: _Window, carry: AccumulationState,
         scaled = model.optimizer.scale_loss(loss) if model.optimizer else loss
     grads = tape.gradient(scaled, window.variables) if window.variables else []
     gradient_sums = [
-        None if g is None else total + tf.cast(tf.convert_to_tensor(g), total.dtype)
+        None if g is None else sparse_gradients.add(total, g)
         for total, g in zip(carry.gradient_sums, grads)
     ]
     # Collect this micro-batch's change of the BN statistics, then rewind them so
@@ -260,9 +282,9 @@ def _micro_step(model: keras.Model, window: _Window, carry: AccumulationState,
 
 
 def _keep_sums(carry: AccumulationState, stepped: AccumulationState) -> AccumulationState:
-    """`stepped`, with the sums it has None for (no gradient) taken from `carry`."""
+    """`stepped`, with the sums it has None (no gradient) or rows for taken from `carry`."""
     return stepped._replace(gradient_sums=[
-        total if new is None else new
+        total if new is None or sparse_gradients.is_rows(new) else new
         for total, new in zip(carry.gradient_sums, stepped.gradient_sums)
     ])
 
@@ -272,8 +294,10 @@ def _has_gradient(stepped: AccumulationState) -> list[bool]:
 
 
 def _update(model: keras.Model, window: _Window, carry: AccumulationState,
-            has_gradient: list[bool], dynamic_batch: tf.Tensor, checks: list) -> None:
-    """The window's one update: the BatchNorm statistics, the logged loss, the mean gradient."""
+            has_gradient: list[bool], rows: dict[int, sparse_gradients.Rows],
+            dynamic_batch: tf.Tensor, checks: list) -> None:
+    """The window's one update: the BatchNorm statistics, the logged loss, the mean gradient
+    (for a gradient that is rows, the window's rows scaled alike)."""
     k = model.accumulation_steps
     for v, start, delta_sum in zip(window.statistics, window.starts, carry.statistic_deltas):
         v.assign(average_statistic(start, delta_sum, k))
@@ -287,6 +311,8 @@ def _update(model: keras.Model, window: _Window, carry: AccumulationState,
     if window.variables:
         grads = [mean(total, k) if used else None
                  for total, used in zip(carry.gradient_sums, has_gradient)]
+        grads = sparse_gradients.with_rows(grads, rows, window.variables,
+                                           lambda total: mean(total, k))
         with tf.control_dependencies(checks):  # `optimizer.iterations` moves only then
             model.optimizer.apply_gradients(zip(grads, window.variables))
 

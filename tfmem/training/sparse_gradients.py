@@ -1,0 +1,98 @@
+"""Gradients that reach the optimizer as rows (`tf.IndexedSlices`), kept as rows over a window.
+
+On TensorFlow the gradient of a variable read only by gathers (an `Embedding`'s) is a
+`tf.IndexedSlices`, one row per lookup. Keras's optimizers update such a variable row by row
+(Adam squares each row before duplicate indices add up), so the window's update takes the rows of
+all `k` micro-batches, concatenated and scaled as a dense sum is, not their dense sum
+(docs/accumulation.md). A micro-step returns its rows where a dense gradient's sum goes (`add`);
+the loop writes them into one `Rows` buffer per such variable (`buffers`, `write`), and the
+update reads them back (`with_rows`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import tensorflow as tf
+
+from tfmem.training.accumulation_math import accumulator_dtype
+
+
+class Rows(NamedTuple):
+    """One sparse variable's rows over a window: each micro-batch's values and indices."""
+
+    values: tf.TensorArray
+    indices: tf.TensorArray
+
+
+def is_rows(gradient) -> bool:
+    return isinstance(gradient, tf.IndexedSlices)
+
+
+def add(total, gradient):
+    """A micro-step's new sum: `total + gradient`, or a sparse gradient's rows as they are
+    (values in `accumulator_dtype`), for the loop to `write`. `total` may have lost its static
+    shape (`relaxed`); the sum has the gradient's."""
+    if is_rows(gradient):
+        values = tf.cast(gradient.values, accumulator_dtype(gradient.values.dtype))
+        return tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
+    gradient = tf.convert_to_tensor(gradient)
+    total = total + tf.cast(gradient, total.dtype)
+    total.set_shape(gradient.shape)
+    return total
+
+
+def relaxed(sums: list) -> list:
+    """Specs of `sums` without their shapes: the micro-step is traced on these, so that it can be
+    called both with a dense sum and with `without_sums`' scalar for a sparse variable."""
+    return [tf.TensorSpec(None, total.dtype) for total in sums]
+
+
+def buffers(gradients: list, k: int) -> dict[int, Rows]:
+    """Empty `Rows` for each gradient that is rows, by its position in `gradients` (the
+    micro-step's outputs: which gradients are rows is a property of its graph)."""
+    return {j: Rows(_array(g.values, k), _array(g.indices, k))
+            for j, g in enumerate(gradients) if is_rows(g)}
+
+
+def _array(like: tf.Tensor, k: int) -> tf.TensorArray:
+    # A micro-batch's row count is static for fixed-shape batches (one row per lookup) and may
+    # differ between micro-batches otherwise (sparse inputs); only the first may vary.
+    return tf.TensorArray(like.dtype, size=k, element_shape=like.shape,
+                          infer_shape=like.shape[0] is not None)
+
+
+def without_sums(sums: list, rows: dict[int, Rows]) -> list:
+    """`sums` with a scalar zero in place of each sparse variable's (unused) dense sum."""
+    return [tf.zeros((), total.dtype) if j in rows else total for j, total in enumerate(sums)]
+
+
+def write(rows: dict[int, Rows], i, gradients: list) -> dict[int, Rows]:
+    """`rows` with micro-batch `i`'s rows (`gradients`, the micro-step's outputs) written."""
+    return {j: Rows(buffer.values.write(i, gradients[j].values),
+                    buffer.indices.write(i, gradients[j].indices))
+            for j, buffer in rows.items()}
+
+
+def values(rows: dict[int, Rows], gradients: list) -> list:
+    """The rows' values among a micro-step's outputs (`gradients`)."""
+    return [gradients[j].values for j in rows]
+
+
+def with_rows(gradients: list, rows: dict[int, Rows], variables: list, scale) -> list:
+    """`gradients` with each sparse variable's rows of the window in its place: the `k`
+    micro-batches' rows in order, their values scaled by `scale` (the dense sums' scaling)."""
+    gradients = list(gradients)
+    for j, buffer in rows.items():
+        values, indices = _read(buffer.values), _read(buffer.indices)
+        shape = tf.constant(list(variables[j].shape), indices.dtype)
+        gradients[j] = tf.IndexedSlices(scale(values), indices, shape)
+    return gradients
+
+
+def _read(array: tf.TensorArray) -> tf.Tensor:
+    """All of `array`'s elements, concatenated along their rows."""
+    if array.element_shape[0] is None:
+        return array.concat()
+    stacked = array.stack()  # XLA compiles a stack of static elements; not a concat
+    return tf.reshape(stacked, [-1, *stacked.shape[2:]])
