@@ -57,9 +57,13 @@ def buffers(gradients: list, k: int) -> dict[int, Rows]:
 
 def _array(like: tf.Tensor, k: int) -> tf.TensorArray:
     # A micro-batch's row count is static for fixed-shape batches (one row per lookup) and may
-    # differ between micro-batches otherwise (sparse inputs); only the first may vary.
-    return tf.TensorArray(like.dtype, size=k, element_shape=like.shape,
-                          infer_shape=like.shape[0] is not None)
+    # differ between micro-batches otherwise (sparse inputs). Eagerly every shape is concrete,
+    # so one micro-batch's count says nothing of the next's.
+    shape = like.shape
+    if tf.executing_eagerly():
+        shape = tf.TensorShape([None]).concatenate(shape[1:])
+    return tf.TensorArray(like.dtype, size=k, element_shape=shape,
+                          infer_shape=shape[0] is not None)
 
 
 def without_sums(sums: list, rows: dict[int, Rows]) -> list:

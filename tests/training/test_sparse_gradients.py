@@ -1,0 +1,154 @@
+"""AccumModel on TensorFlow with gradients that are rows (`tf.IndexedSlices`: an Embedding's).
+
+Keras's optimizers update such a variable row by row (Adam squares each row before duplicate
+tokens add up), so the reference is a plain `keras.Model` stepping on the whole global batch:
+AccumModel must hand the optimizer the same rows, not their dense sum. Also Keras's own
+`test_fit_sparse` (sparse inputs into a Dense layer: its kernel's gradient is rows), run with
+an AccumModel in place of its model.
+"""
+
+import unittest
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfmem
+from tfmem.training import placement
+
+VOCABULARY, TOKENS, GLOBAL_BATCH, STEPS = 7, 5, 8, 2
+OPTIMIZERS = {
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+    "rmsprop": lambda: keras.optimizers.RMSprop(0.01),
+    "adagrad": lambda: keras.optimizers.Adagrad(0.1),
+    "sgd": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+}
+
+
+def _model(cls=keras.Model, **kwargs):
+    inputs = keras.Input((TOKENS,), dtype="int32")
+    hidden = keras.layers.Embedding(VOCABULARY, 4, name="embedding")(inputs)
+    outputs = keras.layers.Dense(2)(keras.layers.Flatten()(hidden))
+    return cls(inputs, outputs, **kwargs)
+
+
+def _data():
+    """Tokens of a small vocabulary (repeated within and across micro-batches); token 0 in
+    every sample, so in every micro-batch."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(1, VOCABULARY, (GLOBAL_BATCH * STEPS, TOKENS)).astype("int32")
+    x[:, 0] = 0
+    return x, rng.normal(size=(len(x), 2)).astype("float32")
+
+
+_INITIAL = {}
+
+
+def _initial_weights():
+    if not _INITIAL:
+        keras.utils.set_random_seed(1)
+        _INITIAL["weights"] = _model().get_weights()
+    return _INITIAL["weights"]
+
+
+def _train(model, optimizer, **compile_kwargs):
+    model.set_weights(_initial_weights())
+    model.compile(OPTIMIZERS[optimizer](), "mse", **compile_kwargs)
+    extra = dict(check_memory=False) if isinstance(model, tfmem.AccumModel) else {}
+    x, y = _data()
+    model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0, **extra)
+    return model.get_weights()
+
+
+_PLAIN = {}
+
+
+def _plain(optimizer) -> list:
+    """Each optimizer's reference: a plain Keras model's weights after the same steps."""
+    if optimizer not in _PLAIN:
+        _PLAIN[optimizer] = _train(_model(), optimizer)
+    return _PLAIN[optimizer]
+
+
+def _update_difference(weights, reference) -> float:
+    """The largest difference from `reference`, as a share of the reference's update."""
+    return max(float(np.max(np.abs(w - r)) / np.max(np.abs(r - start)))
+               for w, r, start in zip(weights, reference, _initial_weights()))
+
+
+@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_embedding_updates_as_plain_keras_on_the_whole_batch(optimizer, k):
+    accum = _train(_model(tfmem.AccumModel, accumulation_steps=k), optimizer)
+    assert _update_difference(accum, _plain(optimizer)) <= 1e-5
+
+
+def test_the_dense_sum_of_the_rows_would_not_be_the_same_update():
+    """Why the rows are kept: Adam on the rows' dense sum moves the embedding differently."""
+    plain = _plain("adam")
+    summed = _model()
+    summed.set_weights(_initial_weights())
+    summed.compile(OPTIMIZERS["adam"](), "mse")
+    x, y = _data()
+    for start in range(0, len(x), GLOBAL_BATCH):
+        batch = slice(start, start + GLOBAL_BATCH)
+        with tf.GradientTape() as tape:
+            loss = summed.compute_loss(x=x[batch], y=y[batch], y_pred=summed(x[batch]))
+        grads = [tf.convert_to_tensor(g) for g in tape.gradient(loss, summed.trainable_variables)]
+        summed.optimizer.apply_gradients(zip(grads, summed.trainable_variables))
+    assert _update_difference(summed.get_weights(), plain) > 0.1
+
+
+@pytest.mark.parametrize("how", ["run_eagerly", "jit_compile host loop",
+                                 "jit_compile in-graph loop"])
+def test_embedding_rows_in_each_way_the_step_runs(how, monkeypatch):
+    if how == "jit_compile in-graph loop":
+        monkeypatch.setattr(placement, "HOST_LOOP_PLATFORMS", ())
+    compile_kwargs = (dict(run_eagerly=True) if how == "run_eagerly"
+                      else dict(jit_compile=True))
+    accum = _train(_model(tfmem.AccumModel, accumulation_steps=2), "adam", **compile_kwargs)
+    assert _update_difference(accum, _plain("adam")) <= 1e-5
+
+
+def test_embedding_rows_under_mirrored_strategy(two_cpu_strategy):
+    # Each replica takes half of every global batch as its own k micro-batches; the optimizer
+    # gathers the replicas' rows as it does a plain model's.
+    with two_cpu_strategy.scope():
+        accum = _train(_model(tfmem.AccumModel, accumulation_steps=2), "adam")
+    assert _update_difference(accum, _plain("adam")) <= 1e-5
+
+
+# --- Keras's own test -------------------------------------------------------------------------
+
+class _AccumExample(tfmem.AccumModel):
+    """Keras's `trainer_test.ExampleModel` (a Dense layer, no bias, kernel of ones) as an
+    AccumModel of 2 micro-batches (Keras's sparse batches have 2 rows)."""
+
+    def __init__(self, units):
+        super().__init__(accumulation_steps=2, name="example_model")
+        self.dense = keras.layers.Dense(units, use_bias=False, kernel_initializer="ones")
+
+    def call(self, inputs):
+        return self.dense(inputs)
+
+    def fit(self, *args, **kwargs):
+        return super().fit(*args, check_memory=False, **kwargs)
+
+
+def _keras_trainer_tests():
+    from keras.src.trainers import trainer_test
+
+    return trainer_test
+
+
+@pytest.mark.parametrize("mode", ["graph", "eager"])
+@pytest.mark.parametrize("generator", ["tf", "scipy", "jax"])
+def test_keras_own_fit_sparse_passes_on_accum_model(generator, mode, monkeypatch):
+    trainer_test = _keras_trainer_tests()
+    monkeypatch.setattr(trainer_test, "ExampleModel", _AccumExample)
+    result = unittest.TestResult()
+    trainer_test.TestTrainer(f"test_fit_sparse_{generator}_{mode}").run(result)
+    assert not result.skipped and result.testsRun == 1
+    assert result.wasSuccessful(), [text for _, text in result.errors + result.failures]
