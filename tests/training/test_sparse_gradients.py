@@ -15,6 +15,7 @@ import pytest
 import tensorflow as tf
 
 import tfmem
+from tests.training import remat_cases
 from tfmem.training import placement
 
 VOCABULARY, TOKENS, GLOBAL_BATCH, STEPS = 7, 5, 8, 2
@@ -152,3 +153,34 @@ def test_keras_own_fit_sparse_passes_on_accum_model(generator, mode, monkeypatch
     trainer_test.TestTrainer(f"test_fit_sparse_{generator}_{mode}").run(result)
     assert not result.skipped and result.testsRun == 1
     assert result.wasSuccessful(), [text for _, text in result.errors + result.failures]
+
+
+def test_embedding_rows_when_the_micro_steps_are_written_out(two_cpu_strategy):
+    # A synchronized BatchNormalization under MirroredStrategy writes the step's micro-steps
+    # out one after another (no loop). Here its output is multiplied by 0, so the reference is
+    # a plain Keras model on the whole batch (the BatchNormalization's own weights left out).
+    def normalized(cls=keras.Model, **kwargs):
+        keras.utils.set_random_seed(2)
+        inputs = keras.Input((TOKENS,), dtype="int32")
+        hidden = keras.layers.Embedding(VOCABULARY, 4, name="embedding")(inputs)
+        normal = keras.layers.BatchNormalization(synchronized=bool(kwargs))(hidden)
+        outputs = (keras.layers.Dense(2, name="head")(keras.layers.Flatten()(hidden))
+                   + 0.0 * keras.ops.sum(normal, axis=(1, 2))[:, None])
+        model = cls(inputs, outputs, **kwargs)
+        model.compile(OPTIMIZERS["adam"](), "mse")
+        return model
+
+    x, y = _data()
+    plain = normalized()
+    with two_cpu_strategy.scope():
+        mirrored = normalized(tfmem.AccumModel, accumulation_steps=2)
+    start = [np.array(layer.get_weights()[0]) for layer in (plain.get_layer("embedding"),
+                                                            plain.get_layer("head"))]
+    plain.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    with pytest.warns(UserWarning, match="one after another"):
+        mirrored.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(16), epochs=1,
+                     verbose=0, check_memory=False)
+    for name, first in zip(("embedding", "head"), start):
+        reference = plain.get_layer(name).get_weights()[0]
+        difference = mirrored.get_layer(name).get_weights()[0] - reference
+        assert np.max(np.abs(difference)) <= 1e-5 * np.max(np.abs(reference - first))
