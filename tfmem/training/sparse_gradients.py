@@ -1,12 +1,14 @@
 """Gradients that reach the optimizer as rows (`tf.IndexedSlices`), kept as rows over a window.
 
-On TensorFlow the gradient of a variable read only by gathers (an `Embedding`'s) is a
-`tf.IndexedSlices`, one row per lookup. Keras's optimizers update such a variable row by row
-(Adam squares each row before duplicate indices add up), so the window's update takes the rows of
-all `k` micro-batches, concatenated and scaled as a dense sum is, not their dense sum
-(docs/accumulation.md). A micro-step returns its rows where a dense gradient's sum goes (`add`);
-the loop writes them into one `Rows` buffer per such variable (`buffers`, `write`), and the
-update reads them back (`with_rows`).
+On TensorFlow the gradient of a variable read only by gathers is a `tf.IndexedSlices`: one row
+per lookup (an `Embedding`), or one per distinct index where the lookup first made its indices
+unique (`tf.nn.embedding_lookup_sparse`: a sparse input into a `Dense` layer). Keras's optimizers
+update such a variable row by row (Adam squares each row before duplicate indices add up), so the
+window's update takes the rows the whole batch would have given, scaled as a dense sum is, not
+their dense sum (docs/accumulation.md): the `k` micro-batches' rows concatenated (`Rows`), or
+those added up by index (`DistinctRows`). A micro-step returns its rows where a dense
+gradient's sum goes (`add`); the loop writes them into one buffer per such variable (`buffers`,
+`write`), and the update reads them back (`with_rows`).
 """
 
 from __future__ import annotations
@@ -19,27 +21,48 @@ from tfmem.training.accumulation_math import accumulator_dtype
 
 
 class Rows(NamedTuple):
-    """One sparse variable's rows over a window: each micro-batch's values and indices."""
+    """A gradient's rows, one per lookup: a micro-batch's tensors, or a window's buffers of
+    them (`tf.TensorArray`s of `k` elements)."""
 
-    values: tf.TensorArray
-    indices: tf.TensorArray
+    values: tf.Tensor | tf.TensorArray
+    indices: tf.Tensor | tf.TensorArray
+
+
+class DistinctRows(Rows):
+    """A gradient's rows, one per distinct index: the window's are added up by index."""
+
+
+# Ops whose output holds their first input's values: followed back from a gradient's indices to
+# the `Unique` op that made them distinct, if any.
+_SAME_VALUES = ("Identity", "Reshape", "ExpandDims", "Squeeze", "Cast")
 
 
 def is_rows(gradient) -> bool:
-    return isinstance(gradient, tf.IndexedSlices)
+    return isinstance(gradient, Rows)
 
 
 def add(total, gradient):
-    """A micro-step's new sum: `total + gradient`, or a sparse gradient's rows as they are
-    (values in `accumulator_dtype`), for the loop to `write`. `total` may have lost its static
-    shape (`relaxed`); the sum has the gradient's."""
-    if is_rows(gradient):
-        values = tf.cast(gradient.values, accumulator_dtype(gradient.values.dtype))
-        return tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
+    """A micro-step's new sum: `total + gradient`, or a sparse gradient's `Rows` (values in
+    `accumulator_dtype`), for the loop to `write`. `total` may have lost its static shape
+    (`relaxed`); the sum has the gradient's."""
+    if isinstance(gradient, tf.IndexedSlices):
+        kind = DistinctRows if _made_distinct(gradient.indices) else Rows
+        return kind(tf.cast(gradient.values, accumulator_dtype(gradient.values.dtype)),
+                    gradient.indices)
     gradient = tf.convert_to_tensor(gradient)
     total = total + tf.cast(gradient, total.dtype)
     total.set_shape(gradient.shape)
     return total
+
+
+def _made_distinct(indices: tf.Tensor) -> bool:
+    """Whether a `Unique` op made `indices` (read from the graph; eagerly there is none)."""
+    if tf.executing_eagerly():
+        return False
+    op = indices.op
+    while op.type in _SAME_VALUES:
+        op = op.inputs[0].op
+    return op.type == "Unique"
 
 
 def relaxed(sums: list) -> list:
@@ -49,9 +72,9 @@ def relaxed(sums: list) -> list:
 
 
 def buffers(gradients: list, k: int) -> dict[int, Rows]:
-    """Empty `Rows` for each gradient that is rows, by its position in `gradients` (the
+    """Empty buffers for each gradient that is `Rows`, by its position in `gradients` (the
     micro-step's outputs: which gradients are rows is a property of its graph)."""
-    return {j: Rows(_array(g.values, k), _array(g.indices, k))
+    return {j: type(g)(_array(g.values, k), _array(g.indices, k))
             for j, g in enumerate(gradients) if is_rows(g)}
 
 
@@ -73,8 +96,8 @@ def without_sums(sums: list, rows: dict[int, Rows]) -> list:
 
 def write(rows: dict[int, Rows], i, gradients: list) -> dict[int, Rows]:
     """`rows` with micro-batch `i`'s rows (`gradients`, the micro-step's outputs) written."""
-    return {j: Rows(buffer.values.write(i, gradients[j].values),
-                    buffer.indices.write(i, gradients[j].indices))
+    return {j: type(buffer)(buffer.values.write(i, gradients[j].values),
+                            buffer.indices.write(i, gradients[j].indices))
             for j, buffer in rows.items()}
 
 
@@ -85,10 +108,14 @@ def values(rows: dict[int, Rows], gradients: list) -> list:
 
 def with_rows(gradients: list, rows: dict[int, Rows], variables: list, scale) -> list:
     """`gradients` with each sparse variable's rows of the window in its place: the `k`
-    micro-batches' rows in order, their values scaled by `scale` (the dense sums' scaling)."""
+    micro-batches' rows in order (`DistinctRows` added up by index, in the order of first
+    appearance, as `Unique` orders them), their values scaled by `scale` (the dense sums')."""
     gradients = list(gradients)
     for j, buffer in rows.items():
         values, indices = _read(buffer.values), _read(buffer.indices)
+        if isinstance(buffer, DistinctRows):
+            indices, segments = tf.unique(indices)
+            values = tf.math.unsorted_segment_sum(values, segments, tf.size(indices))
         shape = tf.constant(list(variables[j].shape), indices.dtype)
         gradients[j] = tf.IndexedSlices(scale(values), indices, shape)
     return gradients
