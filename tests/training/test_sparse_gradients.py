@@ -121,6 +121,31 @@ def test_embedding_rows_under_mirrored_strategy(two_cpu_strategy):
     assert _update_difference(accum, _plain("adam")) <= 1e-5
 
 
+@pytest.mark.parametrize("run_eagerly", [False, True])
+def test_sparse_input_rows_one_per_distinct_column(run_eagerly):
+    # A sparse input into a Dense layer looks its kernel up by `tf.nn.embedding_lookup_sparse`,
+    # which makes the columns distinct first: one row per column of the batch, so the window's
+    # rows are added up by column, as the whole batch's would be.
+    def sparse_dense(cls=keras.Model, **kwargs):
+        keras.utils.set_random_seed(4)
+        inputs = keras.Input((6,), sparse=True)
+        outputs = keras.layers.Dense(3)(keras.layers.Dense(8, activation="tanh")(inputs))
+        model = cls(inputs, outputs, **kwargs)
+        model.compile(OPTIMIZERS["adam"](), "mse", run_eagerly=run_eagerly)
+        return model
+
+    rng = np.random.default_rng(0)
+    x = ((rng.uniform(size=(24, 6)) < 0.3) * rng.normal(size=(24, 6))).astype("float32")
+    y = rng.normal(size=(24, 3)).astype("float32")
+    plain, accum = sparse_dense(), sparse_dense(tfmem.AccumModel, accumulation_steps=3)
+    start = plain.get_weights()
+    plain.fit(tf.sparse.from_dense(x), y, batch_size=12, shuffle=False, verbose=0)
+    accum.fit(tf.sparse.from_dense(x), y, batch_size=12, shuffle=False, verbose=0,
+              check_memory=False)
+    assert max(float(np.max(np.abs(w - r)) / np.max(np.abs(r - s)))
+               for w, r, s in zip(accum.get_weights(), plain.get_weights(), start)) <= 1e-5
+
+
 # --- Keras's own test -------------------------------------------------------------------------
 
 class _AccumExample(tfmem.AccumModel):

@@ -174,11 +174,8 @@ def _accumulate(model: keras.Model, window: _Window, split, k: int, xla_loop_on_
     # (`tfmem.training.placement`) the step runs without XLA and the micro-step is one loop-free
     # XLA program. It takes the micro-batch, not its index: XLA needs slice bounds as
     # compile-time constants, so an index would compile k programs.
-    traced = tf.function(step, jit_compile=True if xla_loop_on_host else None, autograph=False)
     try:
-        traced = traced.get_concrete_function(
-            carry._replace(gradient_sums=sparse_gradients.relaxed(carry.gradient_sums)),
-            micro_batch_at(tf.constant(0)))
+        traced = _trace(step, carry, micro_batch_at(tf.constant(0)), xla_loop_on_host)
     except RuntimeError as error:
         if "merge_call" not in str(error):
             raise
@@ -214,6 +211,15 @@ def _accumulate(model: keras.Model, window: _Window, split, k: int, xla_loop_on_
     return carry, _has_gradient(traced.structured_outputs), rows
 
 
+def _trace(step, carry: AccumulationState, micro_batch, jit_compile: bool = False):
+    """`step` traced on `micro_batch`, for any carry whose sums have `carry`'s dtypes (a sparse
+    variable's is a scalar in the loop: `sparse_gradients.without_sums`)."""
+    return tf.function(step, jit_compile=True if jit_compile else None,
+                       autograph=False).get_concrete_function(
+        carry._replace(gradient_sums=sparse_gradients.relaxed(carry.gradient_sums)),
+        micro_batch)
+
+
 def _one_after_another(step, carry: AccumulationState, micro_batch_at, k: int
                        ) -> tuple[AccumulationState, list[bool], dict[int, sparse_gradients.Rows]]:
     """`_accumulate`'s loop written out: `step` on each of the `k` micro-batches in turn.
@@ -227,13 +233,30 @@ def _one_after_another(step, carry: AccumulationState, micro_batch_at, k: int
                  else _after_sums(carry, i, sparse_gradients.values(rows, stepped.gradient_sums)))
         stepped = step(carry, micro_batch_at(index))
         if i == 0:
-            rows = sparse_gradients.buffers(stepped.gradient_sums, k)
+            rows = sparse_gradients.buffers(
+                _gradients_as_traced(step, carry, micro_batch_at, stepped), k)
         rows = sparse_gradients.write(rows, i, stepped.gradient_sums)
         carry = _keep_sums(carry, stepped)
         if i == 0:
             carry = carry._replace(
                 gradient_sums=sparse_gradients.without_sums(carry.gradient_sums, rows))
     return carry, _has_gradient(stepped), rows
+
+
+def _gradients_as_traced(step, carry: AccumulationState, micro_batch_at,
+                         stepped: AccumulationState) -> list:
+    """The first micro-step's gradients (sums or rows) as its graph has them. An eager tensor
+    records no op, so eagerly the kind of rows (`sparse_gradients.DistinctRows`) is read from a
+    trace of the step, made only where some gradient is rows."""
+    gradients = stepped.gradient_sums
+    if not (tf.executing_eagerly() and any(map(sparse_gradients.is_rows, gradients))):
+        return gradients
+    try:
+        return _trace(step, carry, micro_batch_at(tf.constant(0))).structured_outputs.gradient_sums
+    except RuntimeError as error:
+        if "merge_call" not in str(error):
+            raise
+        return gradients  # a step that synchronizes the replicas cannot be traced: rows per lookup
 
 
 def _after_sums(carry: AccumulationState, i: int, rows: list) -> tf.Tensor:
