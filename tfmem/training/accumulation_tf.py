@@ -153,7 +153,8 @@ def _accumulate(model: keras.Model, window: _Window, split, k: int, xla_loop_on_
     Returns the final carry, per trainable variable whether it got a gradient, and the rows of
     those whose gradient is rows (`sparse_gradients`). Both are properties of the graph, not of
     the values: they are read from the micro-step's one trace (from its first call, when
-    running eagerly), where a variable without gradient has None for its sum.
+    running eagerly: `_gradients_as_traced`), where a variable without gradient has None for
+    its sum.
     """
     carry = AccumulationState(
         gradient_sums=[tf.zeros(v.shape, accumulator_dtype(v.dtype)) for v in window.variables],
