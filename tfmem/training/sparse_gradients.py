@@ -125,5 +125,5 @@ def _read(array: tf.TensorArray) -> tf.Tensor:
     """All of `array`'s elements, concatenated along their rows."""
     if array.element_shape[0] is None:
         return array.concat()
-    stacked = array.stack()  # XLA compiles a stack of static elements; not a concat
+    stacked = array.stack()  # elements of one static shape: what a compiled loop can stack
     return tf.reshape(stacked, [-1, *stacked.shape[2:]])
