@@ -7,6 +7,7 @@ AccumModel must hand the optimizer the same rows, not their dense sum. Also Kera
 an AccumModel in place of its model.
 """
 
+import functools
 import unittest
 
 import keras
@@ -15,7 +16,6 @@ import pytest
 import tensorflow as tf
 
 import tfmem
-from tests.training import remat_cases
 from tfmem.training import placement
 
 VOCABULARY, TOKENS, GLOBAL_BATCH, STEPS = 7, 5, 8, 2
@@ -44,14 +44,10 @@ def _data():
     return x, rng.normal(size=(len(x), 2)).astype("float32")
 
 
-_INITIAL = {}
-
-
-def _initial_weights():
-    if not _INITIAL:
-        keras.utils.set_random_seed(1)
-        _INITIAL["weights"] = _model().get_weights()
-    return _INITIAL["weights"]
+@functools.cache
+def _initial_weights() -> list:
+    keras.utils.set_random_seed(1)
+    return _model().get_weights()
 
 
 def _train(model, optimizer, **compile_kwargs):
@@ -63,14 +59,10 @@ def _train(model, optimizer, **compile_kwargs):
     return model.get_weights()
 
 
-_PLAIN = {}
-
-
+@functools.cache
 def _plain(optimizer) -> list:
     """Each optimizer's reference: a plain Keras model's weights after the same steps."""
-    if optimizer not in _PLAIN:
-        _PLAIN[optimizer] = _train(_model(), optimizer)
-    return _PLAIN[optimizer]
+    return _train(_model(), optimizer)
 
 
 def _update_difference(weights, reference) -> float:
