@@ -113,6 +113,22 @@ def test_embedding_rows_under_mirrored_strategy(two_cpu_strategy):
     assert _update_difference(accum, _plain("adam")) <= 1e-5
 
 
+@pytest.fixture
+def mixed_float16():
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    yield
+    keras.mixed_precision.set_dtype_policy("float32")
+
+
+def test_embedding_rows_under_a_loss_scale(mixed_float16):
+    # The rows are of the scaled loss, unscaled once by the LossScaleOptimizer, as the sums.
+    accum = _model(tfmem.AccumModel, accumulation_steps=2)
+    accum_weights = _train(accum, "adam")
+    assert isinstance(accum.optimizer, keras.optimizers.LossScaleOptimizer)
+    # float16 forward passes of a micro-batch and of the whole batch round differently.
+    assert _update_difference(accum_weights, _train(_model(), "adam")) <= 1e-3
+
+
 @pytest.mark.parametrize("run_eagerly", [False, True])
 def test_sparse_input_rows_one_per_distinct_column(run_eagerly):
     # A sparse input into a Dense layer looks its kernel up by `tf.nn.embedding_lookup_sparse`,
