@@ -3,7 +3,8 @@
 `accumulation` holds `AccumModel`; `accumulation_tf` and `accumulation_jax` its train step on
 each backend (`accumulation_math`: the arithmetic and loop state both share, the planner too;
 `micro_batches`: what both say about cutting a batch by rows; `placement`: where
-the micro-batch loop runs under XLA, in the compiled step or on the host); `resume` runs `fit`
+the micro-batch loop runs under XLA, in the compiled step or on the host; `sparse_gradients`:
+TensorFlow's gradients that are rows, kept as rows over a window); `resume` runs `fit`
 so a killed process resumes where it stopped, from verified resume points; `run_directory`
 locks a run's directory and records its settings; `progress` reports a whole run's progress
 and its time left.

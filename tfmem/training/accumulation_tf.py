@@ -20,6 +20,7 @@ from tfmem import _keras_internals as internals
 from tfmem.training import loss_terms, micro_batches
 from tfmem.runtime.cluster import split_batch
 from tfmem.training import placement
+from tfmem.training import sparse_gradients
 from tfmem.training.accumulation_math import (
     AccumulationState,
     accumulator_dtype,
@@ -61,9 +62,9 @@ class AccumTrainer:
         with tf.control_dependencies(checks):
             split = tf.nest.map_structure(lambda t: None if t is None else _split(t, k), batch)
         window = _window(self)
-        carry, has_gradient, layout = _accumulate(self, window, split, k,
-                                                  self._xla_loop_on_host())
-        _update(self, window, layout, carry, has_gradient, dynamic_batch, checks)
+        carry, has_gradient, layout, rows = _accumulate(self, window, split, k,
+                                                        self._xla_loop_on_host())
+        _update(self, window, layout, carry, has_gradient, rows, dynamic_batch, checks)
         return self._multi_worker_logs(self.get_metrics_result())
 
     def make_train_function(self, force=False):
@@ -147,15 +148,17 @@ def _window(model: keras.Model) -> _Window:
                    loss_metrics)
 
 
-def _accumulate(model: keras.Model, window: _Window, split, k: int,
-                xla_loop_on_host: bool) -> tuple[AccumulationState, list, loss_terms.Layout]:
+def _accumulate(model: keras.Model, window: _Window, split, k: int, xla_loop_on_host: bool
+                ) -> tuple[AccumulationState, list, loss_terms.Layout, dict]:
     """Runs `_micro_step` on the `k` micro-batches of `split`, one after the other.
 
     Returns the final carry; per gradient group, per trainable variable, whether it got a
-    gradient; and the loss's `Layout`. Both are properties of the graph, not of the values:
-    they are read from the micro-step's trace (from its first call, when running eagerly),
-    where a variable without a gradient has None for its sum. The carry is laid out as the
-    model's last trace found; a trace that finds another layout is made again with it.
+    gradient; the loss's `Layout`; and the rows of the gradients that are rows
+    (`sparse_gradients`), by their position in `_all_sums`. All but the carry are properties of
+    the graph, not of the values: they are read from the micro-step's trace (from its first
+    call, when running eagerly), where a variable without a gradient has None for its sum. The
+    carry is laid out as the model's last trace found; a trace that finds another layout is
+    made again with it.
     """
     layout = loss_terms.stored_layout(model)
     carry = _laid_out(AccumulationState(
@@ -178,9 +181,8 @@ def _accumulate(model: keras.Model, window: _Window, split, k: int,
     # XLA program. It takes the micro-batch, not its index: XLA needs slice bounds as
     # compile-time constants, so an index would compile k programs.
     def trace(carry):
-        function = tf.function(lambda carry, micro_batch: step(carry, micro_batch, True),
-                               jit_compile=True if xla_loop_on_host else None, autograph=False)
-        return function.get_concrete_function(carry, micro_batch_at(tf.constant(0)))
+        return _trace(lambda carry, micro_batch: step(carry, micro_batch, True), carry,
+                      micro_batch_at(tf.constant(0)), xla_loop_on_host)
 
     try:
         traced = trace(carry)
@@ -206,40 +208,99 @@ def _accumulate(model: keras.Model, window: _Window, split, k: int,
             "the first step's tracing grow with accumulation_steps (fewer steps, a larger "
             "micro-batch, cost less).", stacklevel=2)
         return _one_after_another(model, step, carry, micro_batch_at, k)
-    _, carry = tf.while_loop(
-        lambda i, _: i < k,
-        lambda i, carry: (i + 1, _keep_sums(carry, traced(carry, micro_batch_at(i)))),
-        (tf.constant(0), carry),
+    rows = sparse_gradients.buffers(_all_sums(traced.structured_outputs), k)
+    carry = _without_row_sums(carry, rows)
+
+    def body(i, carry, rows):
+        stepped = traced(carry, micro_batch_at(i))
+        return i + 1, _keep_sums(carry, stepped), sparse_gradients.write(
+            rows, i, _all_sums(stepped))
+
+    _, carry, rows = tf.while_loop(
+        lambda i, *_: i < k,
+        body,
+        (tf.constant(0), carry, rows),
         # Sequential micro-batches: running them in parallel would keep
         # several micro-batches of activations alive and defeat the purpose.
         parallel_iterations=1,
         maximum_iterations=k,
     )
-    return carry, _has_gradient(traced.structured_outputs), layout
+    return carry, _has_gradient(traced.structured_outputs), layout, rows
+
+
+def _trace(step, carry: AccumulationState, micro_batch, jit_compile: bool = False):
+    """`step` traced on `micro_batch`, for any carry whose sums have `carry`'s dtypes (a sparse
+    variable's is a scalar in the loop: `sparse_gradients.without_sums`)."""
+    relaxed = _with_all_sums(carry, sparse_gradients.relaxed(_all_sums(carry)))
+    return tf.function(step, jit_compile=True if jit_compile else None,
+                       autograph=False).get_concrete_function(relaxed, micro_batch)
+
+
+def _all_sums(carry: AccumulationState) -> list:
+    """The gradient sums of every group, one flat list (group after group)."""
+    return [*carry.gradient_sums, *(total for sums in carry.group_gradient_sums
+                                    for total in sums)]
+
+
+def _with_all_sums(carry: AccumulationState, flat: list) -> AccumulationState:
+    """`carry` with its gradient sums taken from `flat` (`_all_sums`' order)."""
+    size = len(carry.gradient_sums)
+    groups = [flat[size * (g + 1):size * (g + 2)]
+              for g in range(len(carry.group_gradient_sums))]
+    return carry._replace(gradient_sums=flat[:size], group_gradient_sums=groups)
+
+
+def _without_row_sums(carry: AccumulationState, rows: dict) -> AccumulationState:
+    return _with_all_sums(carry, sparse_gradients.without_sums(_all_sums(carry), rows))
 
 
 def _one_after_another(model: keras.Model, step, carry: AccumulationState, micro_batch_at,
-                       k: int) -> tuple[AccumulationState, list, loss_terms.Layout]:
+                       k: int) -> tuple[AccumulationState, list, loss_terms.Layout, dict]:
     """`_accumulate`'s loop written out: `step` on each of the `k` micro-batches in turn.
 
-    Traced, micro-batch `i + 1` is taken only once micro-step `i`'s sums exist (its index is
-    made from them), so TensorFlow's executor runs the micro-steps one after another, as the
-    loop would, not side by side with their activations all held.
+    Traced, micro-batch `i + 1` is taken only once micro-step `i`'s sums and rows exist (its
+    index is made from them), so TensorFlow's executor runs the micro-steps one after another,
+    as the loop would, not side by side with their activations all held.
     """
     for i in range(k):
-        index = tf.constant(i) if i == 0 or tf.executing_eagerly() else _after_sums(carry, i)
+        index = (tf.constant(i) if i == 0 or tf.executing_eagerly()
+                 else _after_sums(carry, i,
+                                  sparse_gradients.values(rows, _all_sums(stepped))))
         stepped = step(carry, micro_batch_at(index))
+        if i == 0:
+            rows = sparse_gradients.buffers(
+                _gradients_as_traced(step, carry, micro_batch_at, stepped), k)
+        rows = sparse_gradients.write(rows, i, _all_sums(stepped))
         carry = _keep_sums(carry, stepped)
-    return carry, _has_gradient(stepped), loss_terms.stored_layout(model)
+        if i == 0:
+            carry = _without_row_sums(carry, rows)
+    return carry, _has_gradient(stepped), loss_terms.stored_layout(model), rows
 
 
-def _after_sums(carry: AccumulationState, i: int) -> tf.Tensor:
-    """`i`, as an int32 tensor made only once every sum of `carry` exists: a 0 made from the
-    first element of each is added to it (`remat_tf.zero_after`; a NaN one adds 0 too)."""
+def _gradients_as_traced(step, carry: AccumulationState, micro_batch_at,
+                         stepped: AccumulationState) -> list:
+    """The first micro-step's gradients (sums or rows, `_all_sums`' order) as its graph has
+    them. An eager tensor records no op, so eagerly the kind of rows
+    (`sparse_gradients.DistinctRows`) is read from a trace of the step, made only where some
+    gradient is rows."""
+    gradients = _all_sums(stepped)
+    if not (tf.executing_eagerly() and any(map(sparse_gradients.is_rows, gradients))):
+        return gradients
+    try:
+        return _all_sums(_trace(step, carry, micro_batch_at(tf.constant(0))).structured_outputs)
+    except RuntimeError as error:
+        if "merge_call" not in str(error):
+            raise
+        return gradients  # a step that synchronizes the replicas cannot be traced: rows per lookup
+
+
+def _after_sums(carry: AccumulationState, i: int, rows: list) -> tf.Tensor:
+    """`i`, as an int32 tensor made only once every sum of `carry` and the `rows` (tensors)
+    exist: a 0 made from the first element of each is added to it (`remat_tf.zero_after`; a
+    NaN one adds 0 too)."""
     from tfmem.training.remat_tf import zero_after
 
-    zero = zero_after([*carry.gradient_sums, *carry.statistic_deltas, carry.loss_sum,
-                       *tf.nest.flatten(carry.group_gradient_sums)])
+    zero = zero_after([*_all_sums(carry), *carry.statistic_deltas, carry.loss_sum, *rows])
     return i + tf.minimum(tf.cast(tf.math.is_nan(zero), tf.int32), 0)
 
 
@@ -273,10 +334,8 @@ def _micro_step(model: keras.Model, window: _Window, carry: AccumulationState,
         # A tape that is not persistent gives one gradient; this trace is then made again.
         grads = (tape.gradient(part, window.variables) if window.variables
                  and (group == 0 or persistent) else [None] * len(window.variables))
-        group_sums.append([
-            None if g is None else total + tf.cast(tf.convert_to_tensor(g), total.dtype)
-            for total, g in zip(sums, grads)
-        ])
+        group_sums.append([None if g is None else sparse_gradients.add(total, g)
+                           for total, g in zip(sums, grads)])
     del tape
     # Collect this micro-batch's change of the BN statistics, then rewind them so
     # every micro-batch steps from the same start (docs/accumulation.md).
@@ -315,11 +374,12 @@ def _with_sums(carry: AccumulationState, num_groups: int, num_terms: int) -> Acc
 
 
 def _keep_sums(carry: AccumulationState, stepped: AccumulationState) -> AccumulationState:
-    """`stepped`, with the sums it has None for (no gradient) taken from `carry`."""
+    """`stepped`, with the sums it has None (no gradient) or rows for taken from `carry`."""
     carry = _with_sums(carry, len(stepped.group_gradient_sums), len(stepped.term_sums))
 
     def kept(totals, news):
-        return [total if new is None else new for total, new in zip(totals, news)]
+        return [total if new is None or sparse_gradients.is_rows(new) else new
+                for total, new in zip(totals, news)]
 
     return stepped._replace(
         gradient_sums=kept(carry.gradient_sums, stepped.gradient_sums),
@@ -335,9 +395,10 @@ def _has_gradient(stepped: AccumulationState) -> list[list[bool]]:
 
 
 def _update(model: keras.Model, window: _Window, layout: loss_terms.Layout,
-            carry: AccumulationState, has_gradient: list, dynamic_batch: tf.Tensor,
+            carry: AccumulationState, has_gradient: list, rows: dict, dynamic_batch: tf.Tensor,
             checks: list) -> None:
-    """The window's one update: the BatchNorm statistics, the logged losses, the gradient."""
+    """The window's one update: the BatchNorm statistics, the logged losses, the gradient
+    (for a gradient that is rows, the window's rows, scaled as a dense sum is)."""
     k = model.accumulation_steps
     for v, start, delta_sum in zip(window.statistics, window.starts, carry.statistic_deltas):
         v.assign(average_statistic(start, delta_sum, k))
@@ -356,10 +417,13 @@ def _update(model: keras.Model, window: _Window, layout: loss_terms.Layout,
                 v.assign(start)
             metric.update_state(value * replicas, sample_weight=dynamic_batch)
     if window.variables:
+        sums = sparse_gradients.with_rows(_all_sums(carry), rows, window.variables)
+        carry = _with_all_sums(carry, sums)
         group_sums = [[total if used else None for total, used in zip(sums, flags)]
                       for sums, flags in zip((carry.gradient_sums, *carry.group_gradient_sums),
                                              has_gradient)]
-        grads = loss_terms.window_gradient(layout, group_sums, carry.term_sums, k, mean)
+        grads = loss_terms.window_gradient(layout, group_sums, carry.term_sums, k, mean,
+                                           sparse_gradients.scaled, sparse_gradients.added)
         with tf.control_dependencies(checks):  # `optimizer.iterations` moves only then
             model.optimizer.apply_gradients(zip(grads, window.variables))
 

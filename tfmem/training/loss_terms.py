@@ -215,7 +215,7 @@ def split(total, record: Recording | None, num_steps: int) -> Split:
 
 
 def window_gradient(layout: Layout, group_sums: list, term_sums: list, num_steps: int,
-                    mean) -> list:
+                    mean, scaled=None, added=None) -> list:
     """Per trainable variable, the window's gradient from each group's summed gradients.
 
     Args:
@@ -224,7 +224,12 @@ def window_gradient(layout: Layout, group_sums: list, term_sums: list, num_steps
         term_sums: per tracked loss, its summed `[numerator, count]`.
         num_steps: `k`.
         mean: `accumulation_math.mean`, the fixed group's division.
+        scaled: `scaled(total, divide)`: `divide` applied to a summed gradient (default: called
+            on it); a backend whose gradients may be rows passes its own.
+        added: `added(a, b)`: two groups' parts of one gradient together (default: `a + b`).
     """
+    scaled = scaled or (lambda total, divide: divide(total))
+    added = added or (lambda a, b: a + b)
     divisors = [None] * layout.fixed + [count for (_, kind, _), (_, count)
                                         in zip(layout.tracked, term_sums) if kind == COUNTED]
     grads = []
@@ -233,9 +238,11 @@ def window_gradient(layout: Layout, group_sums: list, term_sums: list, num_steps
         for total, count in zip(sums, divisors):
             if total is None:
                 continue
-            part = (mean(total, num_steps) if count is None
-                    else ops.divide_no_nan(total, ops.cast(count, total.dtype)))
-            grad = part if grad is None else grad + part
+            if count is None:
+                part = scaled(total, lambda t: mean(t, num_steps))
+            else:
+                part = scaled(total, lambda t, c=count: ops.divide_no_nan(t, ops.cast(c, t.dtype)))
+            grad = part if grad is None else added(grad, part)
         grads.append(grad)
     return grads
 
