@@ -7,6 +7,8 @@ on a CPU) and of the image metrics' checks inside a compiled function; nothing e
 asks which backend is running.
 """
 
+import importlib
+
 try:
     import keras
 except ImportError:
@@ -23,23 +25,24 @@ if NAME == "jax":
     from tfmem.metrics import traced_jax as metric_checks
     from tfmem.runtime.distribute_jax import current_runtime, detect, processes
     from tfmem.training.accumulation_jax import AccumTrainer
-    from tfmem.training.remat_jax import rematerialized_call
-
-    # XLA's CPU scheduler runs each recomputation where it saves no memory (only time).
-    REMAT_SAVES_ON_CPU = False
 elif NAME == "tensorflow":
     from tfmem.memory.gradient_trace import trace_call_tensorflow as trace_call
     from tfmem.metrics import traced_tf as metric_checks
     from tfmem.runtime.distribute import current_runtime, detect, processes
     from tfmem.training.accumulation_tf import AccumTrainer
-    from tfmem.training.remat_tf import rematerialized_call
-
-    REMAT_SAVES_ON_CPU = True
 else:
     raise ImportError(
         f"tfmem runs on Keras's TensorFlow or JAX backend, and KERAS_BACKEND is {NAME!r}. "
         "Set KERAS_BACKEND=tensorflow or KERAS_BACKEND=jax before importing keras."
     )
 
-__all__ = ["NAME", "REMAT_SAVES_ON_CPU", "AccumTrainer", "current_runtime", "detect",
-           "metric_checks", "processes", "rematerialized_call", "trace_call"]
+
+
+def half(*, tensorflow: str, jax: str):
+    """The module of the running backend's half of a feature, imported: a feature names its
+    two halves where it is defined (as Keras picks its trainer class in `keras.models`)."""
+    return importlib.import_module({"tensorflow": tensorflow, "jax": jax}[NAME])
+
+
+__all__ = ["NAME", "AccumTrainer", "current_runtime", "detect", "half", "metric_checks",
+           "processes", "trace_call"]

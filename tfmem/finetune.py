@@ -38,13 +38,14 @@ import keras
 from tfmem import backend, cli, models
 from tfmem.data import demo, manifest as manifest_lib, reader
 from tfmem.data.integrity import SkippedRecords
-from tfmem.memory import guard, levers, segments
+from tfmem.memory import guard, levers
 from tfmem.memory import plan_report
 from tfmem.memory.plan_report import format_bytes
 from tfmem.runtime import memory_cap, precision as precision_lib, report
 from tfmem.runtime.cluster import split_batch
 from tfmem.runtime.runtime import Runtime
-from tfmem.training import recovery, remat, run_directory
+from tfmem.remat.spec import Ranges, RematSpec
+from tfmem.training import recovery, run_directory
 from tfmem.training.accumulation import AccumModel
 from tfmem.training.progress import RunProgress
 from tfmem.training.resume import fit_resumable
@@ -414,7 +415,7 @@ def _build_and_plan(config: FinetuneConfig, spec, runtime: Runtime, precision: s
     if config.rematerialize:  # the plan counts what is recomputed
         with runtime.scope(), cli.usage_errors():  # a name that is no layer of the model
             planned = AccumModel.wrap(model,
-                                      rematerialize=remat.names_of(config.rematerialize))
+                                      rematerialize=RematSpec.from_flag(config.rematerialize))
     # --device plans for that device (its replicas and, with precision "auto", its policy).
     where = (dict(device=config.device, precision=config.precision) if config.device
              else dict(runtime=runtime, precision=precision))
@@ -452,7 +453,7 @@ def _recomputes_more(config: FinetuneConfig, model: keras.Model, run_plan: guard
     (what the supervising process tries when micro-batch 1 reaches the memory limit)."""
     if run_plan.micro_batch_size != 1:
         return False
-    setting = remat.names_of(config.rematerialize)
+    setting = RematSpec.from_flag(config.rematerialize).value
     chosen = run_plan.plan.rematerialized if run_plan.plan is not None else ()
     return recovery.rematerialization_left(model, setting, chosen if setting else (),
                                            runtime.kind)
@@ -481,11 +482,11 @@ def _train(config: FinetuneConfig, spec, runtime: Runtime, precision: str, outpu
         raise cli.UsageError(
             f"--global-batch-size {config.global_batch_size} is larger than the "
             f"{data.num_examples} training examples; use at most {data.num_examples}")
-    setting = remat.names_of(config.rematerialize)
+    setting = RematSpec.from_flag(config.rematerialize).value
     if setting in ("full", "auto") and run_plan.plan is not None:
         # The segments the plan chose: the run cuts the same ones.
         chosen = run_plan.plan.rematerialized
-        setting = segments.Ranges(chosen) if chosen else None
+        setting = Ranges(chosen) if chosen else None
     with runtime.scope():
         accum = AccumModel.wrap(model, accumulation_steps=run_plan.accumulation_steps,
                                 rematerialize=setting)

@@ -15,14 +15,17 @@ import re
 import tensorflow as tf
 
 from tfmem import _keras_internals as internals
-from tfmem.training import remat
+from tfmem.remat import scope
+
+# A recomputed segment's activations exist again only while it runs, on any device.
+SAVES_ON_CPU = True
 
 
 def rematerialized_call(layer, original):
     """The `call` of `layer` that is run again in the backward pass (`recompute_grad`)."""
 
     def call(*args, **kwargs):
-        if internals.any_symbolic(args, kwargs) or not remat.is_training_call():
+        if internals.any_symbolic(args, kwargs) or not scope.is_training_call():
             return original(*args, **kwargs)
         state = list(layer.non_trainable_variables)
         seen = [tf.identity(variable.value) for variable in state]  # before the forward pass
@@ -47,11 +50,11 @@ def rematerialized_call(layer, original):
             rebuilt = tf.nest.pack_sequence_as(args, list(tensors))
             if not runs:  # the forward pass: its updates are the step's
                 runs.append("forward")
-                with remat.segment_calls(observed), draws.made("forward"):
+                with scope.segment_calls(observed), draws.made("forward"):
                     return original(*rebuilt, **kwargs)
             runs.append("recomputed")
             with internals.stateless_scope(list(zip(state, seen))), \
-                    remat.segment_calls(ordered), draws.made("recomputed"):
+                    scope.segment_calls(ordered), draws.made("recomputed"):
                 return original(*rebuilt, **kwargs)
 
         return run(*flat)
@@ -77,7 +80,7 @@ def recompute_grad(function, then=None):
     be freed, not side by side with them, as TensorFlow's executor would run it.
 
     They also wait for each other, which reads each of them twice. A segment's gradient for a
-    piece it passes on to later segments (`remat._runner`) is the sum of its own and theirs;
+    piece it passes on to later segments (`runner._units`) is the sum of its own and theirs;
     read only by the next such sum, the whole chain would be folded by Grappler's arithmetic
     optimizer into one addition, made once the last segment's gradient exists: every
     segment's gradient for the piece held until then (in FC-DenseNet's last dense block, 4 of
@@ -523,13 +526,13 @@ def _after_values(dependencies, tensors) -> list:
     """`tensors` plus a 0 that exists only once `dependencies` do (an addition TensorFlow
     makes in place where the tensor has no other reader); as they are if no dependency is a
     number. A None (no gradient) stays None."""
-    zero = zero_after(dependencies)
+    zero = zero_once_made(dependencies)
     if zero is None:
         return list(tensors)
     return [None if tensor is None else _plus(tensor, zero) for tensor in tensors]
 
 
-def zero_after(tensors):
+def zero_once_made(tensors):
     """A float32 0 that exists only once `tensors` do (NaN where a first element is NaN):
     made from the first element of each (one read, not the whole tensor). None when none is
     a dense tensor of numbers (sparse and ragged ones are passed over)."""

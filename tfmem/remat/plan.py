@@ -1,13 +1,12 @@
-"""Which segments a rematerialization setting cuts in a model, as the planner and `AccumModel`
-both need them.
+"""The segments a rematerialization setting cuts in a model (a *spec*), as the planner and
+`AccumModel` both need them.
 
 A *spec* is a tuple of `(path, ranges)`: `path` "" is the model's own graph, `"name"` the graph
 inside its top-level layer `name` (a nested model, or the traced call of a subclassed layer,
 `segments.inner_graph`), `"name/inner"` the graph inside layer `inner` of that one, and so on
 (Keras layer names have no "/"); `ranges` are `(start, stop)` ranges of that graph's
-`node_order`. `"full"` cuts the top-level graph, and goes inside the layers that bound its
-peak (FC-DenseNet's dense blocks, a transformer's blocks, a keras-hub backbone's encoder)
-when their calls trace as graphs, as deep as they nest.
+`node_order`. Which segments "full" and "auto" cut the planner decides
+(`tfmem.memory.remat_search`); `pair_spec` is the spec of `(first, last)` pairs.
 """
 
 from __future__ import annotations
@@ -15,22 +14,8 @@ from __future__ import annotations
 import keras
 
 from tfmem import _keras_internals as internals
-from tfmem.memory import segments
-from tfmem.memory.graph_walk import node_order
-from tfmem.memory.saved_tensors import saved_tensors_facts
-
-# How many times "full" looks again for layers to cut inside, each after re-cutting the top.
-_DESCENTS = 4
-
-
-def saves_memory(device_kind: str) -> bool:
-    """Whether rematerialization lowers the peak on a device of this kind with this backend.
-    Not on JAX on a CPU: XLA's CPU scheduler runs each recomputation where it saves nothing
-    (ViT-S/16: 136 MiB per sample without, 149 with), so there it only costs time."""
-    from tfmem import backend  # chosen once there; imported here so the planner stays TF-free
-
-    return device_kind != "cpu" or backend.REMAT_SAVES_ON_CPU
-
+from tfmem.remat import segments
+from tfmem.remat.graph import node_order
 
 def _inside(graph: keras.Model, name: str):
     """`(layer, its graph)` of the call of layer `name` in `graph`; graph None when its call
@@ -67,7 +52,7 @@ def inner_graphs(model: keras.Model, spec) -> dict:
 
 
 def check_spec(model: keras.Model, spec) -> None:
-    """Raises for segments given as a spec (a saved setting, `segments.Ranges`) that do not
+    """Raises for segments given as a spec (a saved setting, `spec.Ranges`) that do not
     fit `model`: a path that names no layer whose call traces as a graph, a range outside
     its graph's calls, ranges that overlap.
 
@@ -91,88 +76,6 @@ def check_spec(model: keras.Model, spec) -> None:
                 "plan the model again rather than reuse segments of another model.")
 
 
-def facts(model: keras.Model, compute_dtype, frozen, spec=(), cache: dict | None = None
-          ) -> segments.GraphFacts:
-    """`segments.GraphFacts` of `model`'s top-level graph, with the inner cuts of `spec`
-    made (cached in `cache`)."""
-    cache = {} if cache is None else cache
-    key = ("facts", id(model), compute_dtype, frozenset(frozen), spec)
-    if key not in cache:
-        cache[key] = saved_tensors_facts(model, compute_dtype=compute_dtype, frozen=frozen,
-                                         ranges=spec, inner_graphs=inner_graphs(model, spec))
-    return cache[key]
-
-
-def full(model: keras.Model, compute_dtype=None, frozen=frozenset(), cache: dict | None = None
-         ) -> tuple:
-    """The spec of `rematerialize="full"`: the top-level graph cut where the fewest bytes
-    cross; a call that alone holds at least half of the largest segment is cut inside
-    instead (when its call traces as a graph: "full" of its graph, so layers nested in it
-    are cut inside the same way), and the top cut again around it.
-
-    Returns the spec with the lowest estimated peak of the tries.
-    """
-    cache = {} if cache is None else cache
-    key = ("full", id(model), compute_dtype, frozenset(frozen))
-    if key in cache:
-        return cache[key]
-    nodes = node_order(internals.functional_of(model))
-    inside: dict[str, tuple] = {}  # layer name -> the spec of its graph ("full" of it)
-    best = None
-    for _ in range(_DESCENTS):
-        inner_spec = tuple(sorted(
-            (f"{name}/{path}" if path else name, ranges)
-            for name, spec in inside.items() for path, ranges in spec))
-        found = facts(model, compute_dtype, frozen, inner_spec, cache)
-        barriers = [p for p, node in enumerate(nodes) if node.operation.name in inside]
-        top = tuple(segments.full(found, barriers))
-        kept, insides = found.activation(top)
-        peak = kept + max(insides, default=0)
-        spec = ((("", top),) if top else ()) + inner_spec
-        if best is None or peak < best[0]:
-            best = (peak, spec)
-        largest, new = max(insides, default=0), {}
-        for p, node in enumerate(nodes):
-            own = sum(found.sizes[k] for k in found.node_keys[p])
-            name = node.operation.name
-            if p in barriers or name in new or own <= 0 or 2 * own < largest:
-                continue
-            inner = segments.inner_graph(node.operation, node)
-            if inner is None:
-                continue
-            try:
-                spec = full(inner, compute_dtype, frozen, cache)  # and inside its layers
-            except ValueError:  # a graph the walk cannot size: the layer stays whole
-                continue
-            if spec:
-                new[name] = spec
-        if not new:
-            break
-        inside.update(new)
-    plain = facts(model, compute_dtype, frozen, (), cache).activation(())[0]
-    cache[key] = best[1] if best[0] < plain else ()
-    return cache[key]
-
-
-def units(model: keras.Model, spec, compute_dtype=None, frozen=frozenset(),
-          cache: dict | None = None) -> list[tuple]:
-    """The segments of a "full" spec, each as a unit `((path, (span,)),)`, most bytes saved
-    per recomputed FLOP first: the order "auto" adds them in. A segment's saving is counted
-    in the graph it cuts (the model's, or the one inside a layer), as if it were the only one
-    there."""
-    cache = {} if cache is None else cache
-    ranked = []
-    for path, ranges in spec:
-        graph = graph_of(model, path)
-        plain = facts(graph, compute_dtype, frozen, (), cache)
-        before = plain.activation(())[0]
-        for span in ranges:
-            saved = before - plain.activation([span])[0]
-            ranked.append((saved / max(plain.recomputed_flops([span]), 1), ((path, (span,)),)))
-    ranked.sort(key=lambda entry: -entry[0])
-    return [unit for _, unit in ranked]
-
-
 def spec_of(chosen: list[tuple]) -> tuple:
     """The spec of some `units`: the ranges of each graph together, the model's first."""
     by_path: dict[str, list] = {}
@@ -180,38 +83,6 @@ def spec_of(chosen: list[tuple]) -> tuple:
         for path, ranges in unit:
             by_path.setdefault(path, []).extend(ranges)
     return tuple((path, tuple(sorted(by_path[path]))) for path in sorted(by_path))
-
-
-def from_setting(model: keras.Model, setting, compute_dtype=None, frozen=frozenset(),
-                 cache: dict | None = None) -> tuple:
-    """The spec of a setting's `"full"` or `(first, last)` pairs (names are hooks, not
-    ranges; "auto" is decided by a plan)."""
-    if setting == "full":
-        return full(model, compute_dtype, frozen, cache)
-    pairs = [item for item in setting if not isinstance(item, str)]
-    if not pairs:
-        return ()
-    return (("", tuple(segments.pair_ranges(internals.functional_of(model), pairs))),)
-
-
-def recompute_fraction(model: keras.Model, spec, compute_dtype=None, frozen=frozenset(),
-                       cache: dict | None = None) -> float:
-    """The recomputed forward FLOPs of `spec` over a training step's (forward + backward ≈ 3
-    forwards), from `segments`' per-call estimate: of each segment, the calls run again
-    (`segments.GraphFacts.recomputed_calls`; all of them where its graph cannot be walked)."""
-    graph = internals.functional_of(model)
-    graphs = inner_graphs(model, spec)
-    total = 3 * sum(segments.flops_of(node, graphs) for node in node_order(graph))
-    recomputed = 0
-    for path, ranges in spec:
-        inner = graph_of(model, path)
-        nodes = node_order(inner)
-        try:
-            again = facts(inner, compute_dtype, frozen, (), cache).recomputed_calls(ranges)
-        except ValueError:  # a graph the walk cannot size
-            again = {p for start, stop in ranges for p in range(start, stop + 1)}
-        recomputed += sum(segments.flops_of(nodes[p], graphs) for p in again)
-    return recomputed / total if total else 0.0
 
 
 def names(model: keras.Model, spec) -> list[str]:
@@ -226,3 +97,14 @@ def names(model: keras.Model, spec) -> list[str]:
             name = first if start == stop else f"{first}…{last}"
             out.append(f"{path}:{name}" if path else name)
     return out
+
+
+def pair_spec(model: keras.Model, pairs) -> tuple:
+    """The spec of `(first, last)` pairs of layer names of `model`'s own graph.
+
+    Raises:
+        ValueError: as `segments.pair_ranges`.
+    """
+    if not pairs:
+        return ()
+    return (("", tuple(segments.pair_ranges(internals.functional_of(model), pairs))),)

@@ -17,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmem import _keras_internals as internals
+from tfmem.remat.backend_tf import zero_once_made
 from tfmem.training import micro_batches
 from tfmem.runtime.cluster import split_batch
 from tfmem.training import placement
@@ -217,10 +218,8 @@ def _one_after_another(step, carry: AccumulationState, micro_batch_at,
 
 def _after_sums(carry: AccumulationState, i: int) -> tf.Tensor:
     """`i`, as an int32 tensor made only once every sum of `carry` exists: a 0 made from the
-    first element of each is added to it (`remat_tf.zero_after`; a NaN one adds 0 too)."""
-    from tfmem.training.remat_tf import zero_after
-
-    zero = zero_after([*carry.gradient_sums, *carry.statistic_deltas, carry.loss_sum])
+    first element of each is added to it (`backend_tf.zero_once_made`; a NaN one adds 0 too)."""
+    zero = zero_once_made([*carry.gradient_sums, *carry.statistic_deltas, carry.loss_sum])
     return i + tf.minimum(tf.cast(tf.math.is_nan(zero), tf.int32), 0)
 
 

@@ -16,6 +16,9 @@ from typing import Any
 
 import keras
 
+from tfmem import _keras_internals as internals
+from tfmem.remat import runner
+from tfmem.remat.spec import RematSpec
 from tfmem.runtime.cluster import split_batch
 
 # How each framework says it: TensorFlow's `tf.errors.ResourceExhaustedError` (by class name:
@@ -125,23 +128,24 @@ def rematerialization_left(model: keras.Model, setting=_OWN, cut=_OWN,
     `setting` and `cut` (the segments cut) default to an AccumModel's own; `device_kind` to the
     kind of the devices it runs on.
     """
-    from tfmem import _keras_internals as internals
     from tfmem import backend
-    from tfmem.memory import remat_plan, segments
+    from tfmem.memory import remat_search  # the planner is needed only here
 
-    setting = getattr(model, "rematerialize", "") if setting is _OWN else setting
+    if setting is _OWN and not hasattr(model, "rematerialize"):
+        return False  # not an AccumModel
+    setting = RematSpec.parse(model.rematerialize if setting is _OWN else setting)
     if cut is _OWN:  # a plan's segments are cut at the next `fit`
-        cut = (setting.ranges if isinstance(setting, segments.Ranges)
+        cut = (setting.chosen if setting.mode == "chosen"
                else getattr(model, "rematerialized_segments", ()))
-    if setting not in (None, "auto") and not isinstance(setting, segments.Ranges):
+    if setting.mode not in (None, "auto", "chosen"):
         return False
     if not internals.is_graph_network(internals.functional_of(model)):
         return False
     kind = backend.current_runtime(model).kind if device_kind is None else device_kind
-    if not remat_plan.saves_memory(kind):
+    if not runner.saves_memory(kind):
         return False
     try:
-        full = remat_plan.from_setting(model, "full")
+        full = remat_search.full(model)
     except ValueError:  # a graph the planner's walk cannot size
         return False
     return bool(full) and tuple(full) != tuple(cut)
@@ -149,9 +153,7 @@ def rematerialization_left(model: keras.Model, setting=_OWN, cut=_OWN,
 
 def rematerialize_all(model: keras.Model) -> None:
     """Sets `model`'s `rematerialize` to "full" (an AccumModel); its next `fit` cuts it."""
-    from tfmem.training import remat
-
-    model._rematerialize = remat.check_setting("full")
+    model._rematerialize = RematSpec("full")
 
 
 def what_would_fit(model: keras.Model, global_batch_size: int) -> str:
