@@ -87,7 +87,7 @@ def test_a_stack_made_across_the_layer_trains_to_the_same_weights():
     assert accum.rematerialized_segments == _SPEC.ranges
     # Grappler's options are the process's own (its dependency optimizer on): with the kernels'
     # updates ordered after their recomputations only by control edges, which that rewrite
-    # may drop, this differed in a few runs of a hundred (tests/training/test_remat_tf.py).
+    # may drop, this differed in a few runs of a hundred (tests/remat/test_backend_tf.py).
     import tensorflow as tf
     assert "dependency_optimization" not in tf.config.optimizer.get_experimental_options()
     differences = [np.linalg.norm(a - b) / np.linalg.norm(a) for a, b in zip(*weights)]
