@@ -278,8 +278,8 @@ class ForwardShapes:
                 for index, tensor in enumerate(op.inputs):
                     if tensor.name in self.twins:
                         try:
-                            op._update_input(index, self.twins[tensor.name])
-                        except (AttributeError, TypeError, ValueError, tf.errors.OpError):
+                            internals.replace_op_input(op, index, self.twins[tensor.name])
+                        except (TypeError, ValueError, tf.errors.OpError):
                             return
 
 
@@ -346,7 +346,7 @@ class ForwardDraws:
                 for reader in list(output.consumers()):
                     for index, tensor in enumerate(reader.inputs):
                         if tensor is output:
-                            reader._update_input(index, value)  # noqa: SLF001
+                            internals.replace_op_input(reader, index, value)
             if op in writes:
                 _write_nothing_new(layer, op, twin)
 
@@ -369,9 +369,9 @@ def _write_nothing_new(layer, op, twin) -> None:
     """
     amount = _AMOUNTS.get(op.type)
     if amount is not None:
-        op._update_input(amount, tf.zeros_like(op.inputs[amount]))  # noqa: SLF001
+        internals.replace_op_input(op, amount, tf.zeros_like(op.inputs[amount]))
     elif op.type == "AssignVariableOp":
-        op._update_input(1, twin.inputs[1])  # noqa: SLF001
+        internals.replace_op_input(op, 1, twin.inputs[1])
     else:
         raise _not_again(layer, op, "writes a TensorFlow variable again when recomputed")
 
