@@ -35,13 +35,13 @@ import traceback
 
 import keras
 
-from tfmem import backend, cli, models
+from tfmem import cli, models
 from tfmem.data import demo, manifest as manifest_lib, reader
 from tfmem.data.integrity import SkippedRecords
 from tfmem.memory import guard, levers
 from tfmem.memory import plan_report
 from tfmem.memory.plan_report import format_bytes
-from tfmem.runtime import memory_cap, precision as precision_lib, report
+from tfmem.runtime import current, memory_cap, precision as precision_lib, report
 from tfmem.runtime.cluster import split_batch
 from tfmem.runtime.runtime import Runtime
 from tfmem.remat.spec import Ranges, RematSpec
@@ -182,7 +182,7 @@ def _run(config: FinetuneConfig, attempt: _Attempt) -> dict:
 
         tf.config.experimental.enable_op_determinism()
     keras.utils.set_random_seed(config.seed)
-    runtime = backend.detect(prefer=config.prefer)
+    runtime = current.detect(prefer=config.prefer)
     precision = (precision_lib.policy_for(runtime) if config.precision == "auto"
                  else config.precision)
     precision_lib.set_policy(policy=precision)

@@ -154,7 +154,7 @@ def registry_variants(name: str, *, image_size: int, **build_kwargs
         >>> [d for d, _ in registry_variants("efficientnetv2-xl", image_size=384)]
         ['image size 288', 'image size 192', 'model efficientnetv2-l']
     """
-    from tfmem import models
+    from tfmem import models  # the registry, only where its variants are asked for
 
     if name not in models.MODELS:
         return []
@@ -184,7 +184,7 @@ def _family(name: str) -> str:
 
 def _deferred(name: str, image_size: int, build_kwargs: dict) -> Callable[[], keras.Model]:
     def build() -> keras.Model:
-        from tfmem import models
+        from tfmem import models  # the registry, only when the variant is built
 
         with models.shapes_only():
             return models.build(name, image_size=image_size, **build_kwargs)

@@ -21,6 +21,8 @@ from collections.abc import Collection
 import keras
 
 from tfmem import _keras_internals as internals
+from tfmem import backend
+from tfmem.memory import gradient_trace
 from tfmem.memory.graph_walk import Walker, itemsize, sample_bytes
 from tfmem.remat import flat_graph, segments
 from tfmem.remat.graph import last_uses, node_order
@@ -204,9 +206,9 @@ def traced_saved_tensors(model: keras.Model, *, compute_dtype: str | None = None
 
 
 def _walker(compute_dtype, frozen, recomputed=(), ranges=(), inner_graphs=None) -> Walker:
-    from tfmem import backend  # chosen once there; imported here so the planner stays TF-free
-
-    return Walker(compute_dtype, frozen, backend.trace_call, recomputed, ranges, inner_graphs)
+    trace_call = backend.choose(tensorflow=gradient_trace.trace_call_tensorflow,
+                                jax=gradient_trace.trace_call_jax)
+    return Walker(compute_dtype, frozen, trace_call, recomputed, ranges, inner_graphs)
 
 
 def _walked(graph, compute_dtype, frozen, recomputed, ranges, inner_graphs,

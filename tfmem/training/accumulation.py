@@ -2,7 +2,7 @@
 
 What a step computes (split, loss normalisation, gradients, mixed precision, BatchNorm, metrics,
 memory) and what is exact is stated once, in docs/accumulation.md. The step itself is the
-backend's (`accumulation_tf`, `accumulation_jax`), chosen once in `tfmem.backend`.
+backend's (`accumulation_tf`, `accumulation_jax`), chosen here (`tfmem.backend.half`).
 """
 
 from __future__ import annotations
@@ -21,13 +21,19 @@ from tfmem.memory.guard import RunPlan
 from tfmem.remat import plan as remat_plan
 from tfmem.remat import runner
 from tfmem.remat.spec import RematSpec
+from tfmem.runtime import current
 from tfmem.runtime.cluster import check_accumulation_steps
 
 # Reductions for which "mean of the k micro-batch losses" == "big-batch loss".
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 
 
-class AccumModel(backend.AccumTrainer, keras.Model):
+# The train step of the running backend (as Keras picks its trainer class for `Model`).
+_STEP = backend.half(tensorflow="tfmem.training.accumulation_tf",
+                     jax="tfmem.training.accumulation_jax")
+
+
+class AccumModel(_STEP.AccumTrainer, keras.Model):
     """A `keras.Model` that accumulates gradients over micro-batches in one step.
 
     Make one as you would make a `keras.Model`, in one of three ways:
@@ -249,7 +255,7 @@ class AccumModel(backend.AccumTrainer, keras.Model):
             guard.unplanned(self, "the data has no static batch size (batch it with "
                             "drop_remainder=True to check)", auto=auto)
             return None
-        runtime = backend.current_runtime(self)
+        runtime = current.current_runtime(self)
         where = (dict(runtime=runtime) if memory_budget is None
                  else dict(memory_budget=memory_budget, num_replicas=runtime.num_replicas))
         run = guard.guard(
@@ -440,7 +446,7 @@ def _check_train_step_accumulates(cls: type, accumulation_steps) -> None:
     `accumulation_steps` but 1; `compute_loss` is what a subclass overrides instead.
     """
     owner = next(klass for klass in cls.__mro__ if "train_step" in vars(klass))
-    if owner is not backend.AccumTrainer:
+    if owner is not _STEP.AccumTrainer:
         raise ValueError(
             f"{owner.__name__} overrides `train_step`, which replaces AccumModel's step "
             f"that splits each batch into micro-batches: accumulation_steps="
@@ -495,7 +501,7 @@ def global_batch_size(x, batch_size=None) -> int | None:
         spec = keras.tree.flatten(element_spec)[0]
         rows = spec.shape[0] if spec.shape.rank else None
         # A dataset split by process holds this process's part of each global batch.
-        return None if rows is None else backend.processes.global_batch(rows, x)
+        return None if rows is None else current.processes.global_batch(rows, x)
     arrays = keras.tree.flatten(x)
     if not arrays or not hasattr(arrays[0], "shape"):
         return None  # a generator or PyDataset: batched by the user, size unknown here

@@ -17,9 +17,12 @@ from typing import Any
 import keras
 
 from tfmem import _keras_internals as internals
+from tfmem.memory import guard, plan_report, remat_search
 from tfmem.remat import runner
 from tfmem.remat.spec import RematSpec
+from tfmem.runtime import current
 from tfmem.runtime.cluster import split_batch
+from tfmem.training.accumulation import plan_precision
 
 # How each framework says it: TensorFlow's `tf.errors.ResourceExhaustedError` (by class name:
 # no TensorFlow import on the JAX backend); JAX's runtime errors with XLA's status code, or
@@ -128,9 +131,6 @@ def rematerialization_left(model: keras.Model, setting=_OWN, cut=_OWN,
     `setting` and `cut` (the segments cut) default to an AccumModel's own; `device_kind` to the
     kind of the devices it runs on.
     """
-    from tfmem import backend
-    from tfmem.memory import remat_search  # the planner is needed only here
-
     if setting is _OWN and not hasattr(model, "rematerialize"):
         return False  # not an AccumModel
     setting = RematSpec.parse(model.rematerialize if setting is _OWN else setting)
@@ -141,7 +141,7 @@ def rematerialization_left(model: keras.Model, setting=_OWN, cut=_OWN,
         return False
     if not internals.is_graph_network(internals.functional_of(model)):
         return False
-    kind = backend.current_runtime(model).kind if device_kind is None else device_kind
+    kind = current.current_runtime(model).kind if device_kind is None else device_kind
     if not runner.saves_memory(kind):
         return False
     try:
@@ -158,16 +158,12 @@ def rematerialize_all(model: keras.Model) -> None:
 
 def what_would_fit(model: keras.Model, global_batch_size: int) -> str:
     """What the memory plan of this device says about the run (shapes only, no allocation)."""
-    from tfmem import backend
-    from tfmem.memory import guard, plan_report  # the planner is needed only here
-    from tfmem.training.accumulation import plan_precision
-
     advice = ("use mixed precision, freeze part of the model, or a smaller input or model "
               "(tfmem.plan shows what fits)")
     try:
         run = guard.guard(model, global_batch_size=global_batch_size,
                           accumulation_steps="auto", allow_over_budget=True,
-                          runtime=backend.current_runtime(model), optimizer=model.optimizer,
+                          runtime=current.current_runtime(model), optimizer=model.optimizer,
                           precision=plan_precision(model))
     except Exception as error:  # noqa: BLE001 - the out-of-memory error is the one to report
         return f"{advice}; the plan could not be made ({type(error).__name__}: {error})"
