@@ -60,7 +60,8 @@ def levers_for(model: keras.Model, base: MemoryPlan,
     found = []
     graph = internals.functional_of(model)
     if (internals.is_graph_network(graph) and not base.rematerialized
-            and RematSpec.parse(getattr(model, "rematerialize", None)).mode not in ("full", "auto")
+            and RematSpec.parse(getattr(model, "rematerialize", None)).mode
+            not in ("full", "auto")
             and runner.saves_memory(base.device_kind)):
         # First: it changes no numerics, only time.
         found.append(Lever("rematerialize full", "rematerialize", _rematerializing))

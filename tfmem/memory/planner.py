@@ -129,7 +129,8 @@ def settings(
                         precision=chosen, safety=safety,
                         input_batches_in_flight=input_batches_in_flight,
                         input_shape=input_shape,
-                        rematerialize=None if rematerialize is None else RematSpec.parse(rematerialize),
+                        rematerialize=(None if rematerialize is None  # the model's own
+                                       else RematSpec.parse(rematerialize)),
                         micro_batch_target=micro_batch_target,
                         notes=(note,) if note else ())
 

@@ -83,7 +83,7 @@ def saved_tensors(model: keras.Model, *, compute_dtype: str | None = None,
         recomputed: ids of rematerialized layers (`AccumModel(rematerialize=...)`) of a
             functional model.
         ranges: rematerialized ranges of the functional graph's calls, and of the graphs
-            inside its layers (a spec of `tfmem.memory.remat_plan`).
+            inside its layers (a spec of `tfmem.remat.plan`).
         inner_graphs: `id(layer) → graph` of the subclassed layers `ranges` cuts inside.
 
     Raises:

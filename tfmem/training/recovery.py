@@ -111,7 +111,8 @@ def smaller_split(model: keras.Model, global_batch_size: int | None, num_replica
                 "to_rematerialize": "full", "error": said}
     if smaller is None:
         recomputed = (' with rematerialize="full"'
-                      if getattr(model, "rematerialize", None) == "full" else "")
+                      if RematSpec.parse(getattr(model, "rematerialize", None)).mode == "full"
+                      else "")
         raise OutOfMemoryError(
             f"out of memory in a train step at micro-batch 1 × {k} accumulation steps"
             f"{recomputed} ({said}), and nothing smaller can be tried; "
