@@ -39,13 +39,6 @@ class Accelerator:
     num_hosts: int = 1
 
 
-def format_bytes(num_bytes: float) -> str:
-    """`1536 * 2**20` → "1.50 GiB"; below 1 GiB in MiB."""
-    if abs(num_bytes) >= 2**30:
-        return f"{num_bytes / 2**30:.2f} GiB"
-    return f"{num_bytes / 2**20:.1f} MiB"
-
-
 def _gpu(name: str, mib: int, capability: tuple[int, int], description: str) -> Accelerator:
     return Accelerator(name, "gpu", mib * _MIB, 1, description, capability)
 

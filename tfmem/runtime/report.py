@@ -13,8 +13,8 @@ import sys
 import traceback
 from importlib import metadata
 
+from tfmem.memory.plan_report import format_bytes  # the one wording of sizes
 from tfmem.runtime import devices
-from tfmem.runtime.devices import format_bytes
 from tfmem.runtime import precision
 from tfmem._version import __version__
 from tfmem import backend
