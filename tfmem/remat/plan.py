@@ -17,6 +17,7 @@ from tfmem import _keras_internals as internals
 from tfmem.remat import segments
 from tfmem.remat.graph import node_order
 
+
 def _inside(graph: keras.Model, name: str):
     """`(layer, its graph)` of the call of layer `name` in `graph`; graph None when its call
     does not trace as one; None when `graph` has no such call."""
