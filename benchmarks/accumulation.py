@@ -139,7 +139,7 @@ def run_case(key: str) -> dict:
             result["xla_peak_gb"] = analysis["peak_bytes"] / 1e9
             try:
                 memory_plan = tfmem.plan(model, global_batch_size=batch_size, optimizer="sgd",
-                                         runtime=tfmem.backend.current_runtime(model))
+                                         runtime=tfmem.runtime.current.current_runtime(model))
             except (AttributeError, ValueError) as error:  # a model the planner cannot read
                 print(f"planner: {type(error).__name__}: {error}", file=sys.stderr)
                 result["plan_peak_gb"] = None

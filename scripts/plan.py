@@ -20,7 +20,7 @@ import tfmem
 from tfmem import cli, models
 from tfmem.runtime import devices
 from tfmem.memory import levers, plan_report
-from tfmem.training import remat
+from tfmem.remat.spec import RematSpec
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, f"Model name: {', '.join(models.MODELS)}.")
@@ -105,7 +105,7 @@ def main(argv):
     with models.shapes_only():
         model = models.build(FLAGS.model, num_classes=FLAGS.num_classes,
                              image_size=FLAGS.image_size)
-    setting = remat.names_of(FLAGS.rematerialize)
+    setting = RematSpec.from_flag(FLAGS.rematerialize)
     if setting:  # the plan counts what is recomputed
         model = tfmem.AccumModel.wrap(model, rematerialize=setting)
     plan = tfmem.plan(model, global_batch_size=FLAGS.global_batch_size,

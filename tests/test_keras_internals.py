@@ -358,3 +358,14 @@ def test_a_collecting_stateless_scope_keeps_the_losses_and_the_layer_their_ids()
     with internals.stateless_scope([]) as scope:  # not collecting: dropped
         layer(np.ones((2, 3), "float32"))
     assert scope.losses == []
+
+
+def test_replace_op_input_rewires_a_traced_op():
+    graph = tf.Graph()
+    with graph.as_default():
+        one, two = tf.constant(1.0), tf.constant(2.0)
+        copied = tf.identity(one)
+        internals.replace_op_input(copied.op, 0, two)
+        assert copied.op.inputs[0].name == two.name
+        with tf.compat.v1.Session(graph=graph) as session:
+            assert session.run(copied) == 2.0

@@ -16,40 +16,54 @@ def _module_name(path: pathlib.Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _top_level_imports(path: pathlib.Path, modules: set[str]) -> set[str]:
-    """tfmem modules imported when `path` is imported (function-level imports excluded)."""
-    found = set()
-    tree = ast.parse(path.read_text())
-    for node in tree.body:
-        if isinstance(node, ast.If):  # `if TYPE_CHECKING:` blocks count too
-            nodes = node.body + node.orelse
-        else:
-            nodes = [node]
-        for item in nodes:
-            if isinstance(item, ast.Import):
-                found.update(alias.name for alias in item.names)
-            elif isinstance(item, ast.ImportFrom) and item.module and item.level == 0:
-                found.add(item.module)
-                found.update(f"{item.module}.{alias.name}" for alias in item.names)
-    return {name for name in found if name in modules}
+def _imports(path: pathlib.Path, modules: set[str]) -> list[tuple[str, bool, int]]:
+    """`(tfmem module, inside a function body, line)` for each import in `path`, at any depth:
+    `import`, `from ... import`, and the halves a module names with `backend.half(...)`."""
+    found = []
+
+    def visit(node, in_function):
+        for child in ast.iter_child_nodes(node):
+            inside = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                       ast.Lambda))
+            names = []
+            if isinstance(child, ast.Import):
+                names = [alias.name for alias in child.names]
+            elif isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
+                names = [f"{child.module}.{alias.name}" for alias in child.names]
+                names = [name if name in modules else child.module for name in names]
+            elif (isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute)
+                  and child.func.attr == "half"):
+                names = [keyword.value.value for keyword in child.keywords
+                         if isinstance(keyword.value, ast.Constant)]
+            for name in names:
+                while name and name not in modules:  # `import tfmem.x.y` of a package
+                    name = name.rpartition(".")[0]
+                if name:
+                    found.append((name, in_function, child.lineno))
+            visit(child, inside)
+
+    visit(ast.parse(path.read_text()), False)
+    return found
 
 
-def _graph() -> dict[str, set[str]]:
-    paths = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
-    return {name: _top_level_imports(path, set(paths)) - {name} for name, path in paths.items()}
+def _modules() -> dict[str, pathlib.Path]:
+    return {_module_name(path): path for path in PACKAGE.rglob("*.py")}
 
 
-def test_no_module_level_import_cycles():
-    graph = _graph()
-    # A package's __init__ importing its own submodules is how re-exports work, not a cycle.
-    edges = {name: {target for target in targets if not target.startswith(name + ".")}
-             for name, targets in graph.items()}
+def _graph(in_functions: bool = False) -> dict[str, set[str]]:
+    paths = _modules()
+    return {name: {target for target, deferred, _ in _imports(path, set(paths))
+                   if in_functions or not deferred} - {name}
+            for name, path in paths.items()}
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     state: dict[str, int] = {}
     cycles = []
 
     def visit(name, stack):
         state[name] = 1
-        for target in sorted(edges[name]):
+        for target in sorted(edges.get(name, ())):
             if state.get(target) == 1:
                 cycles.append(stack[stack.index(target):] + [target])
             elif target not in state:
@@ -59,7 +73,67 @@ def test_no_module_level_import_cycles():
     for name in sorted(edges):
         if name not in state:
             visit(name, [name])
-    assert cycles == []
+    return cycles
+
+
+def test_no_module_level_import_cycles():
+    # A package's __init__ importing its own submodules is how re-exports work, not a cycle.
+    edges = {name: {target for target in targets if not target.startswith(name + ".")}
+             for name, targets in _graph().items()}
+    assert _cycles(edges) == []
+
+
+def _package(module: str) -> str:
+    """`tfmem.memory.planner` → `tfmem.memory`; a top-level module is its own node."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 else module
+
+
+# Package edges that still close a circle, each to go: the planner sizes AccumModel's
+# accumulation buffers with `training.accumulation_math` (arithmetic that belongs below both);
+# the `tfmem-env` report prints sizes with `memory.plan_report.format_bytes` (which imports
+# nothing of tfmem, so the report belongs above both).
+_KNOWN_UPWARD = {("tfmem.memory", "tfmem.training"), ("tfmem.runtime", "tfmem.memory")}
+
+
+def test_the_package_graph_runs_one_way_counting_imports_in_function_bodies():
+    edges: dict[str, set[str]] = {}
+    for name, targets in _graph(in_functions=True).items():
+        for target in targets:
+            source, goal = _package(name), _package(target)
+            if source != goal and goal != "tfmem" and (source, goal) not in _KNOWN_UPWARD:
+                edges.setdefault(source, set()).add(goal)
+    assert _cycles(edges) == []
+    # Below everything that picks a half, `backend` imports nothing of tfmem above it.
+    assert _graph(in_functions=True)["tfmem.backend"] <= {"tfmem._tf"}
+
+
+# At most this many imports of tfmem modules inside function bodies, each saying why on its
+# line: an optional dependency, or TensorFlow where the JAX backend runs without it.
+_MAX_DEFERRED = 10
+
+
+def test_imports_in_function_bodies_are_few_and_say_why():
+    paths = _modules()
+    deferred = [(name, target, line) for name, path in paths.items()
+                for target, in_function, line in _imports(path, set(paths)) if in_function]
+    assert len(deferred) <= _MAX_DEFERRED, deferred
+    unexplained = [(name, line) for name, target, line in deferred
+                   if "#" not in paths[name].read_text().splitlines()[line - 1]]
+    assert unexplained == []
+
+
+def test_the_import_walk_sees_function_bodies_and_backend_halves(tmp_path):
+    path = tmp_path / "probe.py"
+    path.write_text(textwrap.dedent("""
+        import tfmem.a
+        def f():
+            from tfmem.b import name
+        HALF = backend.half(tensorflow="tfmem.c", jax="tfmem.d")
+        """))
+    found = _imports(path, {"tfmem.a", "tfmem.b", "tfmem.c", "tfmem.d"})
+    assert [(name, deferred) for name, deferred, _ in found] == [
+        ("tfmem.a", False), ("tfmem.b", True), ("tfmem.c", False), ("tfmem.d", False)]
 
 
 def _asks_for_the_backend(path: pathlib.Path) -> bool:

@@ -60,7 +60,7 @@ from tfmem.training.accumulation import AccumModel
 __all__ += ["AccumModel"]
 
 # -- distribute / precision: Runtime --
-from tfmem.backend import detect
+from tfmem.runtime.current import detect
 from tfmem.runtime.runtime import Runtime
 from tfmem.runtime.precision import policy_for, set_policy
 from tfmem.runtime.report import describe

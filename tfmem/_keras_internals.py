@@ -363,3 +363,9 @@ def shapes_only():
         known = {id(variable) for variable in before}
         pending = get("uninitialized_variables") or []
         put("uninitialized_variables", [v for v in pending if id(v) in known])
+
+
+def replace_op_input(op, index: int, tensor) -> None:
+    """Makes the traced TensorFlow op `op` read `tensor` as its input `index`
+    (`Operation._update_input`: TensorFlow has no public way to rewire a graph's op)."""
+    _attribute(op, "_update_input", "rewiring a traced TensorFlow op's input")(index, tensor)

@@ -1,11 +1,12 @@
-"""The Keras backend tfmem runs on, read once at import: each backend-specific piece is chosen here.
+"""The Keras backend tfmem runs on, read once at import, and how a feature picks its half.
 
-Like Keras, which picks its trainer class when `keras.models` is imported, tfmem reads
-`keras.backend.backend()` once and takes the matching half of `AccumModel`'s train step, of
-runtime detection, of the planner's gradient trace (and whether rematerialization saves memory
-on a CPU) and of the image metrics' checks inside a compiled function; nothing else in tfmem
-asks which backend is running.
+Like Keras, which picks its trainer class where `Model` is defined, each feature names its
+TensorFlow and JAX halves where it is defined (`half`, `choose`): this module reads
+`keras.backend.backend()` and imports nothing of tfmem above it. Nothing else in tfmem asks
+which backend is running.
 """
+
+import importlib
 
 try:
     import keras
@@ -18,28 +19,22 @@ except ImportError:
 
 NAME = keras.backend.backend()
 
-if NAME == "jax":
-    from tfmem.memory.gradient_trace import trace_call_jax as trace_call
-    from tfmem.metrics import traced_jax as metric_checks
-    from tfmem.runtime.distribute_jax import current_runtime, detect, processes
-    from tfmem.training.accumulation_jax import AccumTrainer
-    from tfmem.training.remat_jax import rematerialized_call
-
-    # XLA's CPU scheduler runs each recomputation where it saves no memory (only time).
-    REMAT_SAVES_ON_CPU = False
-elif NAME == "tensorflow":
-    from tfmem.memory.gradient_trace import trace_call_tensorflow as trace_call
-    from tfmem.metrics import traced_tf as metric_checks
-    from tfmem.runtime.distribute import current_runtime, detect, processes
-    from tfmem.training.accumulation_tf import AccumTrainer
-    from tfmem.training.remat_tf import rematerialized_call
-
-    REMAT_SAVES_ON_CPU = True
-else:
+if NAME not in ("tensorflow", "jax"):
     raise ImportError(
         f"tfmem runs on Keras's TensorFlow or JAX backend, and KERAS_BACKEND is {NAME!r}. "
         "Set KERAS_BACKEND=tensorflow or KERAS_BACKEND=jax before importing keras."
     )
 
-__all__ = ["NAME", "REMAT_SAVES_ON_CPU", "AccumTrainer", "current_runtime", "detect",
-           "metric_checks", "processes", "rematerialized_call", "trace_call"]
+
+def choose(*, tensorflow, jax):
+    """The value given for the running backend."""
+    return tensorflow if NAME == "tensorflow" else jax
+
+
+def half(*, tensorflow: str, jax: str):
+    """The module named for the running backend, imported (only that one: the other half may
+    need a framework that is not installed)."""
+    return importlib.import_module(choose(tensorflow=tensorflow, jax=jax))
+
+
+__all__ = ["NAME", "choose", "half"]

@@ -34,17 +34,18 @@ import traceback
 
 import keras
 
-from tfmem import backend, cli, models
+from tfmem import cli, models
 from tfmem.data import demo, manifest as manifest_lib, reader
 from tfmem.data.integrity import SkippedRecords
 from tfmem.data.options import MAX_IMAGE_PIXELS
-from tfmem.memory import guard, levers, segments
+from tfmem.memory import guard, levers
 from tfmem.memory import plan_report
 from tfmem.memory.plan_report import format_bytes
-from tfmem.runtime import devices, memory_cap, precision as precision_lib, report
+from tfmem.remat.spec import Ranges, RematSpec
+from tfmem.runtime import current, devices, memory_cap, precision as precision_lib, report
 from tfmem.runtime.cluster import split_batch
 from tfmem.runtime.runtime import Runtime
-from tfmem.training import recovery, remat, resume, run_directory
+from tfmem.training import recovery, resume, run_directory
 from tfmem.training.accumulation import AccumModel
 from tfmem.training.progress import RunProgress
 from tfmem.training.resume import TrainingDivergedError, fit_resumable
@@ -204,7 +205,7 @@ def _run(config: FinetuneConfig, attempt: _Attempt) -> dict:
 
         tf.config.experimental.enable_op_determinism()
     keras.utils.set_random_seed(config.seed)
-    runtime = backend.detect(prefer=config.prefer)
+    runtime = current.detect(prefer=config.prefer)
     precision = (precision_lib.policy_for(runtime) if config.precision == "auto"
                  else config.precision)
     precision_lib.set_policy(policy=precision)
@@ -509,7 +510,7 @@ def _build_and_plan(config: FinetuneConfig, spec, runtime: Runtime, precision: s
     if config.rematerialize:  # the plan counts what is recomputed
         with runtime.scope(), cli.usage_errors():  # a name that is no layer of the model
             planned = AccumModel.wrap(model,
-                                      rematerialize=remat.names_of(config.rematerialize))
+                                      rematerialize=RematSpec.from_flag(config.rematerialize))
     # --device plans for that device (its replicas and, with precision "auto", its policy).
     where = (dict(device=config.device, precision=config.precision) if config.device
              else dict(runtime=runtime, precision=precision))
@@ -547,7 +548,7 @@ def _recomputes_more(config: FinetuneConfig, model: keras.Model, run_plan: guard
     (what the supervising process tries when micro-batch 1 reaches the memory limit)."""
     if run_plan.micro_batch_size != 1:
         return False
-    setting = remat.names_of(config.rematerialize)
+    setting = RematSpec.from_flag(config.rematerialize).value
     chosen = run_plan.plan.rematerialized if run_plan.plan is not None else ()
     return recovery.rematerialization_left(model, setting, chosen if setting else (),
                                            runtime.kind)
@@ -572,11 +573,11 @@ def _train(config: FinetuneConfig, spec, runtime: Runtime, precision: str, outpu
     model, optimizer, run_plan = _build_and_plan(config, spec, runtime, precision, data,
                                                  attempt)
     steps_per_epoch = data.num_examples // config.global_batch_size  # >= 1: _check_sizes
-    setting = remat.names_of(config.rematerialize)
+    setting = RematSpec.from_flag(config.rematerialize).value
     if setting in ("full", "auto") and run_plan.plan is not None:
         # The segments the plan chose: the run cuts the same ones.
         chosen = run_plan.plan.rematerialized
-        setting = segments.Ranges(chosen) if chosen else None
+        setting = Ranges(chosen) if chosen else None
     with runtime.scope():
         accum = AccumModel.wrap(model, accumulation_steps=run_plan.accumulation_steps,
                                 rematerialize=setting)

@@ -13,9 +13,10 @@ import tensorflow as tf
 
 import tfmem
 from tests.training import remat_cases
-from tfmem.memory import remat_plan, segments
-from tfmem.memory.graph_walk import node_order, range_inputs
-from tfmem.training import remat
+from tfmem.memory import remat_search
+from tfmem.remat import segments
+from tfmem.remat.graph import node_order, range_inputs
+from tfmem.remat.spec import Ranges, RematSpec
 
 CASES = os.path.join(os.path.dirname(__file__), "remat_cases.py")
 
@@ -56,11 +57,14 @@ def test_the_block_runs_forward_again_in_the_backward_pass():
 
 
 def test_the_command_line_flag_reads_as_the_setting():
-    assert remat.names_of("full") == "full" and remat.names_of(" auto ") == "auto"
-    assert remat.names_of("none") is remat.names_of("None") is remat.names_of("") is None
-    assert remat.names_of("block3, conv4_1:add4_3") == ("block3", ("conv4_1", "add4_3"))
+    def flag(text):
+        return RematSpec.from_flag(text).value
+
+    assert flag("full") == "full" and flag(" auto ") == "auto"
+    assert flag("none") is flag("None") is flag("") is None
+    assert flag("block3, conv4_1:add4_3") == ("block3", ("conv4_1", "add4_3"))
     with pytest.raises(ValueError, match=r"'a:b:c' is neither a layer name nor a first:last"):
-        remat.names_of("a:b:c")
+        RematSpec.from_flag("a:b:c")
 
 
 def test_names_that_are_no_layer_and_bad_settings_are_one_error():
@@ -79,10 +83,10 @@ def test_the_setting_is_saved_with_the_model(tmp_path):
     loaded = keras.saving.load_model(tmp_path / "model.keras")
     assert isinstance(loaded, tfmem.AccumModel) and loaded.rematerialize == ("block",)
     # Segments a plan chose (what finetune.py trains with) are saved as they are.
-    chosen = segments.Ranges((("", ((1, 2),)), ("backbone/dense", ((0, 9),))))
+    chosen = Ranges((("", ((1, 2),)), ("backbone/dense", ((0, 9),))))
     saved = remat_cases.dense(chosen).get_config()["rematerialize"]
     assert saved == {"segments": [["", [[1, 2]]], ["backbone/dense", [[0, 9]]]]}
-    assert remat.check_setting(saved) == chosen
+    assert RematSpec.parse(saved).value == chosen
     # Segments that do not fit the model are one error each, at once.
     for bad, message in (
             ({"segments": [["backbone/nope", [[0, 1]]]]}, "'backbone/nope' name no layer"),
@@ -455,7 +459,7 @@ def test_the_plan_counts_as_run_again_what_the_step_runs_again(build, setting, a
     dense = [layer for layer in accum.layers if isinstance(layer, keras.layers.Dense)]
     assert len(products) == len(dense) + len(again)
     (_, ranges), = accum.rematerialized_segments
-    facts = remat_plan.facts(accum, None, frozenset())
+    facts = remat_search.facts(accum, None, frozenset())
     assert {facts.names[p] for p in facts.recomputed_calls(ranges)} & {
         layer.name for layer in dense} == again
 

@@ -75,7 +75,7 @@ def trace_call_tensorflow(call: Callable, specs: Sequence[tuple[tuple, str]], *,
                           non_trainable: Sequence) -> TracedCall:
     """Which forward tensors the backward pass of `call(*tensors)` reads, on TensorFlow.
 
-    `tfmem.backend.trace_call` is this function or `trace_call_jax`, chosen once.
+    The walk (`saved_tensors`) takes this function or `trace_call_jax`, chosen once.
 
     Args:
         call: takes the flat list of input tensors and returns the output structure; it may

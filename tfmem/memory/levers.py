@@ -18,10 +18,11 @@ from collections.abc import Callable, Sequence
 import keras
 
 from tfmem import _keras_internals as internals
-from tfmem.memory import remat_plan
 from tfmem.memory.memory_plan import Alternative, MemoryPlan
 from tfmem.memory.optimizer_state import optimizer_slot_bytes
 from tfmem.memory.plan_settings import PlanSettings
+from tfmem.remat import runner
+from tfmem.remat.spec import RematSpec
 
 # Combinations of more changes than this are not searched: the answer would not be "a change".
 _MAX_CHANGES = 3
@@ -59,8 +60,9 @@ def levers_for(model: keras.Model, base: MemoryPlan,
     found = []
     graph = internals.functional_of(model)
     if (internals.is_graph_network(graph) and not base.rematerialized
-            and getattr(model, "rematerialize", None) not in ("full", "auto")
-            and remat_plan.saves_memory(base.device_kind)):
+            and RematSpec.parse(getattr(model, "rematerialize", None)).mode
+            not in ("full", "auto")
+            and runner.saves_memory(base.device_kind)):
         # First: it changes no numerics, only time.
         found.append(Lever("rematerialize full", "rematerialize", _rematerializing))
     if base.precision == "float32":
@@ -84,7 +86,7 @@ def levers_for(model: keras.Model, base: MemoryPlan,
 def _rematerializing(settings: PlanSettings, model: keras.Model) -> PlanSettings:
     if not internals.is_graph_network(internals.functional_of(model)):
         return settings  # a subclassed variant: its blocks would have to be named
-    return dataclasses.replace(settings, rematerialize="full")
+    return dataclasses.replace(settings, rematerialize=RematSpec("full"))
 
 
 def _replacing(**changes) -> Callable[[PlanSettings, keras.Model], PlanSettings]:
@@ -153,7 +155,7 @@ def registry_variants(name: str, *, image_size: int, **build_kwargs
         >>> [d for d, _ in registry_variants("efficientnetv2-xl", image_size=384)]
         ['image size 288', 'image size 192', 'model efficientnetv2-l']
     """
-    from tfmem import models
+    from tfmem import models  # the registry, only where its variants are asked for
 
     if name not in models.MODELS:
         return []
@@ -183,7 +185,7 @@ def _family(name: str) -> str:
 
 def _deferred(name: str, image_size: int, build_kwargs: dict) -> Callable[[], keras.Model]:
     def build() -> keras.Model:
-        from tfmem import models
+        from tfmem import models  # the registry, only when the variant is built
 
         with models.shapes_only():
             return models.build(name, image_size=image_size, **build_kwargs)

@@ -86,7 +86,7 @@ class MemoryPlan:
     `workspace_bytes_per_sample` (× the micro-batch). `measured`, when set by `tfmem.probe`,
     replaces the estimated runtime, state and per-sample terms with a measured line.
     `rematerialized`: the segments recomputed in the backward pass ("full", "auto",
-    `(first, last)` pairs) as `(path, ranges)` pairs (`tfmem.memory.remat_plan`), and
+    `(first, last)` pairs) as `(path, ranges)` pairs (`tfmem.remat.plan`), and
     `recompute_fraction` their forward FLOPs as a fraction of a training step's.
 
     `micro_batch_size` and `accumulation_steps` are the chosen setting: the largest micro-batch

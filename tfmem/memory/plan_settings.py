@@ -28,9 +28,9 @@ class PlanSettings:
         input_batches_in_flight: global batches of input resident at once.
         input_shape: one sample's shape (or a list of them) for a never-built subclassed model.
         frozen: ids of layers and weights planned as not trained (a frozen backbone).
-        rematerialize: what is recomputed in the backward pass (`AccumModel`'s setting:
-            None, "full", "auto", layer names and `(first, last)` pairs), or
-            `segments.Ranges` chosen already; None plans the model's own setting.
+        rematerialize: what is recomputed in the backward pass (a `tfmem.remat.spec.RematSpec`:
+            None, "full", "auto", layer names and `(first, last)` pairs, or segments chosen
+            already); None plans the model's own setting.
         micro_batch_target: the micro-batch "auto" rematerialization makes fit (a run with
             a set k); None: the rule of `planner.plan`.
         notes: lines the plan prints with its table.

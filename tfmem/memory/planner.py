@@ -31,15 +31,17 @@ import keras
 import numpy as np
 
 from tfmem import _keras_internals as internals
-from tfmem.memory import levers, remat_plan, segments
+from tfmem.memory import levers, remat_search
 from tfmem.memory.memory_plan import MemoryPlan, MemoryPlanError, choose
 from tfmem.memory.optimizer_state import optimizer_slot_bytes
 from tfmem.memory.plan_settings import PlanSettings
 from tfmem.memory.saved_tensors import saved_tensors
+from tfmem.remat import plan as remat_plan
+from tfmem.remat import runner
+from tfmem.remat.spec import Ranges, RematSpec
 from tfmem.runtime import precision as precision_lib
 from tfmem.runtime.budget import Budget, budget_for
 from tfmem.runtime.cluster import check_count, largest_divisor, split_batch
-from tfmem.training import remat
 from tfmem.training.accumulation_math import accumulator_nbytes
 
 __all__ = ["Budget", "MemoryPlan", "MemoryPlanError", "PlanSettings", "check", "estimate",
@@ -128,7 +130,8 @@ def settings(
                         precision=chosen, safety=safety,
                         input_batches_in_flight=input_batches_in_flight,
                         input_shape=input_shape,
-                        rematerialize=remat.check_setting(rematerialize),
+                        rematerialize=(None if rematerialize is None  # the model's own
+                                       else RematSpec.parse(rematerialize)),
                         micro_batch_target=micro_batch_target,
                         notes=(note,) if note else ())
 
@@ -184,7 +187,7 @@ def estimate(model: keras.Model, settings: PlanSettings,
     analyses = {} if analyses is None else analyses
     recomputed, ranges = _rematerialized(model, settings, override, analyses)
     # Where it saves nothing, what is recomputed is planned as kept (the run still cuts it).
-    saves = remat_plan.saves_memory(budget.kind)
+    saves = runner.saves_memory(budget.kind)
     counted, counted_ranges = (recomputed, ranges) if saves else ((), ())
     key = (id(model), override, frozenset(frozen), counted, counted_ranges)
     if key not in analyses:
@@ -228,12 +231,12 @@ def estimate(model: keras.Model, settings: PlanSettings,
             and not internals.is_graph_network(internals.functional_of(model))):
         notes.append("rematerialized layers planned as kept (an upper bound): the call of "
                      f"{type(model).__name__} does not trace as a graph of its layers")
-    if remat_setting(model, settings) == "full" and not ranges:
+    if remat_setting(model, settings).mode == "full" and not ranges:
         notes.append("rematerialize full: no cut lowers the planned peak, so none is made"
                      + (f" (not counted: the loop intermediates of "
                         f"{', '.join(saved.loop_calls)}; name those layers to recompute them)"
                         if saved.loop_calls else ""))
-    fraction = (remat_plan.recompute_fraction(model, ranges, override, frozen, analyses)
+    fraction = (remat_search.recompute_fraction(model, ranges, override, frozen, analyses)
                 if ranges else 0.0)
     if saved.segments:
         notes.append("rematerialized, recomputed in the backward pass one at a time (the "
@@ -284,30 +287,30 @@ def _per_sample(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 1024:.1f} KiB"
 
 
-def remat_setting(model: keras.Model, settings: PlanSettings):
+def remat_setting(model: keras.Model, settings: PlanSettings) -> RematSpec:
     """The rematerialization a plan is for: the settings', else the model's own."""
     if settings.rematerialize is not None:
         return settings.rematerialize
-    return getattr(model, "rematerialize", None)
+    return RematSpec.parse(getattr(model, "rematerialize", None))
 
 
 def _rematerialized(model: keras.Model, settings: PlanSettings, override,
                     analyses: dict) -> tuple[tuple[int, ...], tuple]:
     """(ids of the layers rematerialized by name, the spec of the segments cut:
-    `tfmem.memory.remat_plan`)."""
+    `tfmem.remat.plan`)."""
     setting = remat_setting(model, settings)
-    if isinstance(setting, segments.Ranges):
-        remat_plan.check_spec(model, setting.ranges)
-        return (), setting.ranges
-    if setting in (None, "auto"):  # "auto" is resolved by `plan` into Ranges
+    if setting.mode == "chosen":
+        remat_plan.check_spec(model, setting.chosen)
+        return (), setting.chosen
+    if setting.mode in (None, "auto"):  # "auto" is resolved by `plan` into chosen segments
         return (), ()
-    names = set(remat.layer_names(setting))
+    names = set(setting.names)
     ids = tuple(sorted(id(layer) for layer in internals.flatten_layers(model)
                        if layer is not model and layer.name in names))
-    if setting != "full" and not remat.layer_pairs(setting):
+    if not setting.cuts_segments:
         return ids, ()
-    remat.check_graph(model, setting)
-    return ids, remat_plan.from_setting(model, setting, override, settings.frozen, analyses)
+    runner.check_graph(model, setting)
+    return ids, remat_search.segments_for(model, setting, override, settings.frozen, analyses)
 
 
 def _auto(model: keras.Model, plan_settings: PlanSettings, analyses: dict) -> MemoryPlan:
@@ -320,14 +323,14 @@ def _auto(model: keras.Model, plan_settings: PlanSettings, analyses: dict) -> Me
     save the most bytes per recomputed FLOP first, as few as let the target fit (all of them
     when none is enough).
     """
-    plain_settings = dataclasses.replace(plan_settings, rematerialize=segments.Ranges(()))
+    plain_settings = dataclasses.replace(plan_settings, rematerialize=RematSpec.parse(Ranges(())))
     plain = choose(estimate(model, plain_settings, analyses))
     per_replica = plain.per_replica_batch_size
     target = plan_settings.micro_batch_target or largest_divisor(per_replica, 16)
     if plain.fits and plain.micro_batch_size >= target:
         return plain.replace(notes=plain.notes + (
             f"rematerialize auto: not needed, micro-batch {plain.micro_batch_size} fits",))
-    if not remat_plan.saves_memory(plan_settings.budget.kind):
+    if not runner.saves_memory(plan_settings.budget.kind):
         return plain.replace(notes=plain.notes + (
             "rematerialize auto: not used, on JAX on a CPU it saves no memory",))
     graph = internals.functional_of(model)
@@ -336,14 +339,14 @@ def _auto(model: keras.Model, plan_settings: PlanSettings, analyses: dict) -> Me
             "rematerialize auto: planned without it (a subclassed model: name its blocks "
             "to rematerialize them)",))
     override = _override(model, plan_settings.precision)
-    full = remat_plan.full(model, override, plan_settings.frozen, analyses)
-    units = remat_plan.units(model, full, override, plan_settings.frozen, analyses)
+    full = remat_search.full(model, override, plan_settings.frozen, analyses)
+    units = remat_search.units(model, full, override, plan_settings.frozen, analyses)
     steps = per_replica // target
 
     def planned(count: int) -> MemoryPlan:
         spec = remat_plan.spec_of(units[:count])
         return choose(estimate(model, dataclasses.replace(
-            plan_settings, rematerialize=segments.Ranges(spec)), analyses))
+            plan_settings, rematerialize=RematSpec.parse(Ranges(spec))), analyses))
 
     def fits(candidate: MemoryPlan) -> bool:
         return candidate.peak_bytes(target, steps) <= candidate.budget_bytes
@@ -413,7 +416,7 @@ def plan(
     elif arguments:
         raise TypeError(f"Give `plan_settings` or its arguments, not both: {sorted(arguments)}.")
     analyses: dict = {}
-    if remat_setting(model, plan_settings) == "auto":
+    if remat_setting(model, plan_settings).mode == "auto":
         result = _auto(model, plan_settings, analyses)
     else:
         result = choose(estimate(model, plan_settings, analyses))

@@ -21,9 +21,13 @@ from collections.abc import Collection
 import keras
 
 from tfmem import _keras_internals as internals
-from tfmem.memory import flat_graph, segments
+from tfmem import backend
+from tfmem.memory import gradient_trace
 from tfmem.memory.graph_walk import Walker, itemsize, sample_bytes
-from tfmem.training import remat
+from tfmem.remat import flat_graph, segments
+from tfmem.remat.graph import last_uses, node_order
+from tfmem.remat.scope import measured_as_written
+from tfmem.remat.segments import GraphFacts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +83,7 @@ def saved_tensors(model: keras.Model, *, compute_dtype: str | None = None,
         recomputed: ids of rematerialized layers (`AccumModel(rematerialize=...)`) of a
             functional model.
         ranges: rematerialized ranges of the functional graph's calls, and of the graphs
-            inside its layers (a spec of `tfmem.memory.remat_plan`).
+            inside its layers (a spec of `tfmem.remat.plan`).
         inner_graphs: `id(layer) → graph` of the subclassed layers `ranges` cuts inside.
 
     Raises:
@@ -108,13 +112,55 @@ def saved_tensors(model: keras.Model, *, compute_dtype: str | None = None,
 
 def saved_tensors_facts(model: keras.Model, *, compute_dtype: str | None = None,
                         frozen: Collection[int] = (), ranges=(),
-                        inner_graphs: dict | None = None) -> segments.GraphFacts:
+                        inner_graphs: dict | None = None) -> GraphFacts:
     """What each top-level call of a functional `model` keeps, with the cuts `ranges` makes
-    inside its layers: where rematerialization may cut (`tfmem.memory.segments`).
+    inside its layers: where rematerialization may cut (`tfmem.remat.segments`).
     Arguments as `saved_tensors`."""
     graph = internals.functional_of(model)
-    return segments.facts(_walked(graph, compute_dtype, frozen, (), ranges, inner_graphs),
-                          graph)
+    return _graph_facts(_walked(graph, compute_dtype, frozen, (), ranges, inner_graphs), graph)
+
+
+def _graph_facts(walker: Walker, graph) -> GraphFacts:
+    """`GraphFacts` of `graph` from `walker`, which has just walked it as written."""
+    nodes = node_order(graph)
+    produced_at = {id(t): p for p, node in enumerate(nodes) for t in node.outputs}
+    last_use = last_uses(nodes)
+    sizes = dict(walker.sizes)
+    input_keys, output_keys = [], []
+    for node in nodes:
+        for tensors, keys in ((node.input_tensors, input_keys), (node.outputs, output_keys)):
+            keys.append(frozenset(walker.key(t) for t in tensors))
+            for tensor in tensors:
+                sizes.setdefault(walker.key(tensor),
+                                 sample_bytes(tensor.shape, walker.dtype_of(tensor)))
+    # Bytes crossing the cut after each call: a tensor made at m and last used at u > m
+    # crosses the cuts after m .. u - 1 (graph inputs cross from the start).
+    crossing = [0] * (len(nodes) + 1)
+    tensors = {id(t): t for node in nodes for t in node.input_tensors}
+    for tensor_id, tensor in tensors.items():
+        made, used = produced_at.get(tensor_id, -1), last_use[tensor_id]
+        if used > made:
+            nbytes = sample_bytes(tensor.shape, walker.dtype_of(tensor))
+            crossing[max(made, 0)] += nbytes
+            crossing[used] -= nbytes
+    live = []
+    running = 0
+    for p in range(len(nodes)):
+        running += crossing[p]
+        live.append(running)
+    return GraphFacts(
+        names=tuple(node.operation.name for node in nodes),
+        node_keys=tuple(walker.node_keys),
+        input_keys=tuple(input_keys),
+        output_keys=tuple(output_keys),
+        sizes=sizes,
+        live=tuple(live),
+        flops=tuple(segments.flops_of(node, walker.inner_graphs) for node in nodes),
+        inner_peaks=tuple(walker.inner_peaks),
+        nodes=tuple(nodes),
+        tensor_keys={id(t): walker.key(t) for node in nodes
+                     for t in list(node.input_tensors) + list(node.outputs)},
+    )
 
 
 def traced_saved_tensors(model: keras.Model, *, compute_dtype: str | None = None,
@@ -142,7 +188,7 @@ def traced_saved_tensors(model: keras.Model, *, compute_dtype: str | None = None
     def call(xs):
         return model(xs[0] if len(xs) == 1 else list(xs), training=True)
 
-    with remat.as_written():  # planned as if not rematerialized (no graph to cut)
+    with measured_as_written():  # planned as if not rematerialized (no graph to cut)
         result = walker.trace(model, call, inputs, [False] * len(inputs),
                               walker.has_trainable(model))
     if result is None:
@@ -160,9 +206,9 @@ def traced_saved_tensors(model: keras.Model, *, compute_dtype: str | None = None
 
 
 def _walker(compute_dtype, frozen, recomputed=(), ranges=(), inner_graphs=None) -> Walker:
-    from tfmem import backend  # chosen once there; imported here so the planner stays TF-free
-
-    return Walker(compute_dtype, frozen, backend.trace_call, recomputed, ranges, inner_graphs)
+    trace_call = backend.choose(tensorflow=gradient_trace.trace_call_tensorflow,
+                                jax=gradient_trace.trace_call_jax)
+    return Walker(compute_dtype, frozen, trace_call, recomputed, ranges, inner_graphs)
 
 
 def _walked(graph, compute_dtype, frozen, recomputed, ranges, inner_graphs,
@@ -171,7 +217,7 @@ def _walked(graph, compute_dtype, frozen, recomputed, ranges, inner_graphs,
     walker = _walker(compute_dtype, frozen, recomputed, ranges, inner_graphs)
     walker.node_paths = node_paths or {}
     walker.model_inputs = {walker.key(t) for t in graph.inputs}
-    with remat.as_written():  # what each layer keeps inside; the walk counts the recompute
+    with measured_as_written():  # what each layer keeps inside; the walk counts the recompute
         walker.walk(graph)
     return walker
 

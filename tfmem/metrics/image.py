@@ -47,6 +47,9 @@ from keras import ops
 
 from tfmem import backend
 
+# The checks of a metric's inputs inside a compiled function, per backend.
+_CHECKS = backend.half(tensorflow="tfmem.metrics.traced_tf", jax="tfmem.metrics.traced_jax")
+
 __all__ = ["mae", "mse", "psnr", "ssim", "MAE", "MSE", "PSNR", "SSIM"]
 
 DataRange = Union[float, Sequence[float]]
@@ -102,7 +105,7 @@ def _check_range(y_true, y_pred, low, high, metric):
     span = high - low
     fix = ("declare the range your images really have (data_range=255 for 0..255 "
            "pixels, 1.0 for 0..1), the same one the data pipeline uses")
-    if not backend.metric_checks.is_traced(y_true):
+    if not _CHECKS.is_traced(y_true):
         for name, x in (("y_true", y_true), ("y_pred", y_pred)):
             x_min, x_max = float(ops.min(x)), float(ops.max(x))
             if x_min < low or x_max > high:
@@ -119,7 +122,7 @@ def _check_range(y_true, y_pred, low, high, metric):
                 "pass data_range=1.0.")
         return None
     # Traced: the backend's half checks in the graph (TensorFlow) or marks images (JAX).
-    return backend.metric_checks.check_range(y_true, y_pred, low, high, metric, fix)
+    return _CHECKS.check_range(y_true, y_pred, low, high, metric, fix)
 
 
 def _finish(values, valid, single):

@@ -38,7 +38,6 @@ from collections.abc import Mapping
 import jax
 import keras
 
-from tfmem.memory import probe_jax
 from tfmem.runtime import devices as devices_lib
 from tfmem.runtime.runtime import KINDS, Runtime, UnavailableDeviceError
 
@@ -327,7 +326,7 @@ def _memory_per_device(found: list[jax.Device]) -> int | None:
     if device.platform == "cpu":
         num_local_cpus = sum(1 for d in found if d.process_index == jax.process_index())
         return devices_lib.host_memory_for_process() // num_local_cpus
-    limit = probe_jax.device_memory_stats(device).get("bytes_limit")
+    limit = (device.memory_stats() or {}).get("bytes_limit")  # none on a CPU
     if limit:
         return int(limit)
     try:

@@ -65,7 +65,7 @@ def inspect_hardware(environ: Mapping[str, str] | None = None) -> Hardware:
 def _visible_gpus() -> tuple[GPU, ...]:
     # get_visible_devices / get_device_details do not initialise the runtime, so this stays
     # safe before MultiWorkerMirroredStrategy must be created.
-    from tfmem._tf import tf
+    from tfmem._tf import tf  # TensorFlow only where GPUs are asked about (JAX runs without)
 
     visible = tf.config.get_visible_devices("GPU")
     if not visible:

@@ -13,12 +13,12 @@ import sys
 import traceback
 from importlib import metadata
 
-from tfmem.memory.plan_report import format_bytes
+from tfmem.memory.plan_report import format_bytes  # the one wording of sizes
 from tfmem.runtime import devices
 from tfmem.runtime import precision
 from tfmem._version import __version__
 from tfmem import backend
-from tfmem.backend import detect
+from tfmem.runtime.current import detect
 from tfmem.runtime import tpu
 from tfmem.runtime.runtime import Runtime, UnavailableDeviceError
 

@@ -24,7 +24,7 @@ _SIGNAL_VARIABLES = ("TPU_ACCELERATOR_TYPE", "TPU_NAME", "COLAB_TPU_ADDR")
 def _connect_errors() -> tuple[type[Exception], ...]:
     """What TensorFlow raises while connecting to / initialising a TPU; anything else is a bug
     that should surface as-is."""
-    from tfmem._tf import tf
+    from tfmem._tf import tf  # TensorFlow only where a TPU is asked about (JAX runs without)
 
     return (tf.errors.OpError, ValueError, RuntimeError, ImportError)
 
@@ -106,7 +106,7 @@ def connect(name: str) -> tf.distribute.Strategy:
     Initialising a TPU twice discards the variables on it, so a second call returns the
     strategy of the first.
     """
-    from tfmem._tf import tf
+    from tfmem._tf import tf  # TensorFlow only where a TPU is asked about (JAX runs without)
 
     if name not in _connected:
         resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=name)
@@ -205,7 +205,7 @@ def _installed_tensorflow() -> str:
             return f"{distribution} {metadata.version(distribution)}"
         except metadata.PackageNotFoundError:
             continue
-    from tfmem._tf import tf
+    from tfmem._tf import tf  # TensorFlow only if installed (JAX runs without)
 
     return f"tensorflow {tf.__version__}"
 

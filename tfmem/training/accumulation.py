@@ -2,7 +2,7 @@
 
 What a step computes (split, loss normalisation, gradients, mixed precision, BatchNorm, metrics,
 memory) and what is exact is stated once, in docs/accumulation.md. The step itself is the
-backend's (`accumulation_tf`, `accumulation_jax`), chosen once in `tfmem.backend`.
+backend's (`accumulation_tf`, `accumulation_jax`), chosen here (`tfmem.backend.half`).
 """
 
 from __future__ import annotations
@@ -15,13 +15,21 @@ import keras
 
 from tfmem import _keras_internals as internals
 from tfmem import backend
-from tfmem.memory import guard, remat_plan, segments
+from tfmem.memory import guard, remat_search
 from tfmem.memory.graph_walk import UnknownSizeError
 from tfmem.memory.guard import RunPlan
+from tfmem.remat import plan as remat_plan
+from tfmem.remat import runner
+from tfmem.remat.spec import RematSpec
+from tfmem.runtime import current
 from tfmem.runtime.cluster import check_accumulation_steps
-from tfmem.training import remat
 
-class AccumModel(backend.AccumTrainer, keras.Model):
+# The train step of the running backend (as Keras picks its trainer class for `Model`).
+_STEP = backend.half(tensorflow="tfmem.training.accumulation_tf",
+                     jax="tfmem.training.accumulation_jax")
+
+
+class AccumModel(_STEP.AccumTrainer, keras.Model):
     """A `keras.Model` that accumulates gradients over micro-batches in one step.
 
     Make one as you would make a `keras.Model`, in one of three ways:
@@ -112,29 +120,26 @@ class AccumModel(backend.AccumTrainer, keras.Model):
             super().__init__(*args, **kwargs)
             self.accumulation_steps = accumulation_steps
             self._auto_accumulation = accumulation_steps == "auto"
-            self._rematerialize = remat.check_setting(rematerialize)
+            self._rematerialize = RematSpec.parse(rematerialize)
             if internals.is_graph_network(self):  # a subclassed model's: at `fit`
-                names = remat.layer_names(self._rematerialize)
-                if names:
-                    remat.apply(self, names)
-                pairs = remat.layer_pairs(self._rematerialize)
-                if pairs:
-                    remat_plan.from_setting(self, pairs)  # checked now: names, order, overlaps
-                if isinstance(self._rematerialize, segments.Ranges):
-                    remat_plan.check_spec(self, self._rematerialize.ranges)  # a saved spec
+                if self._rematerialize.names:
+                    runner.apply(self, self._rematerialize.names)
+                # Checked now: names, order, overlaps; a saved spec fits the model.
+                remat_plan.pair_spec(self, self._rematerialize.pairs)
+                remat_plan.check_spec(self, self._rematerialize.chosen)
 
     @property
     def rematerialize(self):
         """What is recomputed in the backward pass: None, "full", "auto", or a tuple of
         layer names and `(first, last)` pairs."""
-        return self._rematerialize
+        return self._rematerialize.value
 
     @property
     def rematerialized_segments(self) -> tuple:
         """The segments cut since the last `fit`: `(path, ranges)` pairs, path "" for the
         model's own graph, a layer's path (`"backbone"`, `"backbone/encoder"`) for the graph
         inside it, ranges of that graph's calls in the order Keras runs them
-        (`tfmem.memory.remat_plan`)."""
+        (`tfmem.remat.plan`)."""
         return getattr(self, "_tfmem_spec", ())
 
     @property
@@ -167,9 +172,8 @@ class AccumModel(backend.AccumTrainer, keras.Model):
             tfmem.MemoryPlanError: the global batch's micro-batches do not fit,
                 with the breakdown and the `accumulation_steps` that would.
         """
-        names = remat.layer_names(self._rematerialize)
-        if names:
-            remat.apply(self, names)
+        if self._rematerialize.names:
+            runner.apply(self, self._rematerialize.names)
         run = self.plan_memory(x, batch_size, check_memory=check_memory,
                                memory_budget=memory_budget)
         self._apply_segments(run)
@@ -179,20 +183,21 @@ class AccumModel(backend.AccumTrainer, keras.Model):
         """Cuts the segments the plan chose ("full", "auto", pairs); without a plan, those
         the setting names ("auto" then cuts all of "full")."""
         setting = self._rematerialize
-        if not _cuts_segments(setting):
+        if not setting.cuts_segments:
             return
-        remat.check_graph(self, setting)
-        if isinstance(setting, segments.Ranges):
-            spec = setting.ranges
+        runner.check_graph(self, setting)
+        if setting.mode == "chosen":
+            spec = setting.chosen
         elif run is not None and run.plan is not None:
             spec = run.plan.rematerialized
         else:
-            if setting == "auto":
+            if setting.mode == "auto":
                 warnings.warn('rematerialize="auto" needs a memory plan and this run has '
                               'none: every segment of "full" is recomputed.',
                               guard.UnplannedRunWarning, stacklevel=3)
             try:
-                spec = remat_plan.from_setting(self, "full" if setting == "auto" else setting)
+                spec = remat_search.segments_for(
+                    self, RematSpec("full") if setting.mode == "auto" else setting)
             except UnknownSizeError as error:
                 raise ValueError(
                     f"rematerialize={setting!r} chooses the segments of {self.name!r} by the "
@@ -200,18 +205,18 @@ class AccumModel(backend.AccumTrainer, keras.Model):
                     "layers to recompute, which takes any input size: rematerialize="
                     "[('first_layer', 'last_layer'), 'block_3'] (model.summary() lists the "
                     "names).") from None
-        if setting == "full" and not spec:
+        if setting.mode == "full" and not spec:
             warnings.warn(f'rematerialize="full" cuts no segment of {self.name!r}: no cut '
                           'lowers its planned peak, so nothing is recomputed; to recompute '
                           "layers anyway, name them (rematerialize=['block_3', ...]; "
                           'model.summary() lists the names).', UserWarning, stacklevel=3)
         if spec != getattr(self, "_tfmem_spec", None):
-            remat.apply_spec(self, spec)
+            runner.apply_spec(self, spec)
             self.train_function = None  # traced again with the new segments
 
     def make_train_function(self, force=False):
         # A step that starts without `fit` (`train_on_batch`) cuts the setting's segments.
-        if (_cuts_segments(self._rematerialize) and not hasattr(self, "_tfmem_spec")
+        if (self._rematerialize.cuts_segments and not hasattr(self, "_tfmem_spec")
                 and internals.is_graph_network(self)):
             self._apply_segments(None)
         return super().make_train_function(force)
@@ -246,7 +251,7 @@ class AccumModel(backend.AccumTrainer, keras.Model):
             guard.unplanned(self, "the data has no static batch size (batch it with "
                             "drop_remainder=True to check)", auto=auto)
             return None
-        runtime = backend.current_runtime(self)
+        runtime = current.current_runtime(self)
         where = (dict(runtime=runtime) if memory_budget is None
                  else dict(memory_budget=memory_budget, num_replicas=runtime.num_replicas))
         run = guard.guard(
@@ -315,7 +320,7 @@ class AccumModel(backend.AccumTrainer, keras.Model):
         config = super().get_config()
         config["accumulation_steps"] = self._configured_steps()
         if self._rematerialize:
-            config["rematerialize"] = remat.to_config(self._rematerialize)
+            config["rematerialize"] = self._rematerialize.config()
         return config
 
     def _configured_steps(self) -> int | str:
@@ -420,7 +425,7 @@ def _check_train_step_accumulates(cls: type, accumulation_steps) -> None:
     `accumulation_steps` but 1; `compute_loss` is what a subclass overrides instead.
     """
     owner = next(klass for klass in cls.__mro__ if "train_step" in vars(klass))
-    if owner is not backend.AccumTrainer:
+    if owner is not _STEP.AccumTrainer:
         raise ValueError(
             f"{owner.__name__} overrides `train_step`, which replaces AccumModel's step "
             f"that splits each batch into micro-batches: accumulation_steps="
@@ -475,14 +480,8 @@ def global_batch_size(x, batch_size=None) -> int | None:
         spec = keras.tree.flatten(element_spec)[0]
         rows = spec.shape[0] if spec.shape.rank else None
         # A dataset split by process holds this process's part of each global batch.
-        return None if rows is None else backend.processes.global_batch(rows, x)
+        return None if rows is None else current.processes.global_batch(rows, x)
     arrays = keras.tree.flatten(x)
     if not arrays or not hasattr(arrays[0], "shape"):
         return None  # a generator or PyDataset: batched by the user, size unknown here
     return min(batch_size or 32, int(arrays[0].shape[0]))  # Keras's default batch is 32
-
-
-def _cuts_segments(setting) -> bool:
-    """Whether a `rematerialize` setting cuts segments ("full", "auto", pairs, chosen
-    ranges), not only hooks named layers."""
-    return isinstance(setting, (str, segments.Ranges)) or bool(remat.layer_pairs(setting))

@@ -17,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmem import _keras_internals as internals
+from tfmem.remat.backend_tf import zero_once_made
 from tfmem.training import loss_terms, micro_batches
 from tfmem.runtime.cluster import split_batch
 from tfmem.training import placement
@@ -296,11 +297,9 @@ def _gradients_as_traced(step, carry: AccumulationState, micro_batch_at,
 
 def _after_sums(carry: AccumulationState, i: int, rows: list) -> tf.Tensor:
     """`i`, as an int32 tensor made only once every sum of `carry` and the `rows` (tensors)
-    exist: a 0 made from the first element of each is added to it (`remat_tf.zero_after`; a
-    NaN one adds 0 too)."""
-    from tfmem.training.remat_tf import zero_after
-
-    zero = zero_after([*_all_sums(carry), *carry.statistic_deltas, carry.loss_sum, *rows])
+    exist: a 0 made from the first element of each is added to it
+    (`backend_tf.zero_once_made`; a NaN one adds 0 too)."""
+    zero = zero_once_made([*_all_sums(carry), *carry.statistic_deltas, carry.loss_sum, *rows])
     return i + tf.minimum(tf.cast(tf.math.is_nan(zero), tf.int32), 0)
 
 

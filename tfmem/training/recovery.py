@@ -16,7 +16,13 @@ from typing import Any
 
 import keras
 
+from tfmem import _keras_internals as internals
+from tfmem.memory import guard, plan_report, remat_search
+from tfmem.remat import runner
+from tfmem.remat.spec import RematSpec
+from tfmem.runtime import current
 from tfmem.runtime.cluster import largest_divisor, split_batch
+from tfmem.training.accumulation import plan_precision
 
 # How each framework says it: TensorFlow's `tf.errors.ResourceExhaustedError` (by class name:
 # no TensorFlow import on the JAX backend); JAX's runtime errors with XLA's status code, or
@@ -104,7 +110,8 @@ def smaller_split(model: keras.Model, global_batch_size: int | None, num_replica
                 "to_rematerialize": "full", "error": said}
     if smaller is None:
         recomputed = (' with rematerialize="full"'
-                      if getattr(model, "rematerialize", None) == "full" else "")
+                      if RematSpec.parse(getattr(model, "rematerialize", None)).mode == "full"
+                      else "")
         raise OutOfMemoryError(
             f"out of memory in a train step at micro-batch 1 × {k} accumulation steps"
             f"{recomputed} ({said}), and nothing smaller can be tried; "
@@ -124,23 +131,21 @@ def rematerialization_left(model: keras.Model, setting=_OWN, cut=_OWN,
     `setting` and `cut` (the segments cut) default to an AccumModel's own; `device_kind` to the
     kind of the devices it runs on.
     """
-    from tfmem import _keras_internals as internals
-    from tfmem import backend
-    from tfmem.memory import remat_plan, segments
-
-    setting = getattr(model, "rematerialize", "") if setting is _OWN else setting
+    if setting is _OWN and not hasattr(model, "rematerialize"):
+        return False  # not an AccumModel
+    setting = RematSpec.parse(model.rematerialize if setting is _OWN else setting)
     if cut is _OWN:  # a plan's segments are cut at the next `fit`
-        cut = (setting.ranges if isinstance(setting, segments.Ranges)
+        cut = (setting.chosen if setting.mode == "chosen"
                else getattr(model, "rematerialized_segments", ()))
-    if setting not in (None, "auto") and not isinstance(setting, segments.Ranges):
+    if setting.mode not in (None, "auto", "chosen"):
         return False
     if not internals.is_graph_network(internals.functional_of(model)):
         return False
-    kind = backend.current_runtime(model).kind if device_kind is None else device_kind
-    if not remat_plan.saves_memory(kind):
+    kind = current.current_runtime(model).kind if device_kind is None else device_kind
+    if not runner.saves_memory(kind):
         return False
     try:
-        full = remat_plan.from_setting(model, "full")
+        full = remat_search.full(model)
     except ValueError:  # a graph the planner's walk cannot size
         return False
     return bool(full) and tuple(full) != tuple(cut)
@@ -148,23 +153,17 @@ def rematerialization_left(model: keras.Model, setting=_OWN, cut=_OWN,
 
 def rematerialize_all(model: keras.Model) -> None:
     """Sets `model`'s `rematerialize` to "full" (an AccumModel); its next `fit` cuts it."""
-    from tfmem.training import remat
-
-    model._rematerialize = remat.check_setting("full")
+    model._rematerialize = RematSpec("full")
 
 
 def what_would_fit(model: keras.Model, global_batch_size: int) -> str:
     """What the memory plan of this device says about the run (shapes only, no allocation)."""
-    from tfmem import backend
-    from tfmem.memory import guard, plan_report  # the planner is needed only here
-    from tfmem.training.accumulation import plan_precision
-
     advice = ("use mixed precision, freeze part of the model, or a smaller input or model "
               "(tfmem.plan shows what fits)")
     try:
         run = guard.guard(model, global_batch_size=global_batch_size,
                           accumulation_steps="auto", allow_over_budget=True,
-                          runtime=backend.current_runtime(model), optimizer=model.optimizer,
+                          runtime=current.current_runtime(model), optimizer=model.optimizer,
                           precision=plan_precision(model))
     except Exception as error:  # noqa: BLE001 - the out-of-memory error is the one to report
         return f"{advice}; the plan could not be made ({type(error).__name__}: {error})"

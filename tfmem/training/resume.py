@@ -38,7 +38,9 @@ if TYPE_CHECKING:  # only in annotations: resuming needs no TensorFlow of its ow
     import tensorflow as tf
 
 from tfmem import _keras_internals as internals
+from tfmem.runtime.current import current_runtime, processes
 from tfmem.training import recovery, run_directory
+from tfmem.training.accumulation import global_batch_size
 
 _POINT = re.compile(r"^backup-(\d+)\.json$")
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -318,15 +320,11 @@ class _Backup:
 
 
 def _one_process() -> bool:
-    from tfmem.backend import processes
-
     return processes.count == 1
 
 
 def _check_same_point(backup: _Backup, state: dict[str, Any] | None) -> None:
     """With several processes: each must have found the same resume point."""
-    from tfmem.backend import processes
-
     if _one_process():
         return
     found = processes.gather([-1, 0, 0] if state is None else
@@ -351,12 +349,9 @@ def _set_accumulation_steps(model: keras.Model, steps: int) -> None:
 
 def _recover(model, backup, dataset, failure, epoch) -> None:
     """After a step ran out of memory: the smaller split, said and recorded."""
-    from tfmem import backend
-    from tfmem.training.accumulation import global_batch_size
-
     internals.drop_jax_state(model)
     split = recovery.smaller_split(model, global_batch_size(dataset),
-                                   backend.current_runtime(model).num_replicas, failure)
+                                   current_runtime(model).num_replicas, failure)
     split.update(epoch=epoch + 1, in_process=True)
     _set_accumulation_steps(model, split["to_accumulation_steps"])
     recomputed = ""
@@ -376,8 +371,6 @@ def _recover(model, backup, dataset, failure, epoch) -> None:
 def _validation_out_of_memory(model, dataset, validation_data, epoch, failure) -> str:
     """What to do when the validation pass, not a train step, ran out of memory: a smaller
     micro-batch of training would not help."""
-    from tfmem.training.accumulation import global_batch_size
-
     rows = global_batch_size(validation_data)
     at = f"at its batch of {rows} rows" if rows else "at its batch"
     train_rows = global_batch_size(dataset)
@@ -503,8 +496,6 @@ def fit_resumable(
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
     _check_learning_rate(model)
-    from tfmem.backend import processes
-
     backup = _Backup(os.fspath(backup_dir), memory_recoveries, writer=processes.index == 0)
     if backup.writer:  # a file in the way, a read-only disk: said before any work
         run_directory.check_writable(backup.directory, (), what="backup_dir")

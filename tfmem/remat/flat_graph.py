@@ -1,12 +1,12 @@
 """A model's graph with the layers a rematerialization spec cuts inside made part of it.
 
-A spec (`tfmem.memory.remat_plan`) cuts ranges in the model's graph and in the graphs inside
+A spec (`tfmem.remat.plan`) cuts ranges in the model's graph and in the graphs inside
 its layers. Run as written, a layer cut inside is a wall: what enters it or leaves it is one
 tensor, kept whole across the passes, even where it is a concatenation whose pieces are kept
 anyway (a dense block's output stack, a skip connection into the next block). Here those
 layers are replaced by their calls, as deep as the spec goes: one graph of the same layers
 and Keras ops, in which a segment makes any concatenation again from its pieces
-(`graph_walk.range_inputs`), wherever the pieces were made. The planner walks this graph and
+(`graph.range_inputs`), wherever the pieces were made. The planner walks this graph and
 `AccumModel` runs it, so both see the same segments.
 
 A layer is made part of the graph only where that changes nothing its call would do: its
@@ -23,15 +23,15 @@ import weakref
 import keras
 
 from tfmem import _keras_internals as internals
-from tfmem.memory import segments
-from tfmem.memory.graph_walk import node_order, set_node_order
-from tfmem.training import remat
+from tfmem.remat import segments
+from tfmem.remat.graph import node_order, set_node_order
+from tfmem.remat.scope import measured_as_written
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Graph:
     """Calls of a model's layers on symbolic tensors, as a functional model's graph reads
-    (`inputs`, `outputs`, `name`; its calls in `graph_walk.node_order`). Not a
+    (`inputs`, `outputs`, `name`; its calls in `graph.node_order`). Not a
     `keras.Model`: the layers of several graphs may share names."""
 
     name: str
@@ -80,7 +80,7 @@ def _build(model, graph, spec, inlined) -> Flat | None:
     order: list = []
     paths: dict = {}
     ranges: list = []
-    with remat.as_written():
+    with measured_as_written():
         if not _inline(graph, "", dict(spec), inlined, values, order, paths, ranges):
             return None
     outputs = [values[id(t)] for t in keras.tree.flatten(graph.outputs)]

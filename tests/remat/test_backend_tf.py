@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmem.training.remat_tf import recompute_grad
+from tfmem.remat.backend_tf import recompute_grad
 
 
 def _block(w):
@@ -161,7 +161,7 @@ def test_only_calls_that_read_no_tensor_twice_have_their_gradients_ordered():
     # the moments and the normalization) and an attention on one tensor are not.
     import keras
 
-    from tfmem.training.remat_tf import WeightsFirst
+    from tfmem.remat.backend_tf import WeightsFirst
 
     def one_tensor(layer):
         return lambda x: layer(x, x)

@@ -15,14 +15,17 @@ import re
 import tensorflow as tf
 
 from tfmem import _keras_internals as internals
-from tfmem.training import remat
+from tfmem.remat import scope
+
+# A recomputed segment's activations exist again only while it runs, on any device.
+SAVES_ON_CPU = True
 
 
 def rematerialized_call(layer, original):
     """The `call` of `layer` that is run again in the backward pass (`recompute_grad`)."""
 
     def call(*args, **kwargs):
-        if internals.any_symbolic(args, kwargs) or not remat.is_training_call():
+        if internals.any_symbolic(args, kwargs) or not scope.is_training_call():
             return original(*args, **kwargs)
         state = list(layer.non_trainable_variables)
         seen = [tf.identity(variable.value) for variable in state]  # before the forward pass
@@ -47,11 +50,11 @@ def rematerialized_call(layer, original):
             rebuilt = tf.nest.pack_sequence_as(args, list(tensors))
             if not runs:  # the forward pass: its updates are the step's
                 runs.append("forward")
-                with remat.segment_calls(observed), draws.made("forward"):
+                with scope.segment_calls(observed), draws.made("forward"):
                     return original(*rebuilt, **kwargs)
             runs.append("recomputed")
             with internals.stateless_scope(list(zip(state, seen))), \
-                    remat.segment_calls(ordered), draws.made("recomputed"):
+                    scope.segment_calls(ordered), draws.made("recomputed"):
                 return original(*rebuilt, **kwargs)
 
         return run(*flat)
@@ -63,26 +66,13 @@ def recompute_grad(function, then=None):
     """`tf.recompute_grad` without its copy of every argument; `then`, if given, is called
     with the ops the recomputation and its gradient made (`ForwardShapes.read_from_forward`).
 
-    The recomputation must wait for the gradient it serves, or TensorFlow's executor runs it
-    as soon as its inputs exist and it saves nothing. `tf.recompute_grad` orders it by
-    adding a value made from that gradient to each argument: a copy of every argument, held
-    while the segment is recomputed (all the pieces a segment makes its stacks from). Here the
-    arguments wait on the gradient through control dependencies, which copy nothing; under
-    XLA (`jit_compile=True`), which does not keep control dependencies, through the same
-    addition, which XLA fuses into the ops that read it.
-
-    The gradients it passes on to its arguments wait, through their data, for the weights'
-    gradients, which read the recomputed tensors: the segment before this one (whose
-    recomputation waits for those gradients) is recomputed only once this one's tensors can
-    be freed, not side by side with them, as TensorFlow's executor would run it.
-
-    They also wait for each other, which reads each of them twice. A segment's gradient for a
-    piece it passes on to later segments (`remat._runner`) is the sum of its own and theirs;
-    read only by the next such sum, the whole chain would be folded by Grappler's arithmetic
-    optimizer into one addition, made once the last segment's gradient exists: every
-    segment's gradient for the piece held until then (in FC-DenseNet's last dense block, 4 of
-    each of its input's pieces). Read twice, each sum is made as soon as its segment has its
-    own.
+    What waits for what (why, and what it saves: docs/rematerialization.md, docs/benchmarks.md):
+    - the recomputation waits for the gradient it serves: through control dependencies, which
+      copy nothing (under XLA, which drops them, through an addition XLA fuses);
+    - the gradients passed on to the arguments wait for the weights' gradients, so the segment
+      before is recomputed only once this one's tensors can be freed;
+    - they wait for each other too (each read twice), so that Grappler does not fold the sums
+      of a piece passed through several segments (`runner._units`) into one, made last.
     """
 
     @tf.custom_gradient
@@ -114,25 +104,12 @@ def recompute_grad(function, then=None):
 
 class WeightsFirst:
     """The calls of layers with weights in a recomputed segment, whose gradients for their
-    inputs are made only once those for their weights are.
-
-    A layer's weights' gradient reads its input (a convolution's kernel gradient is made from
-    it and the output's gradient); its input's gradient does not. TensorFlow's executor runs
-    whichever is ready, so the layers before it in the segment may run their backward pass
-    while the kernel's gradient has not read the input yet, and the input is held through
-    theirs: in FC-DenseNet's last dense block, the BatchNormalization-ReLU output a
-    convolution reads, the width of the block's stack, held while the BatchNormalization
-    before it makes its gradients. Ordered by control edges (which copy nothing), the input is
-    freed first. Run eagerly, or under XLA (which drops control edges), calls run as they are.
-
-    The recomputed call is wrapped in a custom gradient whose gradients are those of the call
-    (the same ops). Only a call that reads no tensor twice is: one that does (a
-    BatchNormalization reads its input for the mean, the variance and the normalization; an
-    attention, one tensor for query, key and value) adds that tensor's gradient up in its own
-    gradient, in an order other than the one TensorFlow takes for the whole segment: a
-    difference of rounding, which Adam turns into steps of the learning rate's size for a
-    weight whose gradient is 0 but for rounding (an attention's key bias). The forward pass
-    runs each call as written and tells which do (`observed`), so none is run twice.
+    inputs are made only once those for their weights are (by control edges, which copy
+    nothing), so that the input a weight's gradient reads is freed before the layers before
+    it run their backward pass. Eagerly or under XLA (which drops control edges), calls run as
+    they are. Only a call that reads no tensor twice is ordered (`observed` by the forward
+    pass): one that does adds that tensor's gradient up in an order of its own, which rounds
+    differently from the segment's (why it matters: docs/rematerialization.md).
     """
 
     def __init__(self):
@@ -275,8 +252,8 @@ class ForwardShapes:
                 for index, tensor in enumerate(op.inputs):
                     if tensor.name in self.twins:
                         try:
-                            op._update_input(index, self.twins[tensor.name])
-                        except (AttributeError, TypeError, ValueError, tf.errors.OpError):
+                            internals.replace_op_input(op, index, self.twins[tensor.name])
+                        except (TypeError, ValueError, tf.errors.OpError):
                             return
 
 
@@ -284,24 +261,12 @@ class ForwardDraws:
     """The values of a segment's stateful ops, read by its recomputation from the forward
     pass instead of being made again; the variables it writes, not written twice.
 
-    Run again, a stateful op may give another value: one of TensorFlow's stateful random ops
-    (`tf.random.normal` in a noise layer), a `tf.random.Generator`'s draw, Keras's unseeded
-    `keras.random` (its global seed generator's state, which the forward pass advanced). The
-    segment's gradient would then be that of other draws. Here the recomputation's readers of
-    such an op read the forward pass's tensor, held from the forward pass to the backward
-    pass: one tensor per draw, which is not recomputed. Keras's own random layers (Dropout,
-    GaussianNoise, RandomFlip) draw from their seed generators' state as the forward pass saw
-    it, with stateless ops, and are made again as any other op.
-
-    What the recomputation writes to a Keras variable is dropped (`rematerialized_call`); a
-    write to a TensorFlow variable (a `tf.random.Generator`'s state, a `tf.Variable` a layer
-    assigns) is an op that runs. One that adds (`assign_add`, a generator's skip ahead) adds
-    0; one that assigns writes the value the forward pass wrote. Any other is an error.
-
-    Other stateful ops (a synchronized BatchNormalization's all-reduce, a table lookup) give
-    the same value for the same inputs and run again as written. Not looked into: the ops
-    inside a loop or a nested function (a `tf.while_loop`'s body); run eagerly, nothing is
-    changed (ops run as they come).
+    A stateful random op (`tf.random.normal`, a `tf.random.Generator`'s draw, an unseeded
+    `keras.random` call) run again would draw other numbers: its readers in the recomputation
+    read the forward pass's tensor. A write to a TensorFlow variable that adds adds 0, one that
+    assigns writes what the forward pass wrote, any other is an error (writes to Keras
+    variables are dropped by `rematerialized_call`). Other stateful ops run again as written;
+    ops inside a loop or a nested function are not looked into; eagerly, nothing changes.
     """
 
     def __init__(self):
@@ -343,7 +308,7 @@ class ForwardDraws:
                 for reader in list(output.consumers()):
                     for index, tensor in enumerate(reader.inputs):
                         if tensor is output:
-                            reader._update_input(index, value)  # noqa: SLF001
+                            internals.replace_op_input(reader, index, value)
             if op in writes:
                 _write_nothing_new(layer, op, twin)
 
@@ -366,9 +331,9 @@ def _write_nothing_new(layer, op, twin) -> None:
     """
     amount = _AMOUNTS.get(op.type)
     if amount is not None:
-        op._update_input(amount, tf.zeros_like(op.inputs[amount]))  # noqa: SLF001
+        internals.replace_op_input(op, amount, tf.zeros_like(op.inputs[amount]))
     elif op.type == "AssignVariableOp":
-        op._update_input(1, twin.inputs[1])  # noqa: SLF001
+        internals.replace_op_input(op, 1, twin.inputs[1])
     else:
         raise _not_again(layer, op, "writes a TensorFlow variable again when recomputed")
 
@@ -499,20 +464,10 @@ def _replica_scope(name: str) -> str:
 
 def _after_reads(ops, gradients) -> list:
     """The variables' `gradients`, made only once the recomputation's `ops` have read the
-    variables.
-
-    The recomputation reads each variable again, but the gradient of a variable (the input
-    of its update) does not need that read: a Dense kernel's gradient is its input times the
-    output's gradient. Nothing but a control edge then keeps the optimizer from updating the
-    kernel before the recomputation reads it, and Grappler's dependency optimizer may drop
-    that edge: the gradient the recomputation passes on to earlier layers is then made with
-    the updated kernel (in up to a third of the steps on two CPU cores). Here each gradient
-    waits, through its data, for what every op that takes a variable made (one addition over
-    the weights' size, which XLA fuses): a read's value, or a gather's rows.
-
-    Nothing waits for the recomputed outputs themselves: a call whose output no gradient
-    reads (a convolution whose output is only the segment's output, kept from the forward
-    pass) is not run again.
+    variables: through their data (one addition over the weights' size, which XLA fuses),
+    since a control edge alone may be dropped by Grappler and the optimizer could then update
+    a kernel before the recomputation reads it. Nothing waits for the recomputed outputs: a
+    call whose output no gradient reads is not run again.
     """
     return _after_values([output for op in ops if any(
         tensor.dtype == tf.resource for tensor in op.inputs) for output in op.outputs],
@@ -523,13 +478,13 @@ def _after_values(dependencies, tensors) -> list:
     """`tensors` plus a 0 that exists only once `dependencies` do (an addition TensorFlow
     makes in place where the tensor has no other reader); as they are if no dependency is a
     number. A None (no gradient) stays None."""
-    zero = zero_after(dependencies)
+    zero = zero_once_made(dependencies)
     if zero is None:
         return list(tensors)
     return [None if tensor is None else _plus(tensor, zero) for tensor in tensors]
 
 
-def zero_after(tensors):
+def zero_once_made(tensors):
     """A float32 0 that exists only once `tensors` do (NaN where a first element is NaN):
     made from the first element of each (one read, not the whole tensor). None when none is
     a dense tensor of numbers (sparse and ragged ones are passed over)."""

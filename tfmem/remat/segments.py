@@ -9,10 +9,10 @@ it kept inside exists again only while it is recomputed, one segment at a time.
   block the skip tensor crosses every cut, so blocks stay whole), with segment sizes chosen
   for the lowest peak: Chen et al.'s √n rule, found by trying sizes instead of assumed.
 - a layer whose call traces as a graph (`inner_graph`) can be cut inside the same way
-  (`tfmem.memory.remat_plan` decides where, and "auto" how many segments).
+  (`tfmem.memory.remat_search` decides where, and "auto" how many segments).
 
-Everything here reads one walk of the graph as written (`GraphFacts`); the planner plans the
-chosen segments with a second walk, exactly.
+Everything here reads one walk of the graph as written (`GraphFacts`, made by the planner's
+walk); the planner plans the chosen segments with a second walk, exactly.
 """
 
 from __future__ import annotations
@@ -26,16 +26,8 @@ from collections.abc import Collection, Sequence
 import keras
 
 from tfmem import _keras_internals as internals
-from tfmem.memory.graph_walk import last_uses, node_order, range_inputs
-from tfmem.training import remat
-
-
-@dataclasses.dataclass(frozen=True)
-class Ranges:
-    """Segments chosen already (by a plan: "auto", or what `finetune.py` trains with): a
-    spec of `tfmem.memory.remat_plan`, `(path, ranges)` pairs."""
-
-    ranges: tuple
+from tfmem.remat.graph import node_order, range_inputs
+from tfmem.remat.scope import measured_as_written
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,52 +114,8 @@ def _copied(key):
         else None
 
 
-def facts(walker, graph) -> GraphFacts:
-    """`GraphFacts` of `graph` from `walker`, which has just walked it as written."""
-    from tfmem.memory.graph_walk import sample_bytes
-
-    nodes = node_order(graph)
-    produced_at = {id(t): p for p, node in enumerate(nodes) for t in node.outputs}
-    last_use = last_uses(nodes)
-    sizes = dict(walker.sizes)
-    input_keys, output_keys = [], []
-    for node in nodes:
-        for tensors, keys in ((node.input_tensors, input_keys), (node.outputs, output_keys)):
-            keys.append(frozenset(walker.key(t) for t in tensors))
-            for tensor in tensors:
-                sizes.setdefault(walker.key(tensor),
-                                 sample_bytes(tensor.shape, walker.dtype_of(tensor)))
-    # Bytes crossing the cut after each call: a tensor made at m and last used at u > m
-    # crosses the cuts after m .. u - 1 (graph inputs cross from the start).
-    crossing = [0] * (len(nodes) + 1)
-    tensors = {id(t): t for node in nodes for t in node.input_tensors}
-    for tensor_id, tensor in tensors.items():
-        made, used = produced_at.get(tensor_id, -1), last_use[tensor_id]
-        if used > made:
-            nbytes = sample_bytes(tensor.shape, walker.dtype_of(tensor))
-            crossing[max(made, 0)] += nbytes
-            crossing[used] -= nbytes
-    live = []
-    running = 0
-    for p in range(len(nodes)):
-        running += crossing[p]
-        live.append(running)
-    return GraphFacts(
-        names=tuple(node.operation.name for node in nodes),
-        node_keys=tuple(walker.node_keys),
-        input_keys=tuple(input_keys),
-        output_keys=tuple(output_keys),
-        sizes=sizes,
-        live=tuple(live),
-        flops=tuple(flops_of(node, walker.inner_graphs) for node in nodes),
-        inner_peaks=tuple(walker.inner_peaks),
-        nodes=tuple(nodes),
-        tensor_keys={id(t): walker.key(t) for node in nodes
-                     for t in list(node.input_tensors) + list(node.outputs)},
-    )
-
-
-def full(graph_facts: GraphFacts, barriers: Collection[int] = ()) -> list[tuple[int, int]]:
+def lowest_peak_segments(graph_facts: GraphFacts, barriers: Collection[int] = ()
+                         ) -> list[tuple[int, int]]:
     """Segments covering the graph but `barriers` (calls cut inside instead, `descend`)
     with the lowest estimated activation peak.
 
@@ -317,7 +265,7 @@ def call_graph(layer: keras.layers.Layer, inputs: list, args: tuple) -> keras.Mo
     functional graph; None when it does not trace so (backend ops, Python control flow on
     values) or a tensor's shape is known only at run time."""
     try:
-        with remat.as_written():
+        with measured_as_written():
             outputs = layer.call(*args)
         graph = keras.Model(inputs, outputs, name=f"{layer.name}_graph")
     except Exception:  # noqa: BLE001 - not traceable as a graph: the caller keeps it whole

@@ -11,20 +11,24 @@ from __future__ import annotations
 import jax
 
 from tfmem import _keras_internals as internals
-from tfmem.training import remat
+from tfmem.remat import scope
+from tfmem.remat.variables import layers_within
+
+# XLA's CPU scheduler runs each recomputation where it saves no memory (only time).
+SAVES_ON_CPU = False
 
 
 def rematerialized_call(layer, original):
     """The `call` of `layer` that `jax.checkpoint` runs again in the backward pass.
 
-    `layer` is a layer, or a graph segment's `remat._Variables` (its layers' variables)."""
+    `layer` is a layer, or a graph segment's `SegmentVariables` (its layers' variables)."""
 
     def call(*args, **kwargs):
-        if internals.any_symbolic(args, kwargs) or not remat.is_training_call():
+        if internals.any_symbolic(args, kwargs) or not scope.is_training_call():
             return original(*args, **kwargs)
         variables = list(layer.trainable_variables) + list(layer.non_trainable_variables)
         values = [variable.value for variable in variables]
-        owners = remat.layers_within(layer)
+        owners = layers_within(layer)
         added: list = []  # the layer that added each loss, in the order they were added
 
         def pure(values, args):  # kwargs (training, mask) stay Python values

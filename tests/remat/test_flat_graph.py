@@ -5,8 +5,9 @@ import numpy as np
 
 import tfmem
 from tfmem import _keras_internals as internals
-from tfmem.memory import flat_graph, segments
-from tfmem.memory.graph_walk import node_order, range_inputs
+from tfmem.remat import flat_graph
+from tfmem.remat.graph import node_order, range_inputs
+from tfmem.remat.spec import Ranges
 
 
 class _DenseStack(keras.layers.Layer):
@@ -37,7 +38,7 @@ def _model(rematerialize=None, block_dtype=None):
 
 # The head alone, and each unit of the block with its concatenation (the block's traced call
 # runs d0, concatenate, d1, concatenate_1, d2, concatenate_2).
-_SPEC = segments.Ranges((("", ((1, 1),)), ("block", ((0, 1), (2, 3), (4, 5)))))
+_SPEC = Ranges((("", ((1, 1),)), ("block", ((0, 1), (2, 3), (4, 5)))))
 
 
 def test_the_blocks_output_stack_is_made_again_from_its_pieces_and_planned_so():
@@ -86,7 +87,7 @@ def test_a_stack_made_across_the_layer_trains_to_the_same_weights():
     assert accum.rematerialized_segments == _SPEC.ranges
     # Grappler's options are the process's own (its dependency optimizer on): with the kernels'
     # updates ordered after their recomputations only by control edges, which that rewrite
-    # may drop, this differed in a few runs of a hundred (tests/training/test_remat_tf.py).
+    # may drop, this differed in a few runs of a hundred (tests/remat/test_backend_tf.py).
     import tensorflow as tf
     assert "dependency_optimization" not in tf.config.optimizer.get_experimental_options()
     differences = [np.linalg.norm(a - b) / np.linalg.norm(a) for a, b in zip(*weights)]
