@@ -304,6 +304,7 @@ def write_image_tfrecords(
     skip_unreadable: bool = False,
     overwrite: bool = False,
     progress: Progress | None = None,
+    origin: str = "",
 ) -> manifest_lib.Manifest:
     """Writes an image-classification set to sharded TFRecords plus a `manifest.json`.
 
@@ -329,6 +330,8 @@ def write_image_tfrecords(
             stays readable until the new one is complete.
         progress: called after each example with `(examples_written, bytes_written, total)`;
             `total` is None when the source's size is unknown.
+        origin: what made the records, recorded as the manifest's `origin` (a writer that
+            makes the same records again from it can reuse the set instead).
 
     Returns:
         The `Manifest` written beside the shards.
@@ -387,6 +390,7 @@ def write_image_tfrecords(
         schema=SCHEMA,
         image_formats=tuple(sorted(encodings)),
         skipped=tuple(skipped),
+        origin=origin,
     )
     manifest_lib.write_manifest(result)  # the switch from the old set (if any) to this one
     _remove_unlisted(output_dir, result)
