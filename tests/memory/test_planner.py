@@ -387,6 +387,37 @@ def test_accum_fit_is_stopped_before_the_first_step_when_over_budget():
     assert int(model.optimizer.iterations) == 1  # the explicit override runs
 
 
+def test_each_interface_names_its_own_switches_when_over_budget():
+    model = _accum_model(accumulation_steps=1)
+    budget = _budget_between_16x4_and_32x2(model)
+    # AccumModel.fit: k is its `accumulation_steps`, the override its `check_memory=False`.
+    with pytest.raises(tfmem.MemoryPlanError) as raised:
+        model.fit(_accum_data(), epochs=1, verbose=0, memory_budget=budget)
+    first = str(raised.value).splitlines()[0]
+    assert first.endswith("fits in " + plan_report.format_bytes(raised.value.plan.peak_bytes(
+        16, 4)) + " (accumulation_steps=4). Pass `check_memory=False` to run anyway.")
+    memory_plan = raised.value.plan
+    # The guard and tfmem.plan's check, from Python: their own argument.
+    with pytest.raises(tfmem.MemoryPlanError, match="Pass `allow_over_budget=True` to run"):
+        guard.guard(model, global_batch_size=64, accumulation_steps=1, memory_budget=budget,
+                    optimizer="sgd")
+    # The command line: its flags, spelled by the caller.
+    with pytest.raises(tfmem.MemoryPlanError) as raised:
+        planner.check(memory_plan, accumulation_steps=1, switches=plan_report.COMMAND_LINE)
+    assert "(--accumulation-steps 4). Pass `--allow-over-budget` to run anyway." in str(
+        raised.value)
+
+
+def test_accum_fit_refuses_a_keyword_it_does_not_take():
+    model = _accum_model(accumulation_steps=1)
+    budget = _budget_between_16x4_and_32x2(model)
+    for keywords in ({"allow_over_budget": True}, {"epoch": 1, "verbos": 0}):
+        with pytest.raises(TypeError, match="unexpected keyword argument") as raised:
+            model.fit(_accum_data(), memory_budget=budget, **keywords)
+        assert all(repr(name) in str(raised.value) for name in keywords)
+    assert int(model.optimizer.iterations) == 0
+
+
 def test_accum_auto_takes_k_from_the_plan():
     model = _accum_model(accumulation_steps="auto")
     model.fit(_accum_data(), epochs=1, verbose=0,

@@ -236,11 +236,14 @@ class MemoryPlanError(ValueError):
         plan: the `MemoryPlan` that was checked.
         micro_batch_size, accumulation_steps: the setting that does not fit.
         needed_bytes: its predicted peak per replica.
+        switches: how the interface that raised it spells its switches (named in the
+            message).
     """
 
     def __init__(self, plan: MemoryPlan, micro_batch_size: int, accumulation_steps: int,
-                 needed_bytes: int):
+                 needed_bytes: int, switches: plan_report.Switches = plan_report.PYTHON):
         self.plan, self.needed_bytes = plan, needed_bytes
         self.micro_batch_size, self.accumulation_steps = micro_batch_size, accumulation_steps
+        self.switches = switches
         super().__init__(plan_report.format_error(plan, micro_batch_size, accumulation_steps,
-                                                  needed_bytes))
+                                                  needed_bytes, switches))

@@ -5,6 +5,35 @@ Works on any object with `MemoryPlan`'s attributes; it imports no other planner 
 
 from __future__ import annotations
 
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Switches:
+    """How the interface a plan is used from spells the two switches its messages name.
+
+    A message names the caller's own switches: `--accumulation-steps 4` and
+    `--allow-over-budget` on the command line, `accumulation_steps=4` and
+    `allow_over_budget=True` (`tfmem.plan`, the guard) or `check_memory=False`
+    (`AccumModel.fit`) in Python.
+
+    Attributes:
+        accumulation_steps: how to run with k accumulation steps, `{}` standing for k (a
+            whole command, where the interface is a program).
+        allow_over_budget: how to run over the budget anyway.
+    """
+
+    accumulation_steps: str = "accumulation_steps={}"
+    allow_over_budget: str = "allow_over_budget=True"
+
+    def steps(self, accumulation_steps: int) -> str:
+        """The switch that sets `accumulation_steps`, e.g. "accumulation_steps=4"."""
+        return self.accumulation_steps.format(accumulation_steps)
+
+
+PYTHON = Switches()
+COMMAND_LINE = Switches("--accumulation-steps {}", "--allow-over-budget")
+
 
 def describe_split(global_batch_size: int, micro_batch_size: int, accumulation_steps: int,
                    num_replicas: int) -> str:
@@ -43,8 +72,9 @@ def format_split(p, accumulation_steps: int | None = None) -> str:
 
 
 def format_table(p, micro_batch_size: int | None = None,
-                 accumulation_steps: int | None = None) -> str:
-    """The breakdown of one setting (default: the plan's choice, or micro-batch 1)."""
+                 accumulation_steps: int | None = None, switches: Switches = PYTHON) -> str:
+    """The breakdown of one setting (default: the plan's choice, or micro-batch 1); for the
+    plan's choice, followed by why it was chosen and the switch to run it with."""
     b, k = _setting(p, micro_batch_size, accumulation_steps)
     rows = p.breakdown(b, k)
     lines = [f"{p.model_name}: {p.num_parameters:,} parameters, {p.optimizer}, {p.precision} "
@@ -55,7 +85,42 @@ def format_table(p, micro_batch_size: int | None = None,
                  f"budget {format_bytes(p.budget_bytes)} = {p.safety:.0%} of "
                  f"{format_bytes(p.memory_per_replica)}")
     lines += [f"  note: {note}" for note in p.notes]
+    if micro_batch_size is None and accumulation_steps is None:
+        lines.append(format_choice(p, switches))
     return "\n".join(lines)
+
+
+def format_choice(p, switches: Switches = PYTHON) -> str:
+    """Why the plan chose its micro-batch × k (or that nothing fits), and what to run next.
+
+    The chosen micro-batch divides the per-replica batch; the largest plain step that fits
+    (`max_micro_batch`) need not, so the two are told apart.
+    """
+    if not p.fits:
+        alternative = p.alternative
+        text = format_nothing_fits(p)
+        if alternative is not None and alternative.changes:
+            text += (f"\nnext: plan again with {' + '.join(alternative.changes)}, then "
+                     f"{switches.steps(alternative.accumulation_steps)}")
+        return text
+    b, k, per_replica = p.micro_batch_size, p.accumulation_steps, p.per_replica_batch_size
+    peak = format_bytes(p.peak_bytes(b, k))
+    if k == 1:
+        why = (f"chosen: one step of micro-batch {b} (no accumulation), {peak} of the "
+               f"{format_bytes(p.budget_bytes)} budget")
+    else:
+        why = (f"chosen: micro-batch {b} × {_steps(k)}, {peak} of the "
+               f"{format_bytes(p.budget_bytes)} budget: the largest micro-batch that divides "
+               f"the {per_replica} samples per replica and fits")
+        larger = min(d for d in range(b + 1, per_replica + 1) if per_replica % d == 0)
+        needed = p.peak_bytes(larger, per_replica // larger)
+        if needed > p.budget_bytes:
+            why += (f" (the next, {larger} × {per_replica // larger}, needs "
+                    f"{format_bytes(needed)})")
+    if p.max_micro_batch != b:
+        why += (f"; a plain step without accumulation fits up to micro-batch "
+                f"{p.max_micro_batch}")
+    return f"{why}\nnext: {switches.steps(k)}"
 
 
 def format_nothing_fits(p) -> str:
@@ -82,8 +147,10 @@ def format_nothing_fits(p) -> str:
             f"of the {format_bytes(p.budget_bytes)} budget")
 
 
-def format_error(p, micro_batch_size: int, accumulation_steps: int, needed_bytes: int) -> str:
-    """The guard's message: what was asked, what it needs, and what would fit."""
+def format_error(p, micro_batch_size: int, accumulation_steps: int, needed_bytes: int,
+                 switches: Switches = PYTHON) -> str:
+    """The guard's message: what was asked, what it needs, and what would fit, in the
+    caller's `switches`."""
     asked = describe_split(p.global_batch_size, micro_batch_size, accumulation_steps,
                            p.num_replicas)
     head = (f"{asked} needs {format_bytes(needed_bytes)} per replica on {p.device}, over the "
@@ -92,8 +159,8 @@ def format_error(p, micro_batch_size: int, accumulation_steps: int, needed_bytes
     if p.fits:
         fit = p.peak_bytes(p.micro_batch_size, p.accumulation_steps)
         advice = (f"; micro-batch {p.micro_batch_size} × {_steps(p.accumulation_steps)} fits "
-                  f"in {format_bytes(fit)} (accumulation_steps={p.accumulation_steps}).")
+                  f"in {format_bytes(fit)} ({switches.steps(p.accumulation_steps)}).")
     else:
         advice = "; " + format_nothing_fits(p).rstrip(".") + "."
-    return (head + advice + " Pass `allow_over_budget=True` to run anyway.\n"
+    return (head + advice + f" Pass `{switches.allow_over_budget}` to run anyway.\n"
             + format_table(p, micro_batch_size, accumulation_steps))
