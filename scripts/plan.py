@@ -7,15 +7,19 @@ Any machine, no accelerator needed (it builds the model on the CPU to read its g
 seconds for ResNet50, half a minute for EfficientNetV2-XL). Prints the breakdown per replica in
 the device's precision, the micro-batch × accumulation steps × replicas that reach the global
 batch within 80% of the device (or, when nothing fits, the smallest change checked to fit),
-and, with --plot, draws predicted memory against the micro-batch with the budget line
-(needs matplotlib: `pip install 'tfmem[plot]'`). Flags accept dashes or underscores. Errors
-are one line on stderr (exit 2: a flag is wrong; `--debug` adds the traceback).
+the scripts/finetune.py command that runs it, and, with --plot, draws predicted memory
+against the micro-batch with the budget line (needs matplotlib: `pip install -e '.[plot]'`
+in the checkout). Flags accept dashes or underscores. Errors are one line on stderr (exit 2:
+a flag is wrong; `--debug` adds the traceback).
 """
+
+import shlex
 
 from absl import flags
 
 import tfmem
 from tfmem import cli, models
+from tfmem._install import install_command
 from tfmem.runtime import devices
 from tfmem.memory import levers, plan_report
 from tfmem.training import remat
@@ -50,12 +54,11 @@ def draw(plan, path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as error:
-        raise ImportError("--plot needs matplotlib: `pip install 'tfmem[plot]'`.") from error
-    top = max(plan.per_replica_batch_size, int(1.25 * max(plan.max_micro_batch, 1)), 2)
-    sizes = list(range(1, top + 1))
+        raise ImportError(f"--plot needs matplotlib: {install_command('plot')}.") from error
     gib = 2**30
     figure, axes = plt.subplots(figsize=(7, 4.5))
-    axes.plot(sizes, [plan.peak_bytes(b, 1) / gib for b in sizes], label="one step of micro-batch b")
+    for label, (sizes, peaks) in plan_report.plot_lines(plan).items():
+        axes.plot(sizes, peaks, label=label)
     axes.axhline(plan.budget_bytes / gib, color="tab:red", linestyle="--",
                  label=f"budget ({plan.safety:.0%} of {plan.memory_per_replica / gib:.1f} GiB)")
     axes.axhline(plan.memory_per_replica / gib, color="tab:gray", linestyle=":",
@@ -74,6 +77,19 @@ def draw(plan, path: str) -> None:
     plt.close(figure)
 
 
+def finetune_switches() -> plan_report.Switches:
+    """The plan's next step spelled as the scripts/finetune.py command of the planned run."""
+    command = ["python", "scripts/finetune.py", "--model", FLAGS.model, "--data", "PATH",
+               "--image-size", str(FLAGS.image_size),
+               "--global-batch-size", str(FLAGS.global_batch_size)]
+    for name, default in (("optimizer", "adam"), ("precision", "auto"),
+                          ("rematerialize", None)):
+        if getattr(FLAGS, name) not in (default, ""):
+            command += [f"--{name}", getattr(FLAGS, name)]
+    steps = " ".join(shlex.quote(word) for word in command).replace("{", "{{").replace("}", "}}")
+    return plan_report.Switches(steps + " --accumulation-steps {}", "--allow-over-budget")
+
+
 def main(argv):
     del argv
     # Only shapes are read: the weights are never initialised (no RAM for them).
@@ -89,12 +105,7 @@ def main(argv):
                       smaller_variants=levers.registry_variants(
                           FLAGS.model, image_size=FLAGS.image_size,
                           num_classes=FLAGS.num_classes))
-    print(plan.table())
-    if plan.fits:
-        print(f"the largest micro-batch that fits in one step (no accumulation): "
-              f"{plan.max_micro_batch}")
-    else:
-        print(f"nothing fits: {plan_report.format_nothing_fits(plan)}.")
+    print(plan_report.format_table(plan, switches=finetune_switches()))
     if FLAGS.plot:
         draw(plan, FLAGS.plot)
         print(f"wrote {FLAGS.plot}")

@@ -40,8 +40,8 @@ def test_import_without_tensorflow_names_the_extra_to_install():
         [sys.executable, "-c", program], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 3, result.stderr
-    assert "tfmem[cpu]" in result.stdout
-    assert "tfmem[tensorflow]" in result.stdout
+    assert "`pip install -e '.[cpu]'` in a checkout of tfmem" in result.stdout
+    assert "`pip install -e '.[tensorflow]'`" in result.stdout
     assert "No module named 'tensorflow'" in result.stdout
 
 
@@ -81,3 +81,22 @@ def test_a_subpackage_name_works_as_the_top_level_one():
                                rtol=1e-5)
     with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
         tm.nonexistent  # noqa: B018
+
+
+def test_every_extra_a_message_names_exists():
+    import configparser
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    config = configparser.ConfigParser()
+    config.read(root / "setup.cfg")
+    extras = set(config["options.extras_require"])
+    sources = [*(root / "tfmem").rglob("*.py"), *(root / "scripts").glob("*.py")]
+    named = set()
+    for path in sources:
+        text = path.read_text()
+        named |= set(re.findall(r"install_command\(['\"](\w+)['\"]\)", text))
+        named |= set(re.findall(r"'\.\[(\w+)\]'", text))
+        assert "tfmem[" not in text, f"{path} names an extra as if tfmem were on an index"
+    assert {"cpu", "tensorflow", "plot"} <= named <= extras

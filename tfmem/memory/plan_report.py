@@ -123,6 +123,20 @@ def format_choice(p, switches: Switches = PYTHON) -> str:
     return f"{why}\nnext: {switches.steps(k)}"
 
 
+def plot_lines(p) -> dict[str, tuple[list[int], list[float]]]:
+    """The lines `scripts/plan.py --plot` draws, `{label: (micro-batches, peaks in GiB)}`: one
+    plain step of micro-batch b and, when the plan accumulates, b × its k steps, the chosen
+    point's own line (its accumulation buffers and k micro-batches of input count)."""
+    top = max(p.per_replica_batch_size, int(1.25 * max(p.max_micro_batch, 1)), 2)
+    sizes = list(range(1, top + 1))
+    lines = {"one step of micro-batch b": (sizes, [p.peak_bytes(b, 1) / 2**30 for b in sizes])}
+    if p.fits and p.accumulation_steps > 1:
+        k = p.accumulation_steps
+        lines[f"micro-batch b × {_steps(k)}"] = (sizes, [p.peak_bytes(b, k) / 2**30
+                                                        for b in sizes])
+    return lines
+
+
 def format_nothing_fits(p) -> str:
     """Why no micro-batch fits, and the smallest change the planner checked to fit."""
     state = (f"parameters {format_bytes(p.parameter_bytes)} + gradients "
