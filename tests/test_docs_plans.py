@@ -144,3 +144,22 @@ def test_the_numbers_in_the_words_are_the_planners(plans, page):
     text = " ".join(page.split())
     missing = [phrase for phrase in phrases if phrase not in text]
     assert not missing, f"docs/out-of-memory.md should say: {missing}"
+
+
+def _this_machine_masked(text):
+    """A CPU plan's text without what depends on the machine: its name and free memory."""
+    text = re.sub(r" on [^,\n]+, global batch", " on CPU, global batch", text)
+    text = re.sub(r"budget [\d.]+ GiB = 80% of [\d.]+ GiB", "budget B", text)
+    text = re.sub(r"of the [\d.]+ GiB budget", "of the B budget", text)
+    return re.sub(r"fits up to micro-batch \d+", "fits up to micro-batch M", text)
+
+
+def test_getting_started_shows_the_example_plan():
+    # The README's example, step 2 and 3: small-cnn, 4 classes, 32 px, global batch 64.
+    runtime = tfmem.detect()
+    with runtime.scope():
+        base = models.build("small-cnn", num_classes=4, image_size=32)
+    plan = tfmem.plan(base, global_batch_size=64, optimizer="adam", runtime=runtime)
+    page = (PAGE.parent / "getting-started.md").read_text()
+    shown = _block(page, "`print(plan.table())` shows where the memory goes")
+    assert _this_machine_masked(shown.rstrip("\n")) == _this_machine_masked(plan.table())

@@ -107,6 +107,14 @@ def test_efficientnetv2_xl_golden_plans(xl, device, precision, split, capsys):
                                        f"accumulation {steps} × {replicas} {replicas_word}\n")
     assert (p.micro_batch_size, p.accumulation_steps, p.num_replicas) == split
     assert _hand_choice(p, xl, precision) == (micro, k)
+    # docs/planning.md's row of this plan shows its split, peak and budget.
+    first = f"`{device}`" + (', `precision="float32"`' if requested == "float32" else "")
+    page = (ROOT / "docs" / "planning.md").read_text()
+    row = next(line for line in page.splitlines() if line.startswith(f"| {first} |"))
+    peak = p.peak_bytes(micro, k) / GIB
+    assert row == (f"| {first} | {precision} | micro-batch {micro} × {k} "
+                   f"{'step' if k == 1 else 'steps'} × {replicas} {replicas_word} | "
+                   f"{peak:.2f} GiB | {p.budget_bytes / GIB:.2f} GiB |")
     if precision == "float32":
         # Measured on CPU (FACTS.md): batch 1 → 2 adds ≈ 1.7-1.8 GiB per sample at 384 px.
         assert 1.6 * GIB < p.peak_bytes(2, 1) - p.peak_bytes(1, 1) < 1.95 * GIB
