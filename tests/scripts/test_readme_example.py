@@ -69,3 +69,20 @@ def test_getting_started_shows_the_readme_example():
     with open(os.path.join(ROOT, "docs", "getting-started.md")) as file:
         page = file.read()
     assert f"```python\n{_example()}```" in page
+
+
+def test_the_readme_is_one_screen_and_its_results_are_the_linked_pages():
+    with open(os.path.join(ROOT, "README.md")) as file:
+        readme = file.read()
+    assert len(readme.splitlines()) <= 100
+    assert "pip install tfmem" not in readme  # it installs from the repository
+    results = readme.split("## Results", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in results.splitlines() if line.startswith("| ")][2:]
+    assert len(rows) >= 5
+    for row in rows:
+        _, result, details = [cell.strip() for cell in row.strip("|").split("|")]
+        page = re.search(r"\]\((docs/[\w-]+\.md)#[\w-]+\)", details).group(1)
+        with open(os.path.join(ROOT, page)) as file:
+            text = file.read()
+        for number in re.findall(r"\d+\.\d+|\d{3,}", result):  # each measured number
+            assert number in text, f"README's {number!r} is not in {page}: {row}"
