@@ -13,8 +13,6 @@ in the checkout). Flags accept dashes or underscores. Errors are one line on std
 a flag is wrong; `--debug` adds the traceback).
 """
 
-import shlex
-
 from absl import flags
 
 import tfmem
@@ -79,15 +77,14 @@ def draw(plan, path: str) -> None:
 
 def finetune_switches() -> plan_report.Switches:
     """The plan's next step spelled as the scripts/finetune.py command of the planned run."""
-    command = ["python", "scripts/finetune.py", "--model", FLAGS.model, "--data", "PATH",
-               "--image-size", str(FLAGS.image_size),
-               "--global-batch-size", str(FLAGS.global_batch_size)]
+    settings = [("model", FLAGS.model), ("data", "PATH"), ("image_size", FLAGS.image_size),
+                ("global_batch_size", FLAGS.global_batch_size)]
     for name, default in (("optimizer", "adam"), ("precision", "auto"),
                           ("rematerialize", None)):
         if getattr(FLAGS, name) not in (default, ""):
-            command += [f"--{name}", getattr(FLAGS, name)]
-    steps = " ".join(shlex.quote(word) for word in command).replace("{", "{{").replace("}", "}}")
-    return plan_report.Switches(steps + " --accumulation-steps {}", "--allow-over-budget")
+            settings.append((name, getattr(FLAGS, name)))
+    return plan_report.Switches("--allow-over-budget", flags=True,
+                                program="python scripts/finetune.py", settings=tuple(settings))
 
 
 def main(argv):

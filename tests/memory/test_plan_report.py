@@ -57,9 +57,21 @@ def test_nothing_fits_is_said_once_with_the_change_to_make():
         "20.0 MiB = 130.0 MiB) exceeds the budget of 80.0 MiB per replica. Use a smaller "
         "model or images, or a device with more memory.")
     changed = dataclasses.replace(plan, alternative=Alternative(
-        ("precision mixed_float16",), 4, 3, 70 * MIB))
+        ("precision mixed_float16", "image size 160"), 4, 3, 70 * MIB,
+        settings=(("precision", "mixed_float16"), ("image_size", 160))))
     assert changed.table().splitlines()[-1] == (
-        "next: plan again with precision mixed_float16, then accumulation_steps=3")
+        "next: precision='mixed_float16', image_size=160, accumulation_steps=3")
+    program = plan_report.Switches(
+        "--allow-over-budget", flags=True, program="python scripts/finetune.py",
+        settings=(("model", "m"), ("image_size", 224), ("precision", "auto")))
+    assert plan_report.format_choice(changed, program).splitlines()[-1] == (
+        "next: python scripts/finetune.py --model m --image-size 160 --precision "
+        "mixed_float16 --accumulation-steps 3")
+    # A change named in words only (a caller's own variant) is said in words.
+    worded = dataclasses.replace(plan, alternative=Alternative(("a smaller head",), 4, 3,
+                                                               70 * MIB))
+    assert worded.table().splitlines()[-1] == (
+        "next: a smaller head, with accumulation_steps=3")
     tight = _plan(activation_bytes_per_sample=50 * MIB)  # micro-batch 1: 90 MiB
     assert tight.table().count("nothing fits") == 1
 

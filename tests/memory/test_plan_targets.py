@@ -16,7 +16,7 @@ import pytest
 import tfmem
 from tfmem import _keras_internals as internals
 from tfmem import models
-from tfmem.memory import levers, planner
+from tfmem.memory import levers, plan_report, planner
 from tfmem.memory.memory_plan import Term
 from tfmem.runtime import devices
 
@@ -173,6 +173,14 @@ def test_nothing_fits_tries_single_changes_before_pairs():
     p = _plan64(model, memory)
     assert p.alternative.changes == ("optimizer SGD (momentum 0.9)",
                                      "frozen backbone (train the head only)")
+    # The same changes as settings of the run: the table's next step spells them.
+    assert p.alternative.settings == (("optimizer", "sgd"), ("freeze_backbone", True))
+    assert p.table().splitlines()[-1] == (
+        f"next: optimizer='sgd', freeze_backbone=True, "
+        f"accumulation_steps={p.alternative.accumulation_steps}")
+    assert plan_report.format_choice(p, plan_report.COMMAND_LINE).splitlines()[-1] == (
+        f"next: --optimizer sgd --freeze-backbone --accumulation-steps "
+        f"{p.alternative.accumulation_steps}")
     singles = [t for t in p.alternative.tried if "+" not in t]
     assert p.alternative.tried[:len(singles)] == tuple(singles)  # all singles come first
     for kwargs in (dict(precision="mixed_bfloat16"), dict(optimizer=sgd),
@@ -285,6 +293,8 @@ def test_registry_variants_name_smaller_images_and_the_next_smaller_model():
     assert [d for d, _ in variants] == ["image size 288", "image size 192",
                                         "model efficientnetv2-l"]
     assert variants[1][1]().input_shape == (None, 192, 192, 3)
+    assert [build.setting for _, build in variants] == [  # each as a setting of the run
+        ("image_size", 288), ("image_size", 192), ("model", "efficientnetv2-l")]
     assert [d for d, _ in levers.registry_variants("resnet101", image_size=224,
                                                    num_classes=10)] == [
         "image size 160", "image size 96", "model resnet50"]

@@ -63,6 +63,8 @@ class Alternative:
         micro_batch_size, accumulation_steps: the split the changed run would use.
         peak_bytes: its predicted peak per replica.
         tried: every change (or combination) checked, in the order tried.
+        settings: the changes as `(argument, value)` pairs of the run (e.g.
+            `("precision", "mixed_float16")`), one per change that has one.
     """
 
     changes: tuple[str, ...]
@@ -70,6 +72,7 @@ class Alternative:
     accumulation_steps: int
     peak_bytes: int
     tried: tuple[str, ...] = ()
+    settings: tuple[tuple[str, object], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,11 +6,12 @@ Works on any object with `MemoryPlan`'s attributes; it imports no other planner 
 from __future__ import annotations
 
 import dataclasses
+import shlex
 
 
 @dataclasses.dataclass(frozen=True)
 class Switches:
-    """How the interface a plan is used from spells the two switches its messages name.
+    """How the interface a plan is used from spells the settings its messages name.
 
     A message names the caller's own switches: `--accumulation-steps 4` and
     `--allow-over-budget` on the command line, `accumulation_steps=4` and
@@ -18,21 +19,37 @@ class Switches:
     (`AccumModel.fit`) in Python.
 
     Attributes:
-        accumulation_steps: how to run with k accumulation steps, `{}` standing for k (a
-            whole command, where the interface is a program).
         allow_over_budget: how to run over the budget anyway.
+        flags: settings are a program's flags (`--image-size 160`, `--freeze-backbone`);
+            otherwise Python arguments (`image_size=160`).
+        program: the command that takes them, where the next step is a whole command.
+        settings: `(name, value)` pairs that command repeats from the planned run.
     """
 
-    accumulation_steps: str = "accumulation_steps={}"
     allow_over_budget: str = "allow_over_budget=True"
+    flags: bool = False
+    program: str = ""
+    settings: tuple[tuple[str, object], ...] = ()
 
-    def steps(self, accumulation_steps: int) -> str:
-        """The switch that sets `accumulation_steps`, e.g. "accumulation_steps=4"."""
-        return self.accumulation_steps.format(accumulation_steps)
+    def spell(self, name: str, value: object) -> str:
+        """One setting: `("image_size", 160)` → "--image-size 160" or "image_size=160"."""
+        if not self.flags:
+            return f"{name}={value!r}"
+        flag = "--" + name.replace("_", "-")
+        return flag if value is True else f"{flag} {shlex.quote(str(value))}"
+
+    def run(self, accumulation_steps: int, changes: tuple[tuple[str, object], ...] = ()
+            ) -> str:
+        """What runs the planned split: e.g. "--accumulation-steps 4", or with `changes`
+        (a lever's settings) "--precision mixed_float16 --accumulation-steps 4"."""
+        settings = dict(self.settings) | dict(changes) | {
+            "accumulation_steps": accumulation_steps}
+        words = [self.program] + [self.spell(name, value) for name, value in settings.items()]
+        return (" " if self.flags else ", ").join(word for word in words if word)
 
 
 PYTHON = Switches()
-COMMAND_LINE = Switches("--accumulation-steps {}", "--allow-over-budget")
+COMMAND_LINE = Switches("--allow-over-budget", flags=True)
 
 
 def describe_split(global_batch_size: int, micro_batch_size: int, accumulation_steps: int,
@@ -100,8 +117,12 @@ def format_choice(p, switches: Switches = PYTHON) -> str:
         alternative = p.alternative
         text = format_nothing_fits(p)
         if alternative is not None and alternative.changes:
-            text += (f"\nnext: plan again with {' + '.join(alternative.changes)}, then "
-                     f"{switches.steps(alternative.accumulation_steps)}")
+            if len(alternative.settings) == len(alternative.changes):
+                text += "\nnext: " + switches.run(alternative.accumulation_steps,
+                                                   alternative.settings)
+            else:  # a change the caller named in words only
+                text += (f"\nnext: {' + '.join(alternative.changes)}, with "
+                         f"{switches.run(alternative.accumulation_steps)}")
         return text
     b, k, per_replica = p.micro_batch_size, p.accumulation_steps, p.per_replica_batch_size
     peak = format_bytes(p.peak_bytes(b, k))
@@ -120,7 +141,7 @@ def format_choice(p, switches: Switches = PYTHON) -> str:
     if p.max_micro_batch != b:
         why += (f"; a plain step without accumulation fits up to micro-batch "
                 f"{p.max_micro_batch}")
-    return f"{why}\nnext: {switches.steps(k)}"
+    return f"{why}\nnext: {switches.run(k)}"
 
 
 def plot_lines(p) -> dict[str, tuple[list[int], list[float]]]:
@@ -173,7 +194,7 @@ def format_error(p, micro_batch_size: int, accumulation_steps: int, needed_bytes
     if p.fits:
         fit = p.peak_bytes(p.micro_batch_size, p.accumulation_steps)
         advice = (f"; micro-batch {p.micro_batch_size} × {_steps(p.accumulation_steps)} fits "
-                  f"in {format_bytes(fit)} ({switches.steps(p.accumulation_steps)}).")
+                  f"in {format_bytes(fit)} ({switches.run(p.accumulation_steps)}).")
     else:
         advice = "; " + format_nothing_fits(p).rstrip(".") + "."
     return (head + advice + f" Pass `{switches.allow_over_budget}` to run anyway.\n"
