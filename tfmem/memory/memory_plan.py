@@ -240,13 +240,13 @@ class MemoryPlanError(ValueError):
         micro_batch_size, accumulation_steps: the setting that does not fit.
         needed_bytes: its predicted peak per replica.
         switches: how the interface that raised it spells its switches (named in the
-            message).
+            message; default: Python's arguments).
     """
 
     def __init__(self, plan: MemoryPlan, micro_batch_size: int, accumulation_steps: int,
-                 needed_bytes: int, switches: plan_report.Switches = plan_report.PYTHON):
+                 needed_bytes: int, switches: plan_report.Switches | None = None):
         self.plan, self.needed_bytes = plan, needed_bytes
         self.micro_batch_size, self.accumulation_steps = micro_batch_size, accumulation_steps
-        self.switches = switches
+        self.switches = switches = switches or plan_report.PYTHON
         super().__init__(plan_report.format_error(plan, micro_batch_size, accumulation_steps,
                                                   needed_bytes, switches))

@@ -31,7 +31,7 @@ import keras
 import numpy as np
 
 from tfmem import _keras_internals as internals
-from tfmem.memory import levers, plan_report, remat_plan, segments
+from tfmem.memory import levers, remat_plan, segments
 from tfmem.memory.memory_plan import MemoryPlan, MemoryPlanError, choose
 from tfmem.memory.optimizer_state import optimizer_slot_bytes
 from tfmem.memory.plan_settings import PlanSettings
@@ -408,15 +408,15 @@ def plan(
 
 
 def check(plan: MemoryPlan, *, accumulation_steps: int | None = None,
-          allow_over_budget: bool = False,
-          switches: plan_report.Switches = plan_report.PYTHON) -> None:
+          allow_over_budget: bool = False, switches=None) -> None:
     """The guard: raises `MemoryPlanError` when the run would not fit its budget.
 
     Args:
         plan: the plan of the run.
         accumulation_steps: the k the run will use (None: the plan's own choice).
         allow_over_budget: True skips the check (the explicit override).
-        switches: how the caller's interface spells k and the override, for the message.
+        switches: how the caller's interface spells k and the override, for the message
+            (a `tfmem.memory.plan_report.Switches`; default: Python's arguments).
 
     Raises:
         MemoryPlanError: (a ValueError) with the breakdown and the setting that would fit.
