@@ -7,9 +7,10 @@ Any machine, no accelerator needed (it builds the model on the CPU to read its g
 seconds for ResNet50, half a minute for EfficientNetV2-XL). Prints the breakdown per replica in
 the device's precision, the micro-batch × accumulation steps × replicas that reach the global
 batch within 80% of the device (or, when nothing fits, the smallest change checked to fit),
-and, with --plot, draws predicted memory against the micro-batch with the budget line
-(needs matplotlib: `pip install 'tfmem[plot]'`). Flags accept dashes or underscores. Errors
-are one line on stderr (exit 2: a flag is wrong; `--debug` adds the traceback).
+the scripts/finetune.py command that runs it, and, with --plot, draws predicted memory
+against the micro-batch with the budget line (needs matplotlib: `pip install -e '.[plot]'`
+in the checkout). Flags accept dashes or underscores. Errors are one line on stderr (exit 2:
+a flag is wrong; `--debug` adds the traceback).
 """
 
 import os
@@ -20,6 +21,7 @@ import tfmem
 from tfmem import cli, models
 from tfmem.runtime import devices
 from tfmem.memory import levers, plan_report
+from tfmem._install import install_command
 from tfmem.remat.spec import RematSpec
 
 FLAGS = flags.FLAGS
@@ -51,7 +53,7 @@ def plot_path(path: str) -> str:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise ImportError("--plot needs matplotlib: `pip install 'tfmem[plot]'`.") from None
+        raise ImportError(f"--plot needs matplotlib: {install_command('plot')}.") from None
     if os.path.isdir(path):
         raise cli.UsageError(f"--plot {path} is a directory; pass a file name, e.g. --plot "
                              f"{os.path.join(path, 'plan.png')}")
@@ -70,11 +72,10 @@ def draw(plan, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    top = max(plan.per_replica_batch_size, int(1.25 * max(plan.max_micro_batch, 1)), 2)
-    sizes = sorted({1 + (top - 1) * i // 255 for i in range(256)})  # at most 256 points
     gib = 2**30
     figure, axes = plt.subplots(figsize=(7, 4.5))
-    axes.plot(sizes, [plan.peak_bytes(b, 1) / gib for b in sizes], label="one step of micro-batch b")
+    for label, (sizes, peaks) in plan_report.plot_lines(plan).items():
+        axes.plot(sizes, peaks, label=label)
     axes.axhline(plan.budget_bytes / gib, color="tab:red", linestyle="--",
                  label=f"budget ({plan.safety:.0%} of {plan.memory_per_replica / gib:.1f} GiB)")
     axes.axhline(plan.memory_per_replica / gib, color="tab:gray", linestyle=":",
@@ -91,6 +92,18 @@ def draw(plan, path: str) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
+
+
+def finetune_switches() -> plan_report.Switches:
+    """The plan's next step spelled as the scripts/finetune.py command of the planned run."""
+    settings = [("model", FLAGS.model), ("data", "PATH"), ("image_size", FLAGS.image_size),
+                ("global_batch_size", FLAGS.global_batch_size)]
+    for name, default in (("optimizer", "adam"), ("precision", "auto"),
+                          ("rematerialize", None)):
+        if getattr(FLAGS, name) not in (default, ""):
+            settings.append((name, getattr(FLAGS, name)))
+    return plan_report.Switches("--allow-over-budget", flags=True,
+                                program="python scripts/finetune.py", settings=tuple(settings))
 
 
 def main(argv):
@@ -114,12 +127,7 @@ def main(argv):
                       smaller_variants=levers.registry_variants(
                           FLAGS.model, image_size=FLAGS.image_size,
                           num_classes=FLAGS.num_classes))
-    print(plan.table())
-    if plan.fits:
-        print(f"the largest micro-batch that fits in one step (no accumulation): "
-              f"{plan.max_micro_batch}")
-    else:
-        print(f"nothing fits: {plan_report.format_nothing_fits(plan)}.")
+    print(plan_report.format_table(plan, switches=finetune_switches()))
     if plot:
         draw(plan, plot)
         print(f"wrote {plot}")

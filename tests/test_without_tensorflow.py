@@ -144,7 +144,7 @@ def test_plan_without_tensorflow_equals_the_tensorflow_plan(results):
 def test_the_tfrecord_pipeline_names_the_extra_to_install(results):
     for name in ("image_dataset", "write_image_tfrecords"):
         message = results["errors"][name]
-        assert "tfmem[cpu]" in message and "No module named 'tensorflow'" in message
+        assert "pip install -e '.[cpu]'" in message and "No module named 'tensorflow'" in message
 
 
 def test_tfmem_env_runs_without_tensorflow(python):

@@ -5,6 +5,7 @@ Keras's TensorFlow backend and tfmem's TFRecord pipeline (`tfmem.data`) need Ten
 """
 
 from tfmem import _import_banner
+from tfmem._install import install_command
 
 try:
     with _import_banner.set_aside():  # on the JAX backend, TensorFlow is first imported here
@@ -16,8 +17,8 @@ except ImportError as error:  # pragma: no cover - exercised in a subprocess tes
         "tfmem.write_image_tfrecords and the rest of tfmem.data); with KERAS_BACKEND=jax "
         "everything else runs without it. tfmem does not install TensorFlow by itself, so "
         "that it never adds a second TensorFlow flavour to a machine that has one. Install "
-        "one with an extra: `pip install 'tfmem[cpu]'` (tensorflow-cpu: laptops, CI, TPU VMs "
-        "with the JAX backend) or `pip install 'tfmem[tensorflow]'` (tensorflow with GPU "
+        f"one with an extra: {install_command('cpu')} (tensorflow-cpu: laptops, CI, TPU VMs "
+        f"with the JAX backend) or {install_command('tensorflow')} (tensorflow with GPU "
         "support)."
     ) from error
 

@@ -41,6 +41,7 @@ from tfmem.data.options import MAX_IMAGE_PIXELS
 from tfmem.memory import guard, levers
 from tfmem.memory import plan_report
 from tfmem.memory.plan_report import format_bytes
+from tfmem.memory.memory_plan import MemoryPlanError
 from tfmem.remat.spec import Ranges, RematSpec
 from tfmem.runtime import current, devices, memory_cap, precision as precision_lib, report
 from tfmem.runtime.cluster import split_batch
@@ -518,13 +519,17 @@ def _build_and_plan(config: FinetuneConfig, spec, runtime: Runtime, precision: s
         where = dict(memory_budget=attempt.plan_budget, num_replicas=runtime.num_replicas,
                      precision=precision)
     with cli.usage_errors():  # a batch that does not split, a plan over the budget, "auto"
-        run_plan = guard.guard(
-            planned, global_batch_size=config.global_batch_size,
-            accumulation_steps=attempt.accumulation_steps,
-            allow_over_budget=config.allow_over_budget, optimizer=optimizer,
-            smaller_variants=levers.registry_variants(
-                spec.name, image_size=data.image_size, num_classes=data.num_classes),
-            **where)
+        try:
+            run_plan = guard.guard(
+                planned, global_batch_size=config.global_batch_size,
+                accumulation_steps=attempt.accumulation_steps,
+                allow_over_budget=config.allow_over_budget, optimizer=optimizer,
+                smaller_variants=levers.registry_variants(
+                    spec.name, image_size=data.image_size, num_classes=data.num_classes),
+                switches=plan_report.COMMAND_LINE, **where)
+        except MemoryPlanError as error:  # the plan it refused, then the one-line refusal
+            print(error.plan.table(error.accumulation_steps))
+            raise
     if attempt.split_file:  # the supervising process halves this split if memory runs out
         memory_plan = run_plan.plan
         with open(attempt.split_file, "w") as file:

@@ -16,7 +16,7 @@ import pytest
 import tfmem
 from tfmem import _keras_internals as internals
 from tfmem import models
-from tfmem.memory import levers, planner
+from tfmem.memory import levers, plan_report, planner
 from tfmem.memory.memory_plan import Term
 from tfmem.runtime import devices
 
@@ -107,6 +107,14 @@ def test_efficientnetv2_xl_golden_plans(xl, device, precision, split, capsys):
                                        f"accumulation {steps} × {replicas} {replicas_word}\n")
     assert (p.micro_batch_size, p.accumulation_steps, p.num_replicas) == split
     assert _hand_choice(p, xl, precision) == (micro, k)
+    # docs/planning.md's row of this plan shows its split, peak and budget.
+    first = f"`{device}`" + (', `precision="float32"`' if requested == "float32" else "")
+    page = (ROOT / "docs" / "planning.md").read_text()
+    row = next(line for line in page.splitlines() if line.startswith(f"| {first} |"))
+    peak = p.peak_bytes(micro, k) / GIB
+    assert row == (f"| {first} | {precision} | micro-batch {micro} × {k} "
+                   f"{'step' if k == 1 else 'steps'} × {replicas} {replicas_word} | "
+                   f"{peak:.2f} GiB | {p.budget_bytes / GIB:.2f} GiB |")
     if precision == "float32":
         # Measured on CPU (FACTS.md): batch 1 → 2 adds ≈ 1.7-1.8 GiB per sample at 384 px.
         assert 1.6 * GIB < p.peak_bytes(2, 1) - p.peak_bytes(1, 1) < 1.95 * GIB
@@ -165,6 +173,14 @@ def test_nothing_fits_tries_single_changes_before_pairs():
     p = _plan64(model, memory)
     assert p.alternative.changes == ("optimizer SGD (momentum 0.9)",
                                      "frozen backbone (train the head only)")
+    # The same changes as settings of the run: the table's next step spells them.
+    assert p.alternative.settings == (("optimizer", "sgd"), ("freeze_backbone", True))
+    assert p.table().splitlines()[-1] == (
+        f"next: optimizer='sgd', freeze_backbone=True, "
+        f"accumulation_steps={p.alternative.accumulation_steps}")
+    assert plan_report.format_choice(p, plan_report.COMMAND_LINE).splitlines()[-1] == (
+        f"next: --optimizer sgd --freeze-backbone --accumulation-steps "
+        f"{p.alternative.accumulation_steps}")
     singles = [t for t in p.alternative.tried if "+" not in t]
     assert p.alternative.tried[:len(singles)] == tuple(singles)  # all singles come first
     for kwargs in (dict(precision="mixed_bfloat16"), dict(optimizer=sgd),
@@ -277,6 +293,8 @@ def test_registry_variants_name_smaller_images_and_the_next_smaller_model():
     assert [d for d, _ in variants] == ["image size 288", "image size 192",
                                         "model efficientnetv2-l"]
     assert variants[1][1]().input_shape == (None, 192, 192, 3)
+    assert [build.setting for _, build in variants] == [  # each as a setting of the run
+        ("image_size", 288), ("image_size", 192), ("model", "efficientnetv2-l")]
     assert [d for d, _ in levers.registry_variants("resnet101", image_size=224,
                                                    num_classes=10)] == [
         "image size 160", "image size 96", "model resnet50"]

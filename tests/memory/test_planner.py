@@ -378,8 +378,11 @@ def test_plan_script_prints_the_plan_and_draws_it(tmp_path):
     assert "total (peak per replica)" in result.stdout and total in result.stdout
     assert "SGD, mixed_float16" in result.stdout
     assert reference.split() in result.stdout.splitlines()[0]  # the table's header
-    assert (f"the largest micro-batch that fits in one step (no accumulation): "
-            f"{reference.max_micro_batch}\n") in result.stdout
+    assert result.stdout.splitlines()[-3:] == [
+        plan_report.format_choice(reference).splitlines()[0],
+        "next: python scripts/finetune.py --model mobilenetv2 --data PATH --image-size 32 "
+        f"--global-batch-size 48 --optimizer sgd --accumulation-steps "
+        f"{reference.accumulation_steps}", f"wrote {png}"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -415,6 +418,37 @@ def test_accum_fit_is_stopped_before_the_first_step_when_over_budget():
     assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
     model.fit(_accum_data(), epochs=1, verbose=0, memory_budget=budget, check_memory=False)
     assert int(model.optimizer.iterations) == 1  # the explicit override runs
+
+
+def test_each_interface_names_its_own_switches_when_over_budget():
+    model = _accum_model(accumulation_steps=1)
+    budget = _budget_between_16x4_and_32x2(model)
+    # AccumModel.fit: k is its `accumulation_steps`, the override its `check_memory=False`.
+    with pytest.raises(tfmem.MemoryPlanError) as raised:
+        model.fit(_accum_data(), epochs=1, verbose=0, memory_budget=budget)
+    first = str(raised.value).splitlines()[0]
+    assert first.endswith("fits in " + plan_report.format_bytes(raised.value.plan.peak_bytes(
+        16, 4)) + " (accumulation_steps=4). Pass `check_memory=False` to run anyway.")
+    memory_plan = raised.value.plan
+    # The guard and tfmem.plan's check, from Python: their own argument.
+    with pytest.raises(tfmem.MemoryPlanError, match="Pass `allow_over_budget=True` to run"):
+        guard.guard(model, global_batch_size=64, accumulation_steps=1, memory_budget=budget,
+                    optimizer="sgd")
+    # The command line: its flags, spelled by the caller.
+    with pytest.raises(tfmem.MemoryPlanError) as raised:
+        planner.check(memory_plan, accumulation_steps=1, switches=plan_report.COMMAND_LINE)
+    assert "(--accumulation-steps 4). Pass `--allow-over-budget` to run anyway." in str(
+        raised.value)
+
+
+def test_accum_fit_refuses_a_keyword_it_does_not_take():
+    model = _accum_model(accumulation_steps=1)
+    budget = _budget_between_16x4_and_32x2(model)
+    for keywords in ({"allow_over_budget": True}, {"epoch": 1, "verbos": 0}):
+        with pytest.raises(TypeError, match="unexpected keyword argument") as raised:
+            model.fit(_accum_data(), memory_budget=budget, **keywords)
+        assert all(repr(name) in str(raised.value) for name in keywords)
+    assert int(model.optimizer.iterations) == 0
 
 
 def test_accum_auto_takes_k_from_the_plan():

@@ -244,6 +244,25 @@ def test_dry_run_prints_parameters_and_plan_and_trains_nothing(finetune_main, tm
     assert os.listdir(tmp_path) == []  # a dry run writes nothing: no data, no run directory
 
 
+def test_an_over_budget_dry_run_prints_the_plan_then_refuses_naming_the_flags(finetune_cli,
+                                                                            tmp_path):
+    status, out, stderr = finetune_cli(
+        "--model", "efficientnetv2-b0", "--image-size", "224", "--dry-run", "--device", "t4",
+        "--global-batch-size", "1024", "--accumulation-steps", "1", "--output", str(tmp_path))
+    assert status == 2
+    table = [line for line in out.splitlines() if line.startswith("efficientnetv2-b0: ")]
+    assert table and table[0].endswith("global batch 1024 = micro-batch 1024 × 1 accumulation "
+                                       "step × 1 replica")
+    total = next(line for line in out.splitlines() if "total (peak per replica)" in line)
+    needed = re.search(r"\)\s+([\d.]+ [GM]iB)", total).group(1).split()  # what the refusal names
+    error = _error_line(stderr)
+    assert error.startswith("error: global batch 1024 = micro-batch 1024 × 1 accumulation step "
+                            f"× 1 replica needs {' '.join(needed)} per replica on t4")
+    assert re.search(r"fits in [\d.]+ [GM]iB \(--accumulation-steps \d+\)\. Pass "
+                     r"`--allow-over-budget` to run anyway\.$", error), error
+    assert "allow_over_budget" not in error and os.listdir(tmp_path) == []
+
+
 def test_a_dry_run_plans_the_rematerialized_layers(finetune_main, tmp_path, capsys):
     finetune_main("--dry-run", "--device", "t4", "--rematerialize", "block1_conv, block2_conv",
                   "--output", str(tmp_path))

@@ -77,11 +77,13 @@ def make_demo_dataset(
         seed: the same seed gives the same pixels; use another seed for a held-out set.
         shard_size_mb: shard size; small by default so that even the demo has several
             shards, as real sets do.
-        overwrite: replace a set already in `output_dir`.
+        overwrite: replace a set already in `output_dir`. Without it, a demo set already
+            there with the same `num_examples`, `image_size` and `seed` (its manifest's
+            `origin`) is reused as it is, and any other set raises `ValueError`.
         progress: called after each example, as in `write_image_tfrecords`.
 
     Returns:
-        The `Manifest` of the written set.
+        The `Manifest` of the written (or reused) set.
 
     Example:
         >>> manifest = tfmem.make_demo_dataset("/tmp/demo/train", num_examples=2048)
@@ -94,6 +96,15 @@ def make_demo_dataset(
             f"The demo set needs num_examples >= 1 and image_size >= 8 (shapes need a few "
             f"pixels), got num_examples={num_examples}, image_size={image_size}."
         )
+    origin = (f"tfmem.make_demo_dataset(num_examples={num_examples}, "
+              f"image_size={image_size}, seed={seed})")
+    if not overwrite and manifest_lib.has_manifest(os.fspath(output_dir)):
+        try:
+            existing = manifest_lib.read_manifest(output_dir)
+        except ValueError:  # damaged: the writer's own check below says what to do
+            existing = None
+        if existing is not None and existing.origin == origin:
+            return existing  # the same seed draws the same pixels: nothing to write
 
     def chunks(size: int = 256) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         # A few hundred images per trip from Python into tf.data, not one: an element of
@@ -115,4 +126,4 @@ def make_demo_dataset(
     ).unbatch().apply(tf.data.experimental.assert_cardinality(num_examples))
     return tfrecords.write_image_tfrecords(
         examples, output_dir, shard_size_mb=shard_size_mb, class_names=CLASS_NAMES,
-        overwrite=overwrite, progress=progress)
+        overwrite=overwrite, progress=progress, origin=origin)

@@ -52,6 +52,8 @@ class Manifest:
             `data_range` rescales from it.
         skipped: source files left out as unreadable (`skip_unreadable=True`).
         tfmem_version: the tfmem version that wrote the set.
+        origin: what made the records, when the writer was told (e.g. the demo set's
+            `make_demo_dataset(num_examples=2048, image_size=32, seed=0)`); empty otherwise.
 
     Example:
         >>> manifest = tfmem.read_manifest("/data/flowers/train")   # doctest: +SKIP
@@ -67,6 +69,7 @@ class Manifest:
     pixel_range: tuple[int, int] = (0, 255)
     skipped: tuple[str, ...] = ()
     tfmem_version: str = __version__
+    origin: str = ""
 
     @property
     def num_classes(self) -> int:
@@ -91,6 +94,8 @@ class Manifest:
 
     def to_json(self) -> str:
         """The manifest as the JSON text stored in `manifest.json`."""
+        # "origin" is written only when known, so that a set without one keeps its fingerprint.
+        origin = {"origin": self.origin} if self.origin else {}
         return json.dumps(
             {
                 "format": _FORMAT,
@@ -103,7 +108,7 @@ class Manifest:
                 "schema": self.schema.to_dict(),
                 "shards": [dataclasses.asdict(shard) for shard in self.shards],
                 "skipped": list(self.skipped),
-            },
+            } | origin,
             indent=1,
         )
 
@@ -188,6 +193,7 @@ def read_manifest(dir_or_pattern: str | os.PathLike) -> Manifest:
             pixel_range=tuple(data["pixel_range"]),
             skipped=tuple(data["skipped"]),
             tfmem_version=data["tfmem_version"],
+            origin=str(data.get("origin", "")),  # optional: older sets and most writers lack it
         )
     except (KeyError, TypeError, ValueError) as error:
         raise ValueError(f"{path!r} is damaged ({type(error).__name__}: {error}); write the "

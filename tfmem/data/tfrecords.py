@@ -381,6 +381,7 @@ def write_image_tfrecords(
     progress: Progress | None = None,
     allow_empty_classes: bool = False,
     max_image_pixels: int = MAX_IMAGE_PIXELS,
+    origin: str = "",
 ) -> manifest_lib.Manifest:
     """Writes an image-classification set to sharded TFRecords plus a `manifest.json`.
 
@@ -411,6 +412,8 @@ def write_image_tfrecords(
         max_image_pixels: the most pixels (height × width, from the header, before decoding)
             a folder or encoded image may have; a larger one is unreadable (raised, or skipped
             with `skip_unreadable`).
+        origin: what made the records, recorded as the manifest's `origin` (a writer that
+            makes the same records again from it can reuse the set instead).
 
     Returns:
         The `Manifest` written beside the shards.
@@ -475,6 +478,7 @@ def write_image_tfrecords(
         schema=SCHEMA,
         image_formats=tuple(sorted(encodings)),
         skipped=tuple(skipped),
+        origin=origin,
     )
     manifest_lib.write_manifest(result)  # the switch from the old set (if any) to this one
     _remove_unlisted(output_dir, result)

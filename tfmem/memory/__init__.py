@@ -8,3 +8,13 @@ picks micro-batch × k (`memory_plan` holds the result, `levers` what fits when 
 pass keeps per sample (`layer_rules` for Keras's layers, `gradient_trace` for everything
 else); `optimizer_state` sizes optimizer slots; `probe` and `probe_jax` measure real steps.
 """
+
+from tfmem._exports import lazy_exports
+
+# `probe` is not among them: `tfmem.memory.probe` is the module (use `tfmem.probe`).
+__all__, __getattr__, __dir__ = lazy_exports(__name__, {
+    "MemoryPlan": "tfmem.memory.planner",
+    "MemoryPlanError": "tfmem.memory.planner",
+    "plan": "tfmem.memory.planner",
+    "describe_split": "tfmem.memory.plan_report",
+})

@@ -26,7 +26,7 @@ import keras
 
 from tfmem.memory import planner
 from tfmem.memory.memory_plan import MemoryPlan
-from tfmem.memory.plan_report import describe_split
+from tfmem.memory.plan_report import PYTHON, Switches, describe_split
 from tfmem.runtime.budget import UnknownMemoryError, budget_for
 from tfmem.runtime.cluster import check_accumulation_steps, check_count, split_batch
 
@@ -82,6 +82,7 @@ def guard(
     num_replicas: int | None = None,
     smaller_variants: Sequence[tuple[str, Callable[[], keras.Model]]] = (),
     batch_of_the_data: bool = False,
+    switches: Switches = PYTHON,
     **plan_arguments: Any,
 ) -> RunPlan:
     """Plans a run, stops it before the first step if it cannot fit, and picks its split.
@@ -97,6 +98,9 @@ def guard(
         smaller_variants: as in `tfmem.plan`: named in the error when nothing fits.
         batch_of_the_data: the global batch is the data's own batch (`fit`'s), so a batch that
             does not split is also advised `drop_remainder=True`.
+        switches: how the caller's interface spells k and the override of the check,
+            named in its messages (`tfmem.memory.plan_report.COMMAND_LINE` for a program's
+            flags; `AccumModel.fit` names its `check_memory=False`).
         **plan_arguments: the other arguments of `tfmem.plan` (optimizer, precision, safety,
             input_shape, input_batches_in_flight).
 
@@ -138,16 +142,17 @@ def guard(
             reason = (f"the planner could not plan this run ({type(error).__name__}: "
                       f"{str(error).splitlines()[0] if str(error) else ''})")
         else:
-            return _checked(memory_plan, steps, allow_over_budget)
+            return _checked(memory_plan, steps, allow_over_budget, switches)
     unplanned(model, reason, auto=steps == "auto",
               per_replica_batch=global_batch_size // replicas)
     return RunPlan(global_batch_size, replicas, steps,
                    split_batch(global_batch_size, replicas, steps), skipped=reason)
 
 
-def _checked(memory_plan: MemoryPlan, steps: int | str, allow_over_budget: bool) -> RunPlan:
+def _checked(memory_plan: MemoryPlan, steps: int | str, allow_over_budget: bool,
+             switches: Switches) -> RunPlan:
     planner.check(memory_plan, accumulation_steps=None if steps == "auto" else steps,
-                  allow_over_budget=allow_over_budget)
+                  allow_over_budget=allow_over_budget, switches=switches)
     if steps == "auto":
         # Nothing fits and the budget may be exceeded: the smallest micro-batch is the best try.
         steps = memory_plan.accumulation_steps or memory_plan.per_replica_batch_size

@@ -34,13 +34,15 @@ class Lever:
 
     `apply(settings, model)` returns the plan settings with the change made (a
     `dataclasses.replace`), for the model being planned (the asked one, or a variant `build`
-    makes); a lever that only changes the model keeps the settings.
+    makes); a lever that only changes the model keeps the settings. `setting` is the change
+    as an `(argument, value)` of the run, which messages spell as the caller's switch.
     """
 
     description: str
     group: str
     apply: Callable[[PlanSettings, keras.Model], PlanSettings] = lambda settings, model: settings
     build: Callable[[], keras.Model] | None = None
+    setting: tuple[str, object] | None = None
 
 
 def backbone_ids(model: keras.Model) -> frozenset[int]:
@@ -64,22 +66,27 @@ def levers_for(model: keras.Model, base: MemoryPlan,
             not in ("full", "auto")
             and runner.saves_memory(base.device_kind)):
         # First: it changes no numerics, only time.
-        found.append(Lever("rematerialize full", "rematerialize", _rematerializing))
+        found.append(Lever("rematerialize full", "rematerialize", _rematerializing,
+                           setting=("rematerialize", "full")))
     if base.precision == "float32":
         policy = "mixed_float16" if base.device_kind == "gpu" else "mixed_bfloat16"
-        found.append(Lever(f"precision {policy}", "precision", _replacing(precision=policy)))
+        found.append(Lever(f"precision {policy}", "precision", _replacing(precision=policy),
+                           setting=("precision", policy)))
     trainable = model.trainable_variables
-    for description, optimizer in (
-            ("optimizer SGD (momentum 0.9)", keras.optimizers.SGD(momentum=0.9)),
-            ("optimizer Adafactor", keras.optimizers.Adafactor())):
+    for description, optimizer, name in (
+            ("optimizer SGD (momentum 0.9)", keras.optimizers.SGD(momentum=0.9), "sgd"),
+            ("optimizer Adafactor", keras.optimizers.Adafactor(), "adafactor")):
         if optimizer_slot_bytes(optimizer, trainable) < base.optimizer_bytes:
-            found.append(Lever(description, "optimizer", _replacing(optimizer=optimizer)))
+            found.append(Lever(description, "optimizer", _replacing(optimizer=optimizer),
+                               setting=("optimizer", name)))
     if backbone_ids(model):
         found.append(Lever("frozen backbone (train the head only)", "freeze",
                            lambda settings, candidate: dataclasses.replace(
-                               settings, frozen=backbone_ids(candidate))))
+                               settings, frozen=backbone_ids(candidate)),
+                           setting=("freeze_backbone", True)))
     for description, build in smaller_variants:
-        found.append(Lever(description, "model", build=build))
+        found.append(Lever(description, "model", build=build,
+                           setting=getattr(build, "setting", None)))
     return found
 
 
@@ -126,13 +133,15 @@ def search(model: keras.Model, base: MemoryPlan, settings: PlanSettings,
             for i in combination:
                 changed = levers[i].apply(changed, candidate)
             descriptions = tuple(levers[i].description for i in combination)
+            switched = tuple(levers[i].setting for i in combination if levers[i].setting)
             tried.append(" + ".join(descriptions))
             result = evaluate(candidate, changed)
             if result.fits:
                 return Alternative(descriptions, result.micro_batch_size,
                                    result.accumulation_steps,
                                    result.peak_bytes(result.micro_batch_size,
-                                                     result.accumulation_steps), tuple(tried))
+                                                     result.accumulation_steps), tuple(tried),
+                                   switched)
     return Alternative((), 0, 0, 0, tuple(tried))
 
 
@@ -166,12 +175,14 @@ def registry_variants(name: str, *, image_size: int, **build_kwargs
         size = int(image_size * fraction) // step * step
         if spec.min_image_size <= size < image_size and all(
                 f"image size {size}" != d for d, _ in variants):
-            variants.append((f"image size {size}", _deferred(name, size, build_kwargs)))
+            variants.append((f"image size {size}",
+                             _deferred(name, size, build_kwargs, ("image_size", size))))
     siblings = [other for other in models.MODELS if _family(other) == _family(name)]
     smaller = siblings[:siblings.index(name)]
     if smaller:
         variants.append((f"model {smaller[-1]}",
-                         _deferred(smaller[-1], image_size, build_kwargs)))
+                         _deferred(smaller[-1], image_size, build_kwargs,
+                                   ("model", smaller[-1]))))
     return variants
 
 
@@ -183,10 +194,12 @@ def _family(name: str) -> str:
     return re.sub(r"\d+", "#", name)
 
 
-def _deferred(name: str, image_size: int, build_kwargs: dict) -> Callable[[], keras.Model]:
+def _deferred(name: str, image_size: int, build_kwargs: dict, setting: tuple[str, object]
+              ) -> Callable[[], keras.Model]:
     def build() -> keras.Model:
         from tfmem import models  # the registry, only when the variant is built
 
         with models.shapes_only():
             return models.build(name, image_size=image_size, **build_kwargs)
+    build.setting = setting  # the variant as a setting of the run (`--image-size 288`)
     return build

@@ -64,6 +64,8 @@ class Alternative:
         micro_batch_size, accumulation_steps: the split the changed run would use.
         peak_bytes: its predicted peak per replica.
         tried: every change (or combination) checked, in the order tried.
+        settings: the changes as `(argument, value)` pairs of the run (e.g.
+            `("precision", "mixed_float16")`), one per change that has one.
     """
 
     changes: tuple[str, ...]
@@ -71,6 +73,7 @@ class Alternative:
     accumulation_steps: int
     peak_bytes: int
     tried: tuple[str, ...] = ()
+    settings: tuple[tuple[str, object], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,11 +256,14 @@ class MemoryPlanError(ValueError):
         plan: the `MemoryPlan` that was checked.
         micro_batch_size, accumulation_steps: the setting that does not fit.
         needed_bytes: its predicted peak per replica.
+        switches: how the interface that raised it spells its switches (named in the
+            message; default: Python's arguments).
     """
 
     def __init__(self, plan: MemoryPlan, micro_batch_size: int, accumulation_steps: int,
-                 needed_bytes: int):
+                 needed_bytes: int, switches: plan_report.Switches | None = None):
         self.plan, self.needed_bytes = plan, needed_bytes
         self.micro_batch_size, self.accumulation_steps = micro_batch_size, accumulation_steps
+        self.switches = switches = switches or plan_report.PYTHON
         super().__init__(plan_report.format_error(plan, micro_batch_size, accumulation_steps,
-                                                  needed_bytes))
+                                                  needed_bytes, switches))

@@ -5,6 +5,52 @@ Works on any object with `MemoryPlan`'s attributes; it imports no other planner 
 
 from __future__ import annotations
 
+import dataclasses
+import shlex
+
+
+@dataclasses.dataclass(frozen=True)
+class Switches:
+    """How the interface a plan is used from spells the settings its messages name.
+
+    A message names the caller's own switches: `--accumulation-steps 4` and
+    `--allow-over-budget` on the command line, `accumulation_steps=4` and
+    `allow_over_budget=True` (`tfmem.plan`, the guard) or `check_memory=False`
+    (`AccumModel.fit`) in Python.
+
+    Attributes:
+        allow_over_budget: how to run over the budget anyway.
+        flags: settings are a program's flags (`--image-size 160`, `--freeze-backbone`);
+            otherwise Python arguments (`image_size=160`).
+        program: the command that takes them, where the next step is a whole command.
+        settings: `(name, value)` pairs that command repeats from the planned run.
+    """
+
+    allow_over_budget: str = "allow_over_budget=True"
+    flags: bool = False
+    program: str = ""
+    settings: tuple[tuple[str, object], ...] = ()
+
+    def spell(self, name: str, value: object) -> str:
+        """One setting: `("image_size", 160)` → "--image-size 160" or "image_size=160"."""
+        if not self.flags:
+            return f"{name}={value!r}"
+        flag = "--" + name.replace("_", "-")
+        return flag if value is True else f"{flag} {shlex.quote(str(value))}"
+
+    def run(self, accumulation_steps: int, changes: tuple[tuple[str, object], ...] = ()
+            ) -> str:
+        """What runs the planned split: e.g. "--accumulation-steps 4", or with `changes`
+        (a lever's settings) "--precision mixed_float16 --accumulation-steps 4"."""
+        settings = dict(self.settings) | dict(changes) | {
+            "accumulation_steps": accumulation_steps}
+        words = [self.program] + [self.spell(name, value) for name, value in settings.items()]
+        return (" " if self.flags else ", ").join(word for word in words if word)
+
+
+PYTHON = Switches()
+COMMAND_LINE = Switches("--allow-over-budget", flags=True)
+
 
 def describe_split(global_batch_size: int, micro_batch_size: int, accumulation_steps: int,
                    num_replicas: int) -> str:
@@ -43,8 +89,9 @@ def format_split(p, accumulation_steps: int | None = None) -> str:
 
 
 def format_table(p, micro_batch_size: int | None = None,
-                 accumulation_steps: int | None = None) -> str:
-    """The breakdown of one setting (default: the plan's choice, or micro-batch 1)."""
+                 accumulation_steps: int | None = None, switches: Switches = PYTHON) -> str:
+    """The breakdown of one setting (default: the plan's choice, or micro-batch 1); for the
+    plan's choice, followed by why it was chosen and the switch to run it with."""
     b, k = _setting(p, micro_batch_size, accumulation_steps)
     rows = p.breakdown(b, k)
     lines = [f"{p.model_name}: {p.num_parameters:,} parameters, {p.optimizer}, {p.precision} "
@@ -55,7 +102,60 @@ def format_table(p, micro_batch_size: int | None = None,
                  f"budget {format_bytes(p.budget_bytes)} = {p.safety:.0%} of "
                  f"{format_bytes(p.memory_per_replica)}")
     lines += [f"  note: {note}" for note in p.notes]
+    if micro_batch_size is None and accumulation_steps is None:
+        lines.append(format_choice(p, switches))
     return "\n".join(lines)
+
+
+def format_choice(p, switches: Switches = PYTHON) -> str:
+    """Why the plan chose its micro-batch × k (or that nothing fits), and what to run next.
+
+    The chosen micro-batch divides the per-replica batch; the largest plain step that fits
+    (`max_micro_batch`) need not, so the two are told apart.
+    """
+    if not p.fits:
+        alternative = p.alternative
+        text = format_nothing_fits(p)
+        if alternative is not None and alternative.changes:
+            if len(alternative.settings) == len(alternative.changes):
+                text += "\nnext: " + switches.run(alternative.accumulation_steps,
+                                                   alternative.settings)
+            else:  # a change the caller named in words only
+                text += (f"\nnext: {' + '.join(alternative.changes)}, with "
+                         f"{switches.run(alternative.accumulation_steps)}")
+        return text
+    b, k, per_replica = p.micro_batch_size, p.accumulation_steps, p.per_replica_batch_size
+    peak = format_bytes(p.peak_bytes(b, k))
+    if k == 1:
+        why = (f"chosen: one step of micro-batch {b} (no accumulation), {peak} of the "
+               f"{format_bytes(p.budget_bytes)} budget")
+    else:
+        why = (f"chosen: micro-batch {b} × {_steps(k)}, {peak} of the "
+               f"{format_bytes(p.budget_bytes)} budget: the largest micro-batch that divides "
+               f"the {per_replica} samples per replica and fits")
+        larger = min(d for d in range(b + 1, per_replica + 1) if per_replica % d == 0)
+        needed = p.peak_bytes(larger, per_replica // larger)
+        if needed > p.budget_bytes:
+            why += (f" (the next, {larger} × {per_replica // larger}, needs "
+                    f"{format_bytes(needed)})")
+    if p.max_micro_batch != b:
+        why += (f"; a plain step without accumulation fits up to micro-batch "
+                f"{p.max_micro_batch}")
+    return f"{why}\nnext: {switches.run(k)}"
+
+
+def plot_lines(p) -> dict[str, tuple[list[int], list[float]]]:
+    """The lines `scripts/plan.py --plot` draws, `{label: (micro-batches, peaks in GiB)}`: one
+    plain step of micro-batch b and, when the plan accumulates, b × its k steps, the chosen
+    point's own line (its accumulation buffers and k micro-batches of input count)."""
+    top = max(p.per_replica_batch_size, int(1.25 * max(p.max_micro_batch, 1)), 2)
+    sizes = sorted({1 + (top - 1) * i // 255 for i in range(256)})  # at most 256 points
+    lines = {"one step of micro-batch b": (sizes, [p.peak_bytes(b, 1) / 2**30 for b in sizes])}
+    if p.fits and p.accumulation_steps > 1:
+        k = p.accumulation_steps
+        lines[f"micro-batch b × {_steps(k)}"] = (sizes, [p.peak_bytes(b, k) / 2**30
+                                                        for b in sizes])
+    return lines
 
 
 def format_nothing_fits(p) -> str:
@@ -82,8 +182,10 @@ def format_nothing_fits(p) -> str:
             f"of the {format_bytes(p.budget_bytes)} budget")
 
 
-def format_error(p, micro_batch_size: int, accumulation_steps: int, needed_bytes: int) -> str:
-    """The guard's message: what was asked, what it needs, and what would fit."""
+def format_error(p, micro_batch_size: int, accumulation_steps: int, needed_bytes: int,
+                 switches: Switches = PYTHON) -> str:
+    """The guard's message: what was asked, what it needs, and what would fit, in the
+    caller's `switches`."""
     asked = describe_split(p.global_batch_size, micro_batch_size, accumulation_steps,
                            p.num_replicas)
     head = (f"{asked} needs {format_bytes(needed_bytes)} per replica on {p.device}, over the "
@@ -92,8 +194,8 @@ def format_error(p, micro_batch_size: int, accumulation_steps: int, needed_bytes
     if p.fits:
         fit = p.peak_bytes(p.micro_batch_size, p.accumulation_steps)
         advice = (f"; micro-batch {p.micro_batch_size} × {_steps(p.accumulation_steps)} fits "
-                  f"in {format_bytes(fit)} (accumulation_steps={p.accumulation_steps}).")
+                  f"in {format_bytes(fit)} ({switches.run(p.accumulation_steps)}).")
     else:
         advice = "; " + format_nothing_fits(p).rstrip(".") + "."
-    return (head + advice + " Pass `allow_over_budget=True` to run anyway.\n"
+    return (head + advice + f" Pass `{switches.allow_over_budget}` to run anyway.\n"
             + format_table(p, micro_batch_size, accumulation_steps))

@@ -430,13 +430,15 @@ def plan(
 
 
 def check(plan: MemoryPlan, *, accumulation_steps: int | None = None,
-          allow_over_budget: bool = False) -> None:
+          allow_over_budget: bool = False, switches=None) -> None:
     """The guard: raises `MemoryPlanError` when the run would not fit its budget.
 
     Args:
         plan: the plan of the run.
         accumulation_steps: the k the run will use (None: the plan's own choice).
         allow_over_budget: True skips the check (the explicit override).
+        switches: how the caller's interface spells k and the override, for the message
+            (a `tfmem.memory.plan_report.Switches`; default: Python's arguments).
 
     Raises:
         MemoryPlanError: (a ValueError) with the breakdown and the setting that would fit.
@@ -458,4 +460,4 @@ def check(plan: MemoryPlan, *, accumulation_steps: int | None = None,
     needed = plan.peak_bytes(micro, accumulation_steps)
     if needed <= plan.budget_bytes:
         return
-    raise MemoryPlanError(plan, micro, accumulation_steps, needed)
+    raise MemoryPlanError(plan, micro, accumulation_steps, needed, switches)

@@ -1,1 +1,7 @@
 """Metrics: image-quality metrics (MAE, MSE, PSNR, SSIM) on the data's declared range."""
+
+from tfmem._exports import lazy_exports
+
+__all__, __getattr__, __dir__ = lazy_exports(__name__, {
+    name: "tfmem.metrics.image"
+    for name in ("MAE", "MSE", "PSNR", "SSIM", "mae", "mse", "psnr", "ssim")})

@@ -5,3 +5,13 @@ without starting a device; `distribute` (TensorFlow) and `distribute_jax` turn t
 `Runtime` (replicas, memory per replica, scope); `precision` picks the dtype policy;
 `report` prints the environment for a bug report (`tfmem-env`).
 """
+
+from tfmem._exports import lazy_exports
+
+__all__, __getattr__, __dir__ = lazy_exports(__name__, {
+    "Runtime": "tfmem.runtime.runtime",
+    "detect": "tfmem.backend",  # the backend's own half (distribute or distribute_jax)
+    "policy_for": "tfmem.runtime.precision",
+    "set_policy": "tfmem.runtime.precision",
+    "describe": "tfmem.runtime.report",
+})

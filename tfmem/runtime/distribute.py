@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
+from tfmem._install import install_command
 from tfmem.runtime import tpu
 from tfmem.runtime.cluster import workers_in_tf_config
 from tfmem.runtime.hardware import Hardware, inspect_hardware
@@ -32,7 +33,7 @@ def choose_layout(prefer: str | None, hardware: Hardware) -> tuple[str, str]:
         raise UnavailableDeviceError(
             "detect(prefer='gpu') found no GPU that TensorFlow can see "
             "(tf.config.get_visible_devices('GPU') is empty). Install TensorFlow with GPU "
-            "support (`pip install 'tfmem[tensorflow]'`, not tensorflow-cpu), check "
+            f"support ({install_command('tensorflow')}, not tensorflow-cpu), check "
             "`nvidia-smi` and CUDA_VISIBLE_DEVICES, or call detect() without `prefer`."
         )
     use_gpus = bool(hardware.gpus) and prefer != "cpu"

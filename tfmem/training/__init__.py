@@ -9,3 +9,11 @@ so a killed process resumes where it stopped, from verified resume points; `run_
 locks a run's directory and records its settings; `progress` reports a whole run's progress
 and its time left.
 """
+
+from tfmem._exports import lazy_exports
+
+__all__, __getattr__, __dir__ = lazy_exports(__name__, {
+    "AccumModel": "tfmem.training.accumulation",
+    "fit_resumable": "tfmem.training.resume",
+    "RunProgress": "tfmem.training.progress",
+})

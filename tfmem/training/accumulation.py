@@ -8,6 +8,7 @@ backend's (`accumulation_tf`, `accumulation_jax`), chosen here (`tfmem.backend.h
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 import weakref
 
@@ -18,6 +19,7 @@ from tfmem import backend
 from tfmem.memory import guard, remat_search
 from tfmem.memory.graph_walk import UnknownSizeError
 from tfmem.memory.guard import RunPlan
+from tfmem.memory.plan_report import Switches
 from tfmem.remat import plan as remat_plan
 from tfmem.remat import runner
 from tfmem.remat.spec import RematSpec
@@ -171,7 +173,17 @@ class AccumModel(_STEP.AccumTrainer, keras.Model):
         Raises:
             tfmem.MemoryPlanError: the global batch's micro-batches do not fit,
                 with the breakdown and the `accumulation_steps` that would.
+            TypeError: a keyword that neither `keras.Model.fit` nor this method takes
+                (before anything is planned or run).
         """
+        fit_parameters = inspect.signature(super().fit).parameters
+        unknown = sorted(set(kwargs) - set(fit_parameters))
+        if unknown and not any(parameter.kind is inspect.Parameter.VAR_KEYWORD
+                               for parameter in fit_parameters.values()):
+            raise TypeError(
+                f"AccumModel.fit() got unexpected keyword argument(s) "
+                f"{', '.join(map(repr, unknown))}: it takes keras.Model.fit's arguments, "
+                "`check_memory` (False trains over the memory budget) and `memory_budget`.")
         if self._rematerialize.names:
             runner.apply(self, self._rematerialize.names)
         run = self.plan_memory(x, batch_size, check_memory=check_memory,
@@ -258,6 +270,7 @@ class AccumModel(_STEP.AccumTrainer, keras.Model):
             self, global_batch_size=global_batch,
             accumulation_steps="auto" if auto else self.accumulation_steps,
             allow_over_budget=not check_memory and not auto, batch_of_the_data=True, **where,
+            switches=Switches(allow_over_budget="check_memory=False"),
             optimizer=self.optimizer,
             precision=plan_precision(self),
             # A subclassed model Keras has not built yet is planned at the data's shapes.
