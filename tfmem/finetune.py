@@ -178,6 +178,9 @@ def run(config: FinetuneConfig) -> dict:
     _check_output(config, _output(config, spec))
     if cap is None:
         return _run(config, _Attempt(config.accumulation_steps))
+    note = memory_cap.limit_note_here()
+    if note:  # once, before any work: what the limit cannot see here
+        print(f"warning: {note}", file=sys.stderr)
     data = _Data.of(config, spec)  # a wrong model or data stops here, before any process
     _check_sizes(config, spec, data)
     # This process holds the run directory for its training processes, one after the other.

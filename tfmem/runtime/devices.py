@@ -8,9 +8,10 @@ device cannot be asked (TPUs on TensorFlow, planning for another machine).
 from __future__ import annotations
 
 import dataclasses
-import os
 import platform
 import re
+
+import psutil
 
 _MIB = 1024**2
 _GIB = 1024**3
@@ -200,33 +201,23 @@ def lookup(name: str) -> Accelerator:
 
 
 def resident_bytes(pid: int | str = "self") -> int | None:
-    """Resident set of a process in bytes, from `/proc/<pid>/statm` (Linux); None elsewhere
-    or when the process is gone.
+    """Resident set of a process in bytes (psutil, on Linux, macOS and Windows); None when the
+    process is gone or cannot be read.
 
     Example:
         >>> resident_bytes() > 0   # this process
         True
     """
     try:
-        with open(f"/proc/{pid}/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, IndexError, ValueError):
+        return psutil.Process(None if pid == "self" else int(pid)).memory_info().rss
+    except (psutil.Error, OSError, ValueError):
         return None
 
 
 def host_available_memory() -> int:
-    """Bytes of RAM available to a new process on this host (Linux `MemAvailable`).
-
-    Falls back to total physical memory where `/proc/meminfo` does not exist (macOS).
-    """
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    """Bytes of RAM available to a new process on this host, without swapping (psutil's
+    `available`: Linux `MemAvailable`, and what macOS and Windows count as free to use)."""
+    return int(psutil.virtual_memory().available)
 
 
 def host_memory_for_process() -> int:
@@ -235,7 +226,7 @@ def host_memory_for_process() -> int:
     The memory of a CPU "device": a plan counts the whole process (the framework's import
     included), and the part of it already resident is not in `host_available_memory()`.
     """
-    return host_available_memory() + (resident_bytes() or 0)  # not Linux: nothing held known
+    return host_available_memory() + (resident_bytes() or 0)
 
 
 def cpu_name() -> str:

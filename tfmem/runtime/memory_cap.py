@@ -1,24 +1,28 @@
 """A memory cap on a child process, enforced from outside it: the machine never swaps to a halt.
 
-`MemoryWatch` polls a process's memory (resident set plus what it has in swap, from /proc) every
-20 ms and SIGKILLs it at the cap. It runs in the parent, so a child busy in native code, holding
+`MemoryWatch` polls a process's memory through psutil (Linux, macOS, Windows: its resident set
+every 20 ms, plus what it has in swap where psutil reads that) and kills it at the cap. It runs in the parent, so a child busy in native code, holding
 its GIL or swapping cannot delay it, and it needs no privilege (cgroups are often read-only in
 containers and notebooks). It guarantees the child never holds more than the cap plus what it
 can allocate in one poll (a few hundred MiB at memory bandwidth), and nothing about other
-processes. Linux only (it reads /proc); elsewhere it records nothing and stops nothing.
+processes. Where a platform gives no per-process swap, `limit_note()` says so (once, at the start).
 """
 
 from __future__ import annotations
 
-import os
+import contextlib
 import re
-import signal
 import threading
 import time
+
+import psutil
 
 from tfmem.runtime import devices
 
 POLL_SECONDS = 0.02
+# Reading a process's swap walks its memory map (tens of ms for a TensorFlow process): read
+# less often than its resident set, which is one system call.
+SWAP_POLL_SECONDS = 0.5
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
@@ -53,15 +57,45 @@ def status_bytes(pid: int | str = "self") -> dict[str, int] | None:
 
 
 def process_memory(pid: int | str = "self") -> int | None:
-    """Bytes a process holds in RAM and in swap (`VmRSS` + `VmSwap`); None when it is gone.
+    """Bytes a process holds in RAM and in swap (swap where the platform reports it, see
+    `limit_note`); None when it is gone.
 
     Swap counts: a process pushed into swap frees RAM while the machine thrashes, which is
     what the cap is there to prevent.
     """
-    fields = status_bytes(pid)
-    if fields is None:
-        return devices.resident_bytes(pid)
-    return fields.get("VmRSS", 0) + fields.get("VmSwap", 0) or None
+    try:
+        process = psutil.Process(None if pid == "self" else int(pid))
+        return held_bytes(process.memory_info(), _full_reading(process))
+    except psutil.Error:
+        return None
+
+
+def _full_reading(process: psutil.Process):
+    """psutil's `memory_full_info()` (with `swap` on Linux), or None where it is refused."""
+    try:
+        return process.memory_full_info()
+    except psutil.AccessDenied:
+        return None
+
+
+def held_bytes(reading, full_reading=None) -> int:
+    """Resident set (`reading.rss`) plus swap, where `full_reading` has a `swap` field."""
+    return reading.rss + getattr(full_reading, "swap", 0)
+
+
+def limit_note(full_reading) -> str | None:
+    """What a memory limit cannot count, given psutil's `memory_full_info()` of a process here
+    (None where it was refused): None when it counts RAM and swap."""
+    if full_reading is not None and "swap" in full_reading._fields:
+        return None
+    return ("--memory-limit counts the training process's resident memory only: psutil "
+            "reads no per-process swap on this system, so memory pushed to swap is not "
+            "counted")
+
+
+def limit_note_here() -> str | None:
+    """`limit_note` of this platform (read from this process)."""
+    return limit_note(_full_reading(psutil.Process()))
 
 
 def default_cap() -> int:
@@ -70,7 +104,7 @@ def default_cap() -> int:
 
 
 class MemoryWatch(threading.Thread):
-    """Watches a process; SIGKILLs it when its memory reaches `limit` (None: only records).
+    """Watches a process; kills it (SIGKILL, or TerminateProcess on Windows) when its memory reaches `limit` (None: only records).
 
     Attributes:
         highest: the most memory seen, in bytes.
@@ -90,19 +124,26 @@ class MemoryWatch(threading.Thread):
         self._done = threading.Event()
 
     def run(self) -> None:
+        try:
+            process = psutil.Process(self.pid)
+        except psutil.Error:
+            return
+        swap, swap_read = 0, float("-inf")
         while not self._done.is_set():
-            held = process_memory(self.pid)
-            if held is None:
+            try:
+                if time.monotonic() - swap_read >= SWAP_POLL_SECONDS:
+                    swap = getattr(_full_reading(process), "swap", 0)
+                    swap_read = time.monotonic()
+                held = process.memory_info().rss + swap
+            except psutil.Error:  # it ended
                 return
             self.highest = max(self.highest, held)
             if self.limit is not None and held >= self.limit:
                 self.reason = (
                     f"stopped by the memory limit: resident set reached {held / 2**30:.2f} GiB "
                     f"(limit {self.limit / 2**30:.2f} GiB)")
-                try:
-                    os.kill(self.pid, signal.SIGKILL)
-                except ProcessLookupError:  # it ended on its own meanwhile
-                    pass
+                with contextlib.suppress(psutil.Error):  # it ended on its own meanwhile
+                    process.kill()
                 return
             time.sleep(POLL_SECONDS)
 
