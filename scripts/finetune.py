@@ -104,6 +104,8 @@ flags.DEFINE_integer(
     "max_image_pixels", tfmem.ReaderOptions.max_image_pixels, "The most pixels (height × "
     "width) an image may have: larger ones in the data are refused by their header before "
     "decoding (named by shard and record), and so is a larger --image-size.", lower_bound=1)
+flags.DEFINE_bool(
+    "verbose", False, "Print the whole environment table (default: one line of it).")
 flags.register_validator(
     "learning_rate", lambda value: math.isfinite(value) and value > 0,
     "the learning rate must be a finite number > 0, e.g. --learning-rate=1e-3")

@@ -100,6 +100,7 @@ class FinetuneConfig:
             and `first:last` ranges (docs/rematerialization.md).
         max_image_pixels: the most pixels an image of the data (read from its header) and
             `image_size`² may have.
+        verbose: print the whole environment table (default: one line of it).
     """
 
     model: str = "small-cnn"
@@ -129,6 +130,7 @@ class FinetuneConfig:
     memory_limit: str = "auto"
     rematerialize: str | None = None
     max_image_pixels: int = MAX_IMAGE_PIXELS
+    verbose: bool = False
 
     def __post_init__(self):
         if not (isinstance(self.learning_rate, (int, float)) and math.isfinite(self.learning_rate)
@@ -199,6 +201,7 @@ class _Attempt:
     locked: bool = False  # the run directory is held by the supervising process
     plan_budget: int | None = None  # plan for these bytes instead of the device's memory
     data: dict | None = None  # the data's facts, as the supervising process found them
+    memory_limit: int | None = None  # the limit the process runs under, checked against the plan
 
 
 def _run(config: FinetuneConfig, attempt: _Attempt) -> dict:
@@ -220,7 +223,7 @@ def _run(config: FinetuneConfig, attempt: _Attempt) -> dict:
         _check_sizes(config, spec, data)
     if config.dry_run:
         if not config.device:  # the plan is for this machine: say what it is
-            print(report.describe(runtime))
+            _print_environment(config, runtime)
         _build_and_plan(config, spec, runtime, precision, data, attempt)
         return {}
     held = contextlib.nullcontext() if attempt.locked else run_directory.lock(output, "--output")
@@ -246,16 +249,42 @@ def _run(config: FinetuneConfig, attempt: _Attempt) -> dict:
         if recorded.get("epochs") != config.epochs:  # a later start may train on further
             recorded = {**recorded, "epochs": config.epochs}
             run_directory.write_config(output, recorded)
-        print(report.describe(runtime))
+        if not attempt.recoveries:  # once per run, not again in each training process
+            _print_environment(config, runtime)
         if data.demo:
             data = dataclasses.replace(data, **_demo_data(output, data.image_size))
+            if not attempt.recoveries:
+                print(_demo_line(spec, config, data))
         results = _train(config, spec, runtime, precision, output, data, attempt)
         run_directory.write_config(output, {**recorded, "complete": {
             "epochs": config.epochs, "metrics": os.path.join(output, "metrics.json")}})
-        print(f"finetune: wrote {os.path.join(output, 'metrics.json')}")
+        print(_summary(output))
         if results.get("skipped"):
             print(results["skipped"])
         return results
+
+
+def _print_environment(config: FinetuneConfig, runtime: Runtime) -> None:
+    """The environment: one line, or with `--verbose` the whole table."""
+    print(report.describe(runtime) if config.verbose
+          else f"{report.summary(runtime)} (--verbose: the whole table)")
+
+
+def _demo_line(spec, config: FinetuneConfig, data: _Data) -> str:
+    """What the demo trains, on what, in one line."""
+    held_out = DEMO_SPLITS[1][1]
+    return (f"finetune: the demo trains {spec.name} for {config.epochs} epoch"
+            f"{'s' if config.epochs != 1 else ''} on tfmem's built-in shapes data: "
+            f"{data.num_examples:,} {data.image_size}×{data.image_size} images of "
+            f"{data.num_classes} classes ({', '.join(demo.CLASS_NAMES)}), {held_out} held out "
+            "to validate")
+
+
+def _summary(output: str) -> str:
+    """The run's last lines: what it wrote, and how to look at its training curves."""
+    return (f"finetune: done. The trained model: {os.path.join(output, 'model.keras')}; its "
+            f"results: {os.path.join(output, 'metrics.json')}; its training curves: "
+            f"tensorboard --logdir {os.path.join(output, 'logs')}")
 
 
 def _output(config: FinetuneConfig, spec) -> str:
@@ -533,6 +562,8 @@ def _build_and_plan(config: FinetuneConfig, spec, runtime: Runtime, precision: s
         except MemoryPlanError as error:  # the plan it refused, then the one-line refusal
             print(error.plan.table(error.accumulation_steps))
             raise
+    if attempt.memory_limit is not None and run_plan.plan is not None:
+        _check_memory_limit(run_plan.plan, attempt.memory_limit)
     if attempt.split_file:  # the supervising process halves this split if memory runs out
         memory_plan = run_plan.plan
         with open(attempt.split_file, "w") as file:
@@ -548,6 +579,21 @@ def _build_and_plan(config: FinetuneConfig, spec, runtime: Runtime, precision: s
     else:
         print(f"{spec.name}: {model.count_params():,} parameters, {run_plan.describe()}")
     return model, optimizer, run_plan
+
+
+def _check_memory_limit(memory_plan, limit: int) -> None:
+    """Before training: a `--memory-limit` below what the framework and the model's state need
+    (the plan's terms that no smaller micro-batch changes) stops here, naming the smallest limit
+    the plan sees working (micro-batch 1)."""
+    fixed = memory_plan.fixed_bytes()
+    if fixed <= limit:
+        return
+    smallest = memory_plan.peak_bytes(1)
+    raise cli.UsageError(
+        f"--memory-limit {format_bytes(limit)} is below what the framework and the model's "
+        f"state need before any batch ({format_bytes(fixed)} as planned), so no micro-batch "
+        f"can fit; the smallest limit that could work is about {format_bytes(smallest)} (the "
+        "plan at micro-batch 1): raise --memory-limit, or pass --memory-limit none")
 
 
 def _recomputes_more(config: FinetuneConfig, model: keras.Model, run_plan: guard.RunPlan,
@@ -701,7 +747,8 @@ def _attempts_directory(output: str):
 
 def _supervise(config: FinetuneConfig, cap: int, data: _Data, output: str) -> dict:
     """Trains in child processes held under `cap`, halving the micro-batch after each stop."""
-    attempt = _Attempt(config.accumulation_steps, locked=True, data=dataclasses.asdict(data))
+    attempt = _Attempt(config.accumulation_steps, locked=True, data=dataclasses.asdict(data),
+                       memory_limit=cap)
     with _attempts_directory(output) as workdir:
         while True:
             status, watch, outcome, split = _attempt(config, attempt, cap, workdir)

@@ -74,9 +74,25 @@ def test_demo_trains_clearly_above_chance_and_writes_its_outputs(tmp_path, finet
     assert re.search(r"estimate: the run's 64 updates take about \d+(m\d\ds|s) on this "
                      r"machine at [\d,]+ images/s", result.stdout), result.stdout
     for epoch in (1, 2):
-        assert re.search(rf"epoch {epoch}/2: accuracy [\d.]+, loss [\d.]+, val_accuracy .*; "
-                         rf"32 updates in \d+s, {batch}, [\d,]+ images/s, \d+s left for the "
-                         r"run", result.stdout), result.stdout
+        found = re.search(rf"epoch {epoch}/2: accuracy [\d.]+, loss [\d.]+, val_accuracy "
+                          rf"([\d.]+).*; 32 updates in \d+s, {batch}, [\d,]+ images/s, \d+s "
+                          r"left for the run", result.stdout)
+        assert found, result.stdout
+        # Not chance after the first epoch: BatchNorm's moving statistics follow the training.
+        assert float(found.group(1)) > 0.6, result.stdout
+    # It says what it trains, on what; the environment in one line; a summary at the end.
+    lines = result.stdout.splitlines()
+    assert re.fullmatch(r"environment: tfmem \S+, keras \S+ \(backend tensorflow\), cpu \(.*\), "
+                        r"[\d.]+ GiB of host RAM available \(--verbose: the whole table\)",
+                        lines[0]), lines[0]
+    assert lines[1] == (
+        "finetune: the demo trains small-cnn for 2 epochs on tfmem's built-in shapes data: "
+        "2,048 32×32 images of 4 classes (disk, square, triangle, plus), 512 held out to "
+        "validate")
+    assert lines[-1] == (
+        "finetune: done. The trained model: runs/small-cnn/model.keras; its results: "
+        "runs/small-cnn/metrics.json; its training curves: tensorboard --logdir "
+        "runs/small-cnn/logs")
     # TensorBoard event files, the resume point at the end, and a reloadable model.
     assert list((output / "logs").rglob("events.out.tfevents.*"))
     state = _newest_point(output / "backup")
@@ -120,7 +136,8 @@ def test_demo_trains_on_the_jax_backend(tmp_path):
     # script's process (no memory limit): the memory-limit runs below start JAX training
     # processes of their own.
     result = _finetune("--output", str(tmp_path), "--epochs", "2", "--rematerialize", "full",
-                       "--memory-limit", "none", backend="jax", JAX_LOG_COMPILES="1")
+                       "--memory-limit", "none", "--verbose", backend="jax",
+                       JAX_LOG_COMPILES="1")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "keras               3" in result.stdout and "(backend jax)" in result.stdout
     # One device: Keras's own path, where the train step compiles once for the whole run
@@ -579,6 +596,7 @@ def test_a_run_over_its_memory_limit_resumes_with_a_smaller_micro_batch(tmp_path
     assert bystander.poll() is None  # untouched by the limit
     bystander.kill()
     assert status == 0, stderr[-3000:]
+    assert out.count("environment: ") == 1  # once per run, not once per training process
     metrics = json.loads((tmp_path / "limited" / "metrics.json").read_text())
     recoveries = metrics["memory_recoveries"]
     assert recoveries and recoveries[0]["micro_batch_size"] == 64
@@ -619,6 +637,31 @@ def test_a_memory_limit_below_the_framework_stops_with_one_line(finetune_cli, tm
     assert (status, stderr) == (2, "error: --memory-limit lots: 'lots' is not a size; write a "
                                    "positive number of bytes with a unit, e.g. 3GB, 2.5GiB or "
                                    "800MB, or auto or none\n")
+
+
+def test_a_memory_limit_below_the_planned_model_state_stops_before_training(tmp_path,
+                                                                          finetune_cli):
+    # DenseNet-121's plan holds more than 1.6 GB before any batch (the framework's runtime for
+    # its ~600 variables, weights, gradients, Adam's slots), while the training process is
+    # still under it when it plans: it stops then, not after halving the micro-batch 7 times.
+    data = _foreign(tmp_path / "train.tfrec", [0, 1, 2, 3] * 16)
+    start = time.monotonic()
+    status, out, stderr = finetune_cli(
+        "--model", "densenet121", "--image-size", "64", "--global-batch-size", "64",
+        "--accumulation-steps", "1", "--memory-limit", "1.6GB", "--epochs", "1", "--data",
+        data, "--num-classes", "4", "--output", str(tmp_path / "run"))
+    seconds = time.monotonic() - start
+    assert status == 2
+    found = re.fullmatch(
+        r"error: --memory-limit 1\.49 GiB is below what the framework and the model's state "
+        r"need before any batch \(([\d.]+) GiB as planned\), so no micro-batch can fit; the "
+        r"smallest limit that could work is about ([\d.]+) GiB \(the plan at micro-batch 1\): "
+        r"raise --memory-limit, or pass --memory-limit none", _error_line(stderr))
+    assert found, stderr[-2000:]
+    assert 1.49 < float(found.group(1)) <= float(found.group(2))
+    assert "reached" not in out and out.count("environment: ") == 1
+    assert seconds < 120  # one training process, stopped after its plan
+    assert not (tmp_path / "run" / "backup").exists()
 
 
 def test_when_micro_batch_one_reaches_the_limit_the_plan_for_it_is_the_answer(tmp_path,

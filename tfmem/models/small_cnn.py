@@ -32,9 +32,10 @@ def small_cnn(*, include_top: bool = False, weights: str | None = None,
     for index, filters in enumerate((32, 64, 64)):
         x = layers.Conv2D(filters, 3, padding="same", use_bias=False,
                           name=f"block{index + 1}_conv")(x)
-        # momentum 0.9, not Keras's 0.99: the demo trains for ~64 updates, and 0.99 would
-        # leave the moving statistics (used at evaluation) mostly at their initial values.
-        x = layers.BatchNormalization(momentum=0.9, name=f"block{index + 1}_bn")(x)
+        # momentum 0.5, not Keras's 0.99: in the demo's first epoch (32 updates) the
+        # activations' scale changes with every update, and the moving statistics used at
+        # evaluation must follow the last few batches, or the first validation is at chance.
+        x = layers.BatchNormalization(momentum=0.5, name=f"block{index + 1}_bn")(x)
         x = layers.ReLU(name=f"block{index + 1}_relu")(x)
         if index < 2:
             x = layers.MaxPooling2D(name=f"block{index + 1}_pool")(x)

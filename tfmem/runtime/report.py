@@ -74,6 +74,24 @@ def describe(runtime: Runtime | None = None) -> str:
     )
 
 
+def summary(runtime: Runtime | None = None) -> str:
+    """`describe()` in one line: the device, the RAM available, the versions that matter.
+
+    Example:
+        >>> print(tfmem.runtime.report.summary())  # doctest: +SKIP
+        environment: tfmem 0.1.0, keras 3.15.1 (backend tensorflow), cpu (AMD EPYC) × 1, ...
+    """
+    import keras
+
+    runtime = detect() if runtime is None else runtime
+    replicas = f" × {runtime.num_replicas}" if runtime.num_replicas != 1 else ""
+    notes = "".join(f"; {note}" for note in runtime.notes)
+    return (f"environment: tfmem {__version__}, keras {keras.__version__} (backend "
+            f"{backend.NAME}), {runtime.kind} ({runtime.device_name}){replicas}, "
+            f"{format_bytes(devices.host_available_memory())} of host RAM available"
+            f"{notes}")
+
+
 def _strategy_name(strategy) -> str:
     """The public name of a strategy's class: `tf.distribute.MirroredStrategy`, ..."""
     if strategy is None:

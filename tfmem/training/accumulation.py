@@ -494,7 +494,10 @@ def global_batch_size(x, batch_size=None) -> int | None:
         rows = spec.shape[0] if spec.shape.rank else None
         # A dataset split by process holds this process's part of each global batch.
         return None if rows is None else current.processes.global_batch(rows, x)
+    if isinstance(x, keras.utils.PyDataset):  # its batches are indexed
+        first = keras.tree.flatten(x[0])[0]  # the first's rows (the user batched it)
+        return int(first.shape[0]) if getattr(first, "shape", None) else None
     arrays = keras.tree.flatten(x)
     if not arrays or not hasattr(arrays[0], "shape"):
-        return None  # a generator or PyDataset: batched by the user, size unknown here
+        return None  # a generator: batched by the user, size unknown here
     return min(batch_size or 32, int(arrays[0].shape[0]))  # Keras's default batch is 32

@@ -347,10 +347,10 @@ def _set_accumulation_steps(model: keras.Model, steps: int) -> None:
     model._auto_accumulation = False  # `fit` keeps this k, it no longer picks one
 
 
-def _recover(model, backup, dataset, failure, epoch) -> None:
+def _recover(model, backup, rows, failure, epoch) -> None:
     """After a step ran out of memory: the smaller split, said and recorded."""
     internals.drop_jax_state(model)
-    split = recovery.smaller_split(model, global_batch_size(dataset),
+    split = recovery.smaller_split(model, rows,
                                    current_runtime(model).num_replicas, failure)
     split.update(epoch=epoch + 1, in_process=True)
     _set_accumulation_steps(model, split["to_accumulation_steps"])
@@ -368,12 +368,11 @@ def _recover(model, backup, dataset, failure, epoch) -> None:
           file=sys.stderr, flush=True)
 
 
-def _validation_out_of_memory(model, dataset, validation_data, epoch, failure) -> str:
+def _validation_out_of_memory(model, train_rows, validation_data, epoch, failure) -> str:
     """What to do when the validation pass, not a train step, ran out of memory: a smaller
     micro-batch of training would not help."""
     rows = global_batch_size(validation_data)
     at = f"at its batch of {rows} rows" if rows else "at its batch"
-    train_rows = global_batch_size(dataset)
     steps = getattr(model, "accumulation_steps", 1)
     advice = "batch the validation data smaller"
     if train_rows and isinstance(steps, int):
@@ -384,6 +383,55 @@ def _validation_out_of_memory(model, dataset, validation_data, epoch, failure) -
             f"({recovery.what_it_said(failure)}): "
             f"the train steps fit; {advice}, and start again (the run resumes from its last "
             "resume point)")
+
+
+class _FromBatch(keras.utils.PyDataset):
+    """A `PyDataset` from its `first` batch on (its batches are indexed)."""
+
+    def __init__(self, dataset: keras.utils.PyDataset, first: int):
+        super().__init__(workers=dataset.workers, use_multiprocessing=dataset.use_multiprocessing,
+                         max_queue_size=dataset.max_queue_size)
+        self.dataset, self.first = dataset, first
+
+    def __getitem__(self, index):
+        return self.dataset[self.first + index]
+
+    @property
+    def num_batches(self):
+        total = self.dataset.num_batches
+        return None if total is None else max(total - self.first, 0)
+
+    def on_epoch_begin(self):
+        self.dataset.on_epoch_begin()
+
+    def on_epoch_end(self):
+        self.dataset.on_epoch_end()
+
+
+def _from_step(data, step: int, batch_size: int | None) -> dict[str, Any]:
+    """`fit`'s data arguments for an epoch's data from its `step`-th batch on: a tf.data
+    dataset skips (`.skip`), a `PyDataset` is indexed from there, arrays are sliced.
+
+    Raises:
+        TypeError: `data` is none of these.
+    """
+    if hasattr(data, "skip"):  # a tf.data.Dataset
+        return {"x": data.skip(step)}
+    if isinstance(data, keras.utils.PyDataset):
+        return {"x": _FromBatch(data, step) if step else data}
+    if isinstance(data, tuple) and 2 <= len(data) <= 3:
+        start = step * (batch_size or 32)  # Keras's default batch is 32
+        parts = [keras.tree.map_structure(lambda array: array[start:], part) for part in data]
+        return dict(zip(("x", "y", "sample_weight"), parts))
+    raise TypeError(
+        f"`make_dataset` returned a {type(data).__name__}; return a tf.data.Dataset, a "
+        "keras.utils.PyDataset, or a tuple (x, y) or (x, y, sample_weight) of arrays (batched "
+        "by `batch_size`, passed to fit_resumable)")
+
+
+def _rows_per_step(data: dict[str, Any], batch_size: int | None) -> int | None:
+    """Rows of one step of `fit` over `_from_step`'s arguments (None: not known)."""
+    return global_batch_size(data["x"], batch_size)
 
 
 def _check_learning_rate(model: keras.Model) -> None:
@@ -427,7 +475,7 @@ def trained_so_far(backup_dir: str | os.PathLike) -> tuple[int, int] | None:
 
 def fit_resumable(
     model: keras.Model,
-    make_dataset: Callable[[int], tf.data.Dataset],
+    make_dataset: Callable[[int], Any],
     *,
     epochs: int,
     steps_per_epoch: int,
@@ -444,9 +492,12 @@ def fit_resumable(
 
     Args:
         model: a compiled, built Keras model (e.g. an `AccumModel`).
-        make_dataset: `epoch -> tf.data.Dataset` of that epoch's (global) batches, in an order
-            that depends only on `epoch` (e.g. `image_dataset(..., seed=seed + epoch)`).
-            Called once per epoch; the batches a killed run already trained on are skipped.
+        make_dataset: `epoch ->` that epoch's (global) batches, in an order that depends only
+            on `epoch` (e.g. `image_dataset(..., seed=seed + epoch)`): a `tf.data.Dataset`, a
+            `keras.utils.PyDataset`, or a tuple `(x, y)` / `(x, y, sample_weight)` of arrays
+            (batched by a `batch_size` in `fit_kwargs`, default 32). Called once per epoch;
+            the batches a killed run already trained on are skipped (`.skip`, by index, or by
+            slicing), so none needs TensorFlow.
         epochs: total number of epochs of the run (not the number still to do).
         steps_per_epoch: optimizer updates per epoch (`num_examples // global_batch_size`).
         backup_dir: where the resume points live. Use the same directory to resume; one
@@ -533,13 +584,14 @@ def _train(model, make_dataset, backup, epochs, steps_per_epoch, save_every_step
         if step >= steps_per_epoch:  # killed between the epoch's last update and its save
             epoch, step = epoch + 1, 0
             continue
-        dataset = make_dataset(epoch).skip(step)
+        batch_size = fit_kwargs.get("batch_size")
+        data = _from_step(make_dataset(epoch), step, batch_size)
         saver = _Saver(backup, epoch, step, save_every_steps, steps_per_epoch)
         # JAX reports an out-of-memory when a value is read, which may be after `fit` returns
         # (the history, the resume point): all of the epoch is inside.
         try:
             result = model.fit(
-                dataset,
+                **data,
                 initial_epoch=epoch,
                 epochs=epoch + 1,
                 steps_per_epoch=steps_per_epoch - step,
@@ -566,12 +618,12 @@ def _train(model, make_dataset, backup, epochs, steps_per_epoch, save_every_step
             failure = recovery.out_of_memory(error)
             if failure is not None and saver.validating:
                 raise recovery.OutOfMemoryError(
-                    _validation_out_of_memory(model, dataset, validation_data, epoch,
-                                              failure)) from error
+                    _validation_out_of_memory(model, _rows_per_step(data, batch_size),
+                                              validation_data, epoch, failure)) from error
             if (failure is None or not recovery.can_recover(model) or backup.latest is None
                     or not _one_process()):
                 raise
-            _recover(model, backup, dataset, failure, epoch)
+            _recover(model, backup, _rows_per_step(data, batch_size), failure, epoch)
             state = backup.restore(model)
             epoch, step, history = state["epoch"], state["step"], state["history"]
             continue
