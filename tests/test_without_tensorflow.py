@@ -112,6 +112,12 @@ def test_accum_model_equals_a_plain_model_without_tensorflow(results):
     assert results["accumulation_difference"] <= 1e-5
 
 
+def test_arrays_and_a_py_dataset_resume_without_tensorflow(results):
+    # Interrupted at update 9 of 12 and resumed from update 8: the uninterrupted weights.
+    assert results["resume_difference"] == {"arrays": pytest.approx(0, abs=1e-6),
+                                            "PyDataset": pytest.approx(0, abs=1e-6)}
+
+
 def test_detect_and_describe_without_tensorflow(results):
     assert results["runtime"] == ["cpu", 1]
     assert results["describe_tensorflow"] == "not installed"

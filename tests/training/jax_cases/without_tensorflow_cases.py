@@ -34,6 +34,71 @@ def plan_model():
 PLAN_ARGUMENTS = dict(global_batch_size=64, optimizer="adam", memory_budget=2**30)
 
 
+def resume_differences():
+    """fit_resumable on arrays and on a PyDataset (2 epochs of 6 updates, k = 2), stopped by an
+    exception at update 9 and resumed: `{kind: the largest difference from an uninterrupted
+    run's weights}`."""
+    import tempfile
+
+    import keras
+
+    import tfmem
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(48, 5)).astype("float32")
+    y = (x @ rng.normal(size=(5, 1))).astype("float32")
+
+    class Shuffled(keras.utils.PyDataset):
+        def __init__(self, order):
+            super().__init__()
+            self.order = order
+
+        def __len__(self):
+            return len(self.order) // 8
+
+        def __getitem__(self, index):
+            rows = self.order[index * 8:(index + 1) * 8]
+            return x[rows], y[rows]
+
+    class Interrupted(Exception):
+        pass
+
+    def fit(kind, backup_dir, stop_at=None):
+        def make_data(epoch):
+            order = np.random.default_rng(100 + epoch).permutation(48)
+            return (x[order], y[order]) if kind == "arrays" else Shuffled(order)
+
+        class Stop(keras.callbacks.Callback):
+            updates = 0
+
+            def on_train_batch_end(self, batch, logs=None):
+                Stop.updates += 1
+                if Stop.updates == stop_at:
+                    raise Interrupted
+
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((5,))
+        outputs = keras.layers.Dense(1)(keras.layers.Dense(4, activation="tanh")(inputs))
+        model = tfmem.AccumModel(inputs, outputs, accumulation_steps=2)
+        model.compile(keras.optimizers.Adam(0.05), "mse")
+        tfmem.fit_resumable(model, make_data, epochs=2, steps_per_epoch=6,
+                            backup_dir=backup_dir, save_every_steps=2, callbacks=[Stop()],
+                            verbose=0, **({"batch_size": 8} if kind == "arrays" else {}))
+        return np.concatenate([np.ravel(w) for w in model.get_weights()])
+
+    differences = {}
+    with tempfile.TemporaryDirectory() as directory:
+        for kind in ("arrays", "PyDataset"):
+            expected = fit(kind, os.path.join(directory, kind + "-straight"))
+            resumed = os.path.join(directory, kind + "-resumed")
+            try:  # at update 9: epoch 2, step 3; it goes on from step 2
+                fit(kind, resumed, stop_at=9)
+            except Interrupted:
+                pass
+            differences[kind] = float(np.max(np.abs(fit(kind, resumed) - expected)))
+    return differences
+
+
 def main():
     os.environ["KERAS_BACKEND"] = "jax"
     import importlib.util
@@ -92,6 +157,8 @@ def main():
     results["plan"] = {key: value for key, value in dataclasses.asdict(memory_plan).items()
                        if isinstance(value, int)}
     results["plan_notes"] = list(memory_plan.notes)
+
+    results["resume_difference"] = resume_differences()
 
     errors = {}
     for name in ("image_dataset", "write_image_tfrecords"):
