@@ -25,6 +25,7 @@ import glob
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -801,7 +802,13 @@ def _plan_under(config: FinetuneConfig, attempt: _Attempt, cap: int, workdir: st
     _, _, _, split = _attempt(planned, dataclasses.replace(
         attempt, accumulation_steps="auto", plan_budget=cap), None, workdir)
     if split and split["nothing_fits"]:
-        return f"the plan for that budget: {split['nothing_fits']}"
+        # The plan's reasons (its terms, the changes it tried) make a paragraph: the error
+        # keeps their first clause, a few lines in all.
+        reason, tried, _ = split["nothing_fits"].partition(". None of the changes checked fits")
+        reason = re.sub(r" \([^)]*\)", "", reason).split(": ")[0].split(". ")[0]
+        return f"the plan for that budget: {reason}" + (
+            ", nor any change it checked: raise --memory-limit (scripts/plan.py lists them)"
+            if tried else " (scripts/plan.py shows what fits)")
     if split:
         return (f"the plan for that budget picks micro-batch {split['micro_batch_size']} × "
                 f"{split['accumulation_steps']}, which is over it here (its estimate is low "

@@ -99,6 +99,51 @@ def resume_differences():
     return differences
 
 
+def out_of_memory(limit, accumulation_steps):
+    """fit_resumable over a PyDataset of 3 global batches of 64 (a wide pointwise conv: ~8 MB of
+    activations per sample) starting at `accumulation_steps`, with `limit` bytes of address
+    space allowed beyond what the process maps once JAX has started; returns the weights, k,
+    the recoveries and the updates made."""
+    import resource
+    import tempfile
+
+    import keras
+    import psutil
+
+    import tfmem
+
+    keras.utils.set_random_seed(7)
+    rng = np.random.default_rng(0)
+    images = rng.normal(size=(192, 64, 64, 4)).astype("float32")
+    labels = (images[:, 0, :, 0].mean(axis=1) > 0).astype("int32")
+
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return 3
+
+        def __getitem__(self, index):
+            return images[index * 64:(index + 1) * 64], labels[index * 64:(index + 1) * 64]
+
+    inputs = keras.Input((64, 64, 4))
+    hidden = keras.layers.Conv2D(512, 1, activation="relu")(inputs)
+    hidden = keras.layers.Conv2D(4, 1)(hidden)
+    outputs = keras.layers.Dense(2)(keras.layers.GlobalAveragePooling2D()(hidden))
+    model = tfmem.AccumModel(inputs, outputs, accumulation_steps=accumulation_steps)
+    model.compile(keras.optimizers.SGD(0.1),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.predict(images[:1], verbose=0)  # the framework started before the cap
+    mapped = psutil.Process().memory_info().vms
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + int(limit), resource.RLIM_INFINITY))
+    recoveries = []
+    with tempfile.TemporaryDirectory() as directory:
+        tfmem.fit_resumable(model, lambda epoch: Batches(), epochs=1, steps_per_epoch=3,
+                            backup_dir=directory, verbose=0, check_memory=False,
+                            memory_recoveries=recoveries)
+    return {"weights": [w.tolist() for w in model.get_weights()],
+            "accumulation_steps": model.accumulation_steps, "recoveries": recoveries,
+            "iterations": int(model.optimizer.iterations)}
+
+
 def main():
     os.environ["KERAS_BACKEND"] = "jax"
     import importlib.util
@@ -172,4 +217,10 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["out-of-memory"]:  # its own process: the cap stays with it
+        import json
+
+        os.environ["KERAS_BACKEND"] = "jax"
+        print("RESULTS " + json.dumps(out_of_memory(sys.argv[2], int(sys.argv[3]))))
+    else:
+        main()
