@@ -36,6 +36,7 @@ import traceback
 import keras
 
 from tfmem import cli, models
+from tfmem._install import install_command
 from tfmem.data import demo, manifest as manifest_lib, reader
 from tfmem.data.integrity import SkippedRecords
 from tfmem.data.options import MAX_IMAGE_PIXELS
@@ -472,13 +473,14 @@ def _check_named_files_and_devices(config: FinetuneConfig) -> None:
 
 def _check_installed() -> None:
     """The optional packages a training run needs, before any work: TensorBoard's, for the
-    run's logs (not part of `tfmem[tpu]` or a bare `pip install tfmem`)."""
+    run's logs (not part of the `tpu` extra, nor of tfmem without extras)."""
     try:
         import tensorboard  # noqa: F401
     except ImportError:
         raise ImportError("a training run writes TensorBoard logs, and the tensorboard "
-                          "package is not installed; pip install tensorboard (or tfmem[cpu] "
-                          "/ tfmem[tensorflow], which bring it)") from None
+                          "package is not installed; pip install tensorboard (or "
+                          f"{install_command('cpu')}, or its `tensorflow` extra, which bring "
+                          "it)") from None
 
 
 def _check_epochs_done(config: FinetuneConfig, output: str) -> None:

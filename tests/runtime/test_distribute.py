@@ -259,7 +259,7 @@ def test_choose_layout(prefer, num_gpus, num_workers, expected):
 
 
 def test_prefer_gpu_without_a_gpu_is_an_error_not_a_silent_cpu_run():
-    expected = r"prefer='gpu'\) found no GPU.*tfmem\[tensorflow\]"
+    expected = r"prefer='gpu'\) found no GPU.*pip install -e '\.\[tensorflow\]'"
     with pytest.raises(UnavailableDeviceError, match=expected):
         tfmem.detect(prefer="gpu")
     expected = r"`prefer` must be None, 'tpu', 'gpu' or 'cpu', got 'TPU'"

@@ -831,13 +831,13 @@ def test_flags_checked_before_any_work_name_themselves(finetune_cli, tmp_path, m
     assert status == 2 and _error_line(stderr).startswith("error: flag --seed=-1: ")
     with pytest.raises(tfmem.cli.UsageError, match=r"--seed -1: a seed is an int from 0"):
         tfmem.finetune.FinetuneConfig(seed=-1)
-    # Without TensorBoard (a bare `pip install tfmem`), a run stops before anything is built.
+    # Without TensorBoard (tfmem installed without extras), a run stops before anything is built.
     monkeypatch.setitem(sys.modules, "tensorboard", None)
     status, _, stderr = finetune_cli("--output", str(output), "--epochs", "1")
     assert (status, _error_line(stderr)) == (
         1, "error: a training run writes TensorBoard logs, and the tensorboard package is not "
-           "installed; pip install tensorboard (or tfmem[cpu] / tfmem[tensorflow], which bring "
-           "it)")
+           "installed; pip install tensorboard (or `pip install -e '.[cpu]'` in a checkout of "
+           "tfmem, or its `tensorflow` extra, which bring it)")
     assert not output.exists()
 
 

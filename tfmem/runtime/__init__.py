@@ -10,7 +10,7 @@ from tfmem._exports import lazy_exports
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     "Runtime": "tfmem.runtime.runtime",
-    "detect": "tfmem.backend",  # the backend's own half (distribute or distribute_jax)
+    "detect": "tfmem.runtime.current",  # the backend's own half (distribute or distribute_jax)
     "policy_for": "tfmem.runtime.precision",
     "set_policy": "tfmem.runtime.precision",
     "describe": "tfmem.runtime.report",

@@ -15,5 +15,6 @@ from tfmem._exports import lazy_exports
 __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     "AccumModel": "tfmem.training.accumulation",
     "fit_resumable": "tfmem.training.resume",
+    "TrainingDivergedError": "tfmem.training.resume",
     "RunProgress": "tfmem.training.progress",
 })
