@@ -10,6 +10,7 @@ import importlib
 import importlib.util
 from typing import TYPE_CHECKING
 
+from tfmem._exports import lazy_exports
 from tfmem._version import __version__
 
 __all__ = ["__version__"]  # each section below adds its names with `__all__ += [...]`
@@ -21,24 +22,8 @@ with _import_banner.set_aside():
     from tfmem import backend
 
 # -- data: streaming TFRecord pipeline (TensorFlow), imported on first use --
-_TENSORFLOW_NAMES = {
-    "auto_shard_policy": "tfmem.data.reader",
-    "image_dataset": "tfmem.data.reader",
-    "inspect_tfrecords": "tfmem.data.reader",
-    "DEMO_CLASS_NAMES": ("tfmem.data.demo", "CLASS_NAMES"),
-    "demo_examples": "tfmem.data.demo",
-    "make_demo_dataset": "tfmem.data.demo",
-    "Manifest": "tfmem.data.manifest",
-    "Shard": "tfmem.data.manifest",
-    "read_manifest": "tfmem.data.manifest",
-    "Schema": "tfmem.data.schema",
-    "detect_schema": "tfmem.data.schema",
-    "write_image_tfrecords": "tfmem.data.tfrecords",
-    "tfds_image_dataset": "tfmem.data.tfds_data",
-    "count_records": "tfmem.data.reader",
-    "ReaderOptions": "tfmem.data.options",
-    "SkippedRecords": "tfmem.data.integrity",
-}
+from tfmem.data import EXPORTS as _TENSORFLOW_NAMES  # imports no TensorFlow
+
 if importlib.util.find_spec("tensorflow") is not None:
     # `from tfmem import *` takes what works here: the pipeline only where TensorFlow is.
     __all__ += list(_TENSORFLOW_NAMES)
@@ -87,16 +72,8 @@ from tfmem.metrics.image import MAE, MSE, PSNR, SSIM, mae, mse, psnr, ssim
 __all__ += ["models", "MAE", "MSE", "PSNR", "SSIM", "mae", "mse", "psnr", "ssim"]
 
 
-def __getattr__(name: str):
-    """Imports a TFRecord-pipeline name on first use (`tfmem._tf` names the extra if missing)."""
-    if name not in _TENSORFLOW_NAMES:
-        raise AttributeError(f"module 'tfmem' has no attribute {name!r}")
-    module, attribute = _TENSORFLOW_NAMES[name], name
-    if isinstance(module, tuple):
-        module, attribute = module
-    value = getattr(importlib.import_module(module), attribute)
-    globals()[name] = value
-    return value
+# A TFRecord-pipeline name is imported on first use (`tfmem._tf` names the extra if missing).
+_, __getattr__, _ = lazy_exports(__name__, _TENSORFLOW_NAMES)
 
 
 def __dir__() -> list[str]:

@@ -11,7 +11,7 @@ data; `demo` makes the embedded demo set.
 from tfmem._exports import lazy_exports
 
 # Each module here needs TensorFlow: importing `tfmem.data` does not, using a name does.
-__all__, __getattr__, __dir__ = lazy_exports(__name__, {
+EXPORTS = {
     "auto_shard_policy": "tfmem.data.reader",
     "count_records": "tfmem.data.reader",
     "image_dataset": "tfmem.data.reader",
@@ -28,4 +28,5 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     "tfds_image_dataset": "tfmem.data.tfds_data",
     "ReaderOptions": "tfmem.data.options",
     "SkippedRecords": "tfmem.data.integrity",
-})
+}
+__all__, __getattr__, __dir__ = lazy_exports(__name__, EXPORTS)
