@@ -89,19 +89,12 @@ def _package(module: str) -> str:
     return ".".join(parts[:2]) if len(parts) > 2 else module
 
 
-# Package edges that still close a circle, each to go: the planner sizes AccumModel's
-# accumulation buffers with `training.accumulation_math` (arithmetic that belongs below both);
-# the `tfmem-env` report prints sizes with `memory.plan_report.format_bytes` (which imports
-# nothing of tfmem, so the report belongs above both).
-_KNOWN_UPWARD = {("tfmem.memory", "tfmem.training"), ("tfmem.runtime", "tfmem.memory")}
-
-
 def test_the_package_graph_runs_one_way_counting_imports_in_function_bodies():
     edges: dict[str, set[str]] = {}
     for name, targets in _graph(in_functions=True).items():
         for target in targets:
             source, goal = _package(name), _package(target)
-            if source != goal and goal != "tfmem" and (source, goal) not in _KNOWN_UPWARD:
+            if source != goal and goal != "tfmem":
                 edges.setdefault(source, set()).add(goal)
     assert _cycles(edges) == []
     # Below everything that picks a half, `backend` imports nothing of tfmem above it.

@@ -42,7 +42,7 @@ from tfmem.remat.spec import Ranges, RematSpec
 from tfmem.runtime import precision as precision_lib
 from tfmem.runtime.budget import Budget, budget_for
 from tfmem.runtime.cluster import check_count, largest_divisor, split_batch
-from tfmem.training.accumulation_math import accumulator_nbytes
+from tfmem.runtime.precision import accumulator_nbytes
 
 __all__ = ["Budget", "MemoryPlan", "MemoryPlanError", "PlanSettings", "check", "estimate",
            "plan", "settings"]

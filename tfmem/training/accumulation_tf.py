@@ -22,12 +22,8 @@ from tfmem.training import loss_terms, micro_batches
 from tfmem.runtime.cluster import split_batch
 from tfmem.training import placement
 from tfmem.training import sparse_gradients
-from tfmem.training.accumulation_math import (
-    AccumulationState,
-    accumulator_dtype,
-    average_statistic,
-    mean,
-)
+from tfmem.runtime.precision import accumulator_dtype
+from tfmem.training.accumulation_math import AccumulationState, average_statistic, mean
 
 
 class AccumTrainer:
