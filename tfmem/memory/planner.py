@@ -48,16 +48,10 @@ __all__ = ["Budget", "MemoryPlan", "MemoryPlanError", "PlanSettings", "check", "
            "plan", "settings"]
 
 # -- The CPU runtime term (host RAM only; zero in accelerator memory) --------------------------
-# Measured on this project's reference machine (TF 2.21 / Keras 3.15.1 CPU with oneDNN,
-# 2026-11-21): `import tensorflow, keras` holds ~750 MiB of resident set before any model
-# exists. On top of the tensors, a traced training step costs about 1.6 MiB per model
-# variable (its gradient, optimizer-update and assign ops, the optimizer's Python objects, the
-# traced function graphs, oneDNN primitives and allocator pools): fitted as
-# 15 MiB + 1.63 MiB × variables on MobileNetV2 (262 variables), ResNet50 (320) and
-# DenseNet121 (606) at 64 px with Adam. It is not a tensor count, which is why tensor-only
-# planners miss ~0.5 GB on small models. Accuracy on held-out models: docs/planning.md.
-# Other TF builds and optimizers differ: `tfmem.probe` replaces the whole term with a
-# measurement.
+# What the framework holds besides tensors: the import of TensorFlow and Keras, then per model
+# variable its traced step's ops, Python objects and allocator pools (not a tensor count, so
+# it dominates small models). Fitted on one CPU build (docs/planning.md, docs/benchmarks.md);
+# `tfmem.probe` measures the whole term instead.
 _CPU_IMPORT_BYTES = 750 * 2**20
 _CPU_GRAPH_BASE_BYTES = 15 * 2**20
 _CPU_BYTES_PER_VARIABLE = int(1.63 * 2**20)

@@ -1,22 +1,14 @@
-"""The arithmetic of one accumulation window, shared by both backends' train steps.
+"""The arithmetic of one accumulation window (docs/accumulation.md), shared by both backends'
+train steps: the loop state (`AccumulationState`), the update's `mean` (a loss Keras divides
+by a count that varies between micro-batches: `loss_terms`) and each BatchNorm statistic's
+`average_statistic`. Written with `keras.ops`, so it runs in a TensorFlow graph and
+in a JAX `jit` alike; sums are kept in `runtime.precision.accumulator_dtype`.
 
-A window is `k = accumulation_steps` micro-batches and one optimizer update
-(docs/accumulation.md). Its sums are kept in
-`runtime.precision.accumulator_dtype` (the planner sizes them there); the update takes their
-`mean` (for a loss Keras divides by a count that differs between micro-batches, their sum over
-the summed count: `loss_terms`), and each BatchNorm statistic ends at `average_statistic`. `AccumulationState` is what
-the micro-batch loop carries. The rules use `keras.ops` (or Python operators), so one
-definition runs inside a TensorFlow graph and inside a JAX `jit`; this module imports neither
-framework itself.
-
-What an `AccumTrainer` (`accumulation_tf`, `accumulation_jax`) needs of the class it is mixed
-into (`AccumModel`): a `keras.Model` with
+What a train step needs of the model it is mixed into (`AccumModel`):
 
 * `accumulation_steps`: `k`, an integer >= 1 (or "auto" until `fit` chooses it);
-* `check_accumulation_setup()`: raises `ValueError` when no step can run (`k` still "auto",
-  an optimizer that accumulates gradients too); called before each step;
-* `batch_norm_statistics()`: the variables averaged over the window (`average_statistic`)
-  rather than threaded through the micro-batches.
+* `check_accumulation_setup()`: raises `ValueError` when no step can run; called each step;
+* `batch_norm_statistics()`: the variables averaged over the window (`average_statistic`).
 """
 
 from __future__ import annotations
