@@ -369,3 +369,56 @@ def test_replace_op_input_rewires_a_traced_op():
         assert copied.op.inputs[0].name == two.name
         with tf.compat.v1.Session(graph=graph) as session:
             assert session.run(copied) == 2.0
+
+
+def test_replace_call_runs_for_this_instance_with_training_handed_on():
+    class Scaled(keras.layers.Layer):
+        def call(self, x, training=None):
+            return x * 2.0
+
+    seen = []
+    layer, other = Scaled(), Scaled()
+    original = layer.call
+
+    def call(*args, **kwargs):
+        seen.append(kwargs.get("training"))
+        return original(*args, **kwargs) + 1.0
+
+    internals.replace_call(layer, call)
+    x = np.array([[1.0, 2.0]], "float32")
+    np.testing.assert_array_equal(layer(x, training=True), [[3.0, 5.0]])  # 2x + 1
+    np.testing.assert_array_equal(other(x, training=True), [[2.0, 4.0]])  # not replaced
+    symbolic = layer(keras.Input((2,)))
+    assert seen[0] is True and tuple(symbolic.shape) == (None, 2) and len(seen) == 2
+
+
+def test_functional_bases_puts_the_functional_form_where_keras_puts_functional():
+    inputs = keras.Input((2,))
+    outputs = keras.layers.Dense(1)(inputs)
+
+    class KerasSubclass(keras.Model):  # what Keras itself does to its subclasses
+        pass
+
+    KerasSubclass(inputs, outputs)
+    assert KerasSubclass.__bases__ == (internals.functional_class(),)
+
+    class Base(keras.Model):
+        pass
+
+    class BaseFunctional(Base, internals.functional_class()):
+        pass
+
+    class Sub(Base):
+        pass
+
+    with pytest.raises(RuntimeError, match="construction failed"):
+        with internals.functional_bases(Sub, Base, BaseFunctional):
+            assert Sub.__bases__ == (BaseFunctional,)
+            raise RuntimeError("construction failed")
+    assert Sub.__bases__ == (Base,)  # put back
+    with internals.functional_bases(Sub, Base, BaseFunctional):
+        model = Sub(inputs, outputs)
+    assert Sub.__bases__ == (BaseFunctional,) and Base.__bases__ == (keras.Model,)
+    assert isinstance(model, internals.functional_class())
+    np.testing.assert_array_equal(model(np.ones((1, 2), "float32")),
+                                  model.layers[-1](np.ones((1, 2), "float32")))

@@ -86,6 +86,51 @@ def replace_graph_runner(graph: keras.Model, runner) -> None:
     graph._run_through_graph = runner
 
 
+def replace_call(layer: keras.layers.Layer, call) -> None:
+    """Makes `layer`'s calls (this instance only) run `call` in place of its `call` method.
+
+    Keras has no per-layer hook for this: `Layer.__call__` looks `self.call` up at every call,
+    symbolic calls included, inside the call context it sets up, and hands `training` on as
+    the layer's own `call` takes it (its signature is read when the layer is made).
+    """
+    if not callable(_attribute(layer, "call", "the method a layer's calls run")):
+        raise KerasInternalsError(f"`{type(layer).__name__}.call` is not callable.")
+    layer.call = call
+
+
+@contextlib.contextmanager
+def functional_bases(cls: type, model_class: type, functional_form: type):
+    """Makes `cls`, a subclass of `model_class`, functional: for good if the block succeeds.
+
+    Keras has no hook for this either: its `Model.__init__` makes a `keras.Model` subclass
+    functional, when the subclass's `__init__` hands `inputs` and `outputs` on, by rewriting
+    the bases of the class and of its ancestors until `Functional` stands where `Model` did
+    (`inject_functional_model_class`). The same here, with `functional_form` (a subclass of
+    `model_class` and `Functional`) where `model_class` stood; `model_class` itself never
+    changes. A block that raises puts the bases back.
+    """
+    changed = []  # (class, its bases before), in the order they were changed
+
+    def rebase(klass: type) -> type:
+        if issubclass(klass, functional_class()):
+            return klass
+        if klass is model_class:
+            return functional_form
+        bases = tuple(rebase(base) if issubclass(base, model_class) else base
+                      for base in klass.__bases__)
+        changed.append((klass, klass.__bases__))
+        klass.__bases__ = bases
+        return klass
+
+    try:
+        rebase(cls)
+        yield
+    except BaseException:
+        for klass, bases in reversed(changed):
+            klass.__bases__ = bases
+        raise
+
+
 def call_has_training_arg(layer: keras.layers.Layer) -> bool:
     """Whether `layer.call` takes a `training` argument."""
     return bool(_attribute(layer, "_call_has_training_arg", "whether call() takes `training`"))

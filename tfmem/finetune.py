@@ -42,7 +42,7 @@ from tfmem.data.integrity import SkippedRecords
 from tfmem.data.options import MAX_IMAGE_PIXELS
 from tfmem.memory import guard, levers
 from tfmem.memory import plan_report
-from tfmem.memory.plan_report import format_bytes
+from tfmem._sizes import format_bytes
 from tfmem.memory.memory_plan import MemoryPlanError
 from tfmem.remat.spec import Ranges, RematSpec
 from tfmem.runtime import current, devices, memory_cap, precision as precision_lib, report

@@ -16,6 +16,7 @@ import pytest
 import tfmem
 from tfmem import _keras_internals as internals
 from tfmem import models
+from tfmem._sizes import format_bytes
 from tfmem.memory import levers, plan_report, planner
 from tfmem.memory.memory_plan import Term
 from tfmem.runtime import devices
@@ -202,8 +203,8 @@ def test_model_state_alone_over_the_device_is_said_with_numbers():
     with pytest.raises(tfmem.MemoryPlanError) as error:
         planner.check(p)
     text = str(error.value)
-    state = (f"parameters {tfmem.memory.plan_report.format_bytes(p.parameter_bytes)} + "
-             f"gradients {tfmem.memory.plan_report.format_bytes(p.gradient_bytes)} + Adam slots")
+    state = (f"parameters {format_bytes(p.parameter_bytes)} + "
+             f"gradients {format_bytes(p.gradient_bytes)} + Adam slots")
     assert f"the model state alone ({state}" in text and "exceeds the budget of" in text
     assert "None of the changes checked fits" in text
 

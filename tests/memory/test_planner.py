@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import tfmem
+from tfmem._sizes import format_bytes
 from tfmem.memory import guard, plan_report, planner
 from tfmem.memory.memory_plan import Term
 from tfmem.memory.saved_tensors import traced_saved_tensors
@@ -230,9 +231,9 @@ def test_guard_message_names_need_budget_and_fitting_setting():
     message = str(caught.value)
     assert isinstance(caught.value, ValueError)
     assert f"global batch 64 = micro-batch 64 × 1 accumulation step × 1 replica needs " \
-           f"{plan_report.format_bytes(p.peak_bytes(64, 1))}" in message
+           f"{format_bytes(p.peak_bytes(64, 1))}" in message
     assert (f"micro-batch 16 × 4 accumulation steps fits in "
-            f"{plan_report.format_bytes(p.peak_bytes(16, 4))}" in message)
+            f"{format_bytes(p.peak_bytes(16, 4))}" in message)
     assert "activations" in message and "allow_over_budget=True" in message
     planner.check(p, accumulation_steps=1, allow_over_budget=True)  # the explicit override
     planner.check(p, accumulation_steps=4)  # 16 × 4 fits: no error
@@ -374,7 +375,7 @@ def test_plan_script_prints_the_plan_and_draws_it(tmp_path):
     reference = tfmem.plan(tfmem.models.build("mobilenetv2", num_classes=10, image_size=32),
                            global_batch_size=48, optimizer="sgd", device="t4",
                            precision="mixed_float16")  # what --precision auto means on a T4
-    total = plan_report.format_bytes(reference.peak_bytes(reference.micro_batch_size))
+    total = format_bytes(reference.peak_bytes(reference.micro_batch_size))
     assert "total (peak per replica)" in result.stdout and total in result.stdout
     assert "SGD, mixed_float16" in result.stdout
     assert reference.split() in result.stdout.splitlines()[0]  # the table's header
@@ -427,7 +428,7 @@ def test_each_interface_names_its_own_switches_when_over_budget():
     with pytest.raises(tfmem.MemoryPlanError) as raised:
         model.fit(_accum_data(), epochs=1, verbose=0, memory_budget=budget)
     first = str(raised.value).splitlines()[0]
-    assert first.endswith("fits in " + plan_report.format_bytes(raised.value.plan.peak_bytes(
+    assert first.endswith("fits in " + format_bytes(raised.value.plan.peak_bytes(
         16, 4)) + " (accumulation_steps=4). Pass `check_memory=False` to run anyway.")
     memory_plan = raised.value.plan
     # The guard and tfmem.plan's check, from Python: their own argument.

@@ -1,12 +1,15 @@
-"""The precision policy: the choice per device, and setting it with a one-line explanation."""
+"""The precision policy: the choice per device, and setting it with a one-line explanation;
+the dtype (and bytes) of an accumulated sum."""
 
 import logging
 
 import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 
 import tfmem
+from tfmem.runtime.precision import accumulator_dtype, accumulator_nbytes
 from tfmem.runtime.runtime import Runtime
 
 
@@ -81,3 +84,19 @@ def test_explicit_policy_and_argument_errors(caplog):
         tfmem.set_policy()
     with pytest.raises(TypeError, match="needs exactly one of `runtime`"):
         tfmem.set_policy(Runtime("cpu", None, 1), policy="float32")
+
+
+@pytest.mark.parametrize("dtype, expected", [
+    ("float16", "float32"), ("bfloat16", "float32"), ("float32", "float32"),
+    ("float64", "float64"), (np.dtype("float16"), "float32"), (np.dtype("float64"), "float64"),
+])
+def test_sums_are_float32_or_wider(dtype, expected):
+    assert accumulator_dtype(dtype) == expected
+
+
+def test_accumulator_bytes_are_those_of_the_sum():
+    # 3 × 4 elements: 4 bytes each below float64, 8 for float64.
+    assert accumulator_nbytes((3, 4), "bfloat16") == 48
+    assert accumulator_nbytes((3, 4), "float32") == 48
+    assert accumulator_nbytes((3, 4), "float64") == 96
+    assert accumulator_nbytes((), "float16") == 4

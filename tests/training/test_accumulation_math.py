@@ -2,31 +2,8 @@
 
 import keras
 import numpy as np
-import pytest
 
-from tfmem.training.accumulation_math import (
-    AccumulationState,
-    accumulator_dtype,
-    accumulator_nbytes,
-    average_statistic,
-    mean,
-)
-
-
-@pytest.mark.parametrize("dtype, expected", [
-    ("float16", "float32"), ("bfloat16", "float32"), ("float32", "float32"),
-    ("float64", "float64"), (np.dtype("float16"), "float32"), (np.dtype("float64"), "float64"),
-])
-def test_sums_are_float32_or_wider(dtype, expected):
-    assert accumulator_dtype(dtype) == expected
-
-
-def test_accumulator_bytes_are_those_of_the_sum():
-    # 3 × 4 elements: 4 bytes each below float64, 8 for float64.
-    assert accumulator_nbytes((3, 4), "bfloat16") == 48
-    assert accumulator_nbytes((3, 4), "float32") == 48
-    assert accumulator_nbytes((3, 4), "float64") == 96
-    assert accumulator_nbytes((), "float16") == 4
+from tfmem.training.accumulation_math import AccumulationState, average_statistic, mean
 
 
 def test_mean_divides_the_sum_by_the_number_of_micro_batches():

@@ -50,24 +50,8 @@ def decode_fn(schema: schema_lib.Schema, *, parse: Callable | None, label_is_str
             tf.lookup.KeyValueTensorInitializer(
                 list(schema.class_names), tf.range(len(schema.class_names), dtype=tf.int64)),
             default_value=-1)
-    height, width = options.image_size
-
     limit = options.max_image_pixels
-
-    def decode(payload):
-        features = payload if parse is None else parse(payload)
-        data = features[schema.image_key]
-        # Not decoded over the limit: the error drops the record, named below from its size.
-        size = encoded_size(data)
-        within = tf.debugging.assert_less_equal(size[0] * size[1], tf.constant(limit, tf.int64))
-        with tf.control_dependencies([within]):
-            image = tf.io.decode_image(data, channels=options.channels, expand_animations=False)
-        image = tf.image.resize(image, (height, width))  # float32, values still in 0..255
-        if options.data_range == (0, 1):
-            image = image / 255.0
-        if schema.labelled:
-            return image, features[schema.label_key]
-        return (image, features[schema.id_key]) if schema.id_key else (image,)
+    decode = _record_decoder(schema, parse, options)
 
     def name(locators, position):
         shard, index = describe(*(tf.gather(part, position) for part in locators))
@@ -125,27 +109,61 @@ def decode_fn(schema: schema_lib.Schema, *, parse: Callable | None, label_is_str
         if not schema.labelled:
             return tuple(parts)
         images, stored = parts
-        labels = tf.cast(stored, tf.int64) if table is None else table.lookup(stored)
-        if table is None:
-            labels = labels - schema.label_offset
-        bad = labels < 0
-        if num_classes is not None:
-            bad = tf.logical_or(bad, labels >= num_classes)
-        if tf.reduce_any(bad):
-            first = tf.argmax(tf.cast(bad, tf.int32))
-            value = stored[first] if table is not None else tf.strings.as_string(stored[first])
-            classes = (f"one of the {len(schema.class_names)} class_names" if table is not None
-                       else f"a class index in [0, {num_classes})" if num_classes is not None
-                       else "a class index >= 0")
-            offset = (f" after subtracting label_offset={schema.label_offset}"
-                      if schema.label_offset else "")
-            tf.debugging.Assert(False, [tf.strings.join([
-                "tfmem: ", name(locators, kept[first]), f": its label (`{schema.label_key}`) "
-                "is ", value, f", not {classes}{offset}; check num_classes (`--num-classes`) "
-                "and the Schema (label_key, label_offset)"])])
-        return images, tf.cast(labels, tf.int32)
+        labels = _checked_labels(stored, schema, table, num_classes,
+                                 lambda position: name(locators, kept[position]))
+        return images, labels
 
     return decode_batch
+
+
+def _record_decoder(schema: schema_lib.Schema, parse: Callable | None,
+                    options: ReaderOptions) -> Callable:
+    """`payload -> parts` of one record: its image decoded, resized and scaled, with its label
+    or id; an image over `max_image_pixels` fails before it is decoded."""
+    height, width = options.image_size
+    limit = options.max_image_pixels
+
+    def decode(payload):
+        features = payload if parse is None else parse(payload)
+        data = features[schema.image_key]
+        # Not decoded over the limit: the error drops the record, named by `decode_fn`.
+        size = encoded_size(data)
+        within = tf.debugging.assert_less_equal(size[0] * size[1], tf.constant(limit, tf.int64))
+        with tf.control_dependencies([within]):
+            image = tf.io.decode_image(data, channels=options.channels, expand_animations=False)
+        image = tf.image.resize(image, (height, width))  # float32, values still in 0..255
+        if options.data_range == (0, 1):
+            image = image / 255.0
+        if schema.labelled:
+            return image, features[schema.label_key]
+        return (image, features[schema.id_key]) if schema.id_key else (image,)
+
+    return decode
+
+
+def _checked_labels(stored: tf.Tensor, schema: schema_lib.Schema, table, num_classes,
+                    name: Callable[[tf.Tensor], tf.Tensor]) -> tf.Tensor:
+    """A batch's stored labels as int32 class indices; the first outside the classes raises,
+    naming its record (`name(position)`)."""
+    labels = tf.cast(stored, tf.int64) if table is None else table.lookup(stored)
+    if table is None:
+        labels = labels - schema.label_offset
+    bad = labels < 0
+    if num_classes is not None:
+        bad = tf.logical_or(bad, labels >= num_classes)
+    if tf.reduce_any(bad):
+        first = tf.argmax(tf.cast(bad, tf.int32))
+        value = stored[first] if table is not None else tf.strings.as_string(stored[first])
+        classes = (f"one of the {len(schema.class_names)} class_names" if table is not None
+                   else f"a class index in [0, {num_classes})" if num_classes is not None
+                   else "a class index >= 0")
+        offset = (f" after subtracting label_offset={schema.label_offset}"
+                  if schema.label_offset else "")
+        tf.debugging.Assert(False, [tf.strings.join([
+            "tfmem: ", name(first), f": its label (`{schema.label_key}`) "
+            "is ", value, f", not {classes}{offset}; check num_classes (`--num-classes`) "
+            "and the Schema (label_key, label_offset)"])])
+    return tf.cast(labels, tf.int32)
 
 
 def gather(structure, positions):

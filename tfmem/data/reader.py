@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+from typing import NamedTuple
 
 from tfmem._tf import tf
 
@@ -271,34 +272,8 @@ def image_dataset(
     files = tf.data.Dataset.from_tensor_slices(
         (source.files, tf.constant(source.sizes, tf.int64), tf.constant(source.counts, tf.int64),
          tf.range(num_files, dtype=tf.int32)))
-    shard_records, counts, batch_size = False, source.counts, options.batch_size
-    context = options.input_context
-    if context is not None:
-        # Each replica gets its share of the global batch (raises if it does not divide).
-        batch_size = context.get_per_replica_batch_size(batch_size)
-        pipelines, index = context.num_input_pipelines, context.input_pipeline_id
-        if pipelines == 1:
-            pass  # one pipeline (one worker) feeds all its replicas: nothing to split
-        elif num_files >= pipelines:
-            files = files.shard(pipelines, index)
-            counts = counts[index::pipelines]
-        else:
-            shard_records = True
-    # Training only: evaluation reads every global batch in each process, and Keras splits it.
-    split = None if context is not None or not options.training else pipeline.process_split()
-    rows = None
-    if split is not None:  # several JAX processes: each reads its part of every global batch
-        processes, index = split
-        if batch_size % processes:
-            raise ValueError(
-                f"batch_size={batch_size} does not split over {processes} processes; use a "
-                f"multiple of {processes}")
-        batch_size //= processes
-        if _enough_in_each(counts, processes, batch_size):
-            files = files.shard(processes, index)  # by shard: each reads only its files
-            counts = counts[index::processes]
-        else:  # by record: each reads every record and decodes only its rows
-            rows = split
+    share = _share(files, source.counts, options)
+    files = share.files
     if options.training:
         # Seeded even when `seed` is None: every worker must see the same file order for FILE
         # sharding to split it; the per-epoch reshuffle still changes it every epoch.
@@ -315,13 +290,14 @@ def image_dataset(
         deterministic=pipeline.in_order(options),
     )
     workers = options.num_workers or num_workers_from_environment()
-    if integrity.UNKNOWN not in counts and not skip_corrupt and (context or workers == 1):
+    if (integrity.UNKNOWN not in share.counts and not skip_corrupt
+            and (options.input_context or workers == 1)):
         # A known length lets Keras show steps per epoch and, under MirroredStrategy, end the
         # epoch without the extra empty step it may run on a dataset of unknown length.
         # (Not under multi-worker auto-sharding: that splits the files after this point.)
-        records = records.apply(tf.data.experimental.assert_cardinality(sum(counts)))
-    if shard_records:
-        records = records.shard(pipelines, index)
+        records = records.apply(tf.data.experimental.assert_cardinality(sum(share.counts)))
+    if share.record_shard is not None:
+        records = records.shard(*share.record_shard)
     spec, names = source.spec, tf.constant(source.files)
     decode_batch = pipeline.decode_fn(
         schema, parse=lambda record: tf.io.parse_single_example(record, spec),
@@ -330,13 +306,61 @@ def image_dataset(
         describe=lambda shards, indices: (tf.gather(names, shards), indices),
         skip_corrupt=bool(skip_corrupt), log=skipped)
     dataset = pipeline.batched(records, decode_batch,
-                               dataclasses.replace(options, batch_size=batch_size),
-                               bool(skip_corrupt), rows=rows)
-    if split is not None and integrity.UNKNOWN not in source.counts:
+                               dataclasses.replace(options, batch_size=share.batch_size),
+                               bool(skip_corrupt), rows=share.rows)
+    if share.split is not None and integrity.UNKNOWN not in source.counts:
         # Every process takes the same number of steps (one more alone would wait forever).
         dataset = dataset.take(sum(source.counts) // options.batch_size)
     return dataset.with_options(pipeline.dataset_options(options, num_files,
-                                                         split=split is not None))
+                                                         split=share.split is not None))
+
+
+class _Share(NamedTuple):
+    """What one input pipeline reads of a set: its shards (`files`, their record `counts`),
+    its `batch_size`, and how it splits further. `record_shard` is `(pipelines, index)` when
+    the pipelines split by record; `split` is `(processes, index)` for several JAX processes
+    (`rows` the same when each decodes only its rows of every record)."""
+
+    files: tf.data.Dataset
+    counts: list
+    batch_size: int
+    record_shard: tuple[int, int] | None
+    split: tuple[int, int] | None
+    rows: tuple[int, int] | None
+
+
+def _share(files: tf.data.Dataset, counts: list, options: ReaderOptions) -> _Share:
+    """This pipeline's share of the shards and of the global batch: per replica under a
+    `tf.distribute.InputContext`, per JAX process when training under several."""
+    num_files, record_shard, batch_size = len(counts), None, options.batch_size
+    context = options.input_context
+    if context is not None:
+        # Each replica gets its share of the global batch (raises if it does not divide).
+        batch_size = context.get_per_replica_batch_size(batch_size)
+        pipelines, index = context.num_input_pipelines, context.input_pipeline_id
+        if pipelines == 1:
+            pass  # one pipeline (one worker) feeds all its replicas: nothing to split
+        elif num_files >= pipelines:
+            files = files.shard(pipelines, index)
+            counts = counts[index::pipelines]
+        else:
+            record_shard = (pipelines, index)
+    # Training only: evaluation reads every global batch in each process, and Keras splits it.
+    split = None if context is not None or not options.training else pipeline.process_split()
+    rows = None
+    if split is not None:  # several JAX processes: each reads its part of every global batch
+        processes, index = split
+        if batch_size % processes:
+            raise ValueError(
+                f"batch_size={batch_size} does not split over {processes} processes; use a "
+                f"multiple of {processes}")
+        batch_size //= processes
+        if _enough_in_each(counts, processes, batch_size):
+            files = files.shard(processes, index)  # by shard: each reads only its files
+            counts = counts[index::processes]
+        else:  # by record: each reads every record and decodes only its rows
+            rows = split
+    return _Share(files, counts, batch_size, record_shard, split, rows)
 
 
 def _enough_in_each(counts: list[int], processes: int, per_process_batch: int) -> bool:

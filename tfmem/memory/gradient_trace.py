@@ -200,24 +200,9 @@ def _trace_tensorflow(call, specs, differentiable, trainable, non_trainable, *, 
             return 0
         return int(np.prod(shape[1:], dtype=np.int64)) * tensor.dtype.size
 
-    input_refs = {_root(t).ref(): i for i, t in enumerate(boundary["inputs"])}
-    output_refs = {_root(t).ref(): i for i, t in enumerate(boundary["outputs"])}
-    kept_inputs, kept_outputs, internal, has_loop = set(), set(), {}, False
-    for op in operations[boundary["ops"]:]:
-        if op.type in _SHAPE_OPS:
-            continue
-        for tensor in op.inputs:
-            tensor = _root(tensor)
-            if tensor.op.name not in forward_names:
-                continue
-            if tensor.ref() in input_refs:
-                kept_inputs.add(input_refs[tensor.ref()])
-            elif tensor.ref() in output_refs:
-                kept_outputs.add(output_refs[tensor.ref()])
-            elif tensor.dtype == tf.variant:
-                has_loop = True  # a while loop's accumulator (a TensorList)
-            elif tensor.shape.rank and nbytes(tensor):
-                internal[tensor.name] = (nbytes(tensor), tensor.dtype.name)
+    kept_inputs, kept_outputs, internal, has_loop = _kept_by_backward(
+        operations[boundary["ops"]:], forward_names, boundary["inputs"], boundary["outputs"],
+        nbytes)
     forward = {t.name: nbytes(t) for op in operations[:boundary["ops"]] for t in op.outputs}
     outputs = tuple(nbytes(t) for t in boundary["outputs"])
     if batch is None:
@@ -230,6 +215,31 @@ def _trace_tensorflow(call, specs, differentiable, trainable, non_trainable, *, 
     transient = transient_bytes(operations, _sized(nbytes, batch), results) - kept
     return _Trace(frozenset(kept_inputs), frozenset(kept_outputs), internal, forward, outputs,
                   has_loop, ambiguous, max(transient, 0))
+
+
+def _kept_by_backward(backward_ops, forward_names, inputs, outputs, nbytes):
+    """What the backward ops read of the forward pass: `(indices of the inputs, indices of
+    the outputs, {name: (bytes, dtype)} of the forward's own tensors, whether a loop keeps
+    its intermediates)`."""
+    input_refs = {_root(t).ref(): i for i, t in enumerate(inputs)}
+    output_refs = {_root(t).ref(): i for i, t in enumerate(outputs)}
+    kept_inputs, kept_outputs, internal, has_loop = set(), set(), {}, False
+    for op in backward_ops:
+        if op.type in _SHAPE_OPS:
+            continue
+        for tensor in op.inputs:
+            tensor = _root(tensor)
+            if tensor.op.name not in forward_names:
+                continue
+            if tensor.ref() in input_refs:
+                kept_inputs.add(input_refs[tensor.ref()])
+            elif tensor.ref() in output_refs:
+                kept_outputs.add(output_refs[tensor.ref()])
+            elif tensor.dtype.name == "variant":
+                has_loop = True  # a while loop's accumulator (a TensorList)
+            elif tensor.shape.rank and nbytes(tensor):
+                internal[tensor.name] = (nbytes(tensor), tensor.dtype.name)
+    return kept_inputs, kept_outputs, internal, has_loop
 
 
 def _root(tensor):

@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import shlex
 
+from tfmem._sizes import format_bytes
+
 
 @dataclasses.dataclass(frozen=True)
 class Switches:
@@ -68,13 +70,6 @@ def describe_split(global_batch_size: int, micro_batch_size: int, accumulation_s
 def _steps(accumulation_steps: int) -> str:
     """`1` → "1 accumulation step", `4` → "4 accumulation steps"."""
     return f"{accumulation_steps} accumulation step{'' if accumulation_steps == 1 else 's'}"
-
-
-def format_bytes(num_bytes: float) -> str:
-    """`1536 * 2**20` → "1.50 GiB"; below 1 GiB in MiB."""
-    if abs(num_bytes) >= 2**30:
-        return f"{num_bytes / 2**30:.2f} GiB"
-    return f"{num_bytes / 2**20:.1f} MiB"
 
 
 def _setting(p, micro_batch_size, accumulation_steps) -> tuple[int, int]:

@@ -42,22 +42,16 @@ from tfmem.remat.spec import Ranges, RematSpec
 from tfmem.runtime import precision as precision_lib
 from tfmem.runtime.budget import Budget, budget_for
 from tfmem.runtime.cluster import check_count, largest_divisor, split_batch
-from tfmem.training.accumulation_math import accumulator_nbytes
+from tfmem.runtime.precision import accumulator_nbytes
 
 __all__ = ["Budget", "MemoryPlan", "MemoryPlanError", "PlanSettings", "check", "estimate",
            "plan", "settings"]
 
 # -- The CPU runtime term (host RAM only; zero in accelerator memory) --------------------------
-# Measured on this project's reference machine (TF 2.21 / Keras 3.15.1 CPU with oneDNN,
-# 2026-11-21): `import tensorflow, keras` holds ~750 MiB of resident set before any model
-# exists. On top of the tensors, a traced training step costs about 1.6 MiB per model
-# variable (its gradient, optimizer-update and assign ops, the optimizer's Python objects, the
-# traced function graphs, oneDNN primitives and allocator pools): fitted as
-# 15 MiB + 1.63 MiB × variables on MobileNetV2 (262 variables), ResNet50 (320) and
-# DenseNet121 (606) at 64 px with Adam. It is not a tensor count, which is why tensor-only
-# planners miss ~0.5 GB on small models. Accuracy on held-out models: docs/planning.md.
-# Other TF builds and optimizers differ: `tfmem.probe` replaces the whole term with a
-# measurement.
+# What the framework holds besides tensors: the import of TensorFlow and Keras, then per model
+# variable its traced step's ops, Python objects and allocator pools (not a tensor count, so
+# it dominates small models). Fitted on one CPU build (docs/planning.md, docs/benchmarks.md);
+# `tfmem.probe` measures the whole term instead.
 _CPU_IMPORT_BYTES = 750 * 2**20
 _CPU_GRAPH_BASE_BYTES = 15 * 2**20
 _CPU_BYTES_PER_VARIABLE = int(1.63 * 2**20)
@@ -199,51 +193,10 @@ def estimate(model: keras.Model, settings: PlanSettings,
     saved = analyses[key]
     trainable = [v for v in model.trainable_variables if id(v) not in frozen]
     num_trainable = sum(math.prod(v.shape) for v in trainable)
-    mixed = 0
-    if precision in _MIXED:
-        # Keras autocasts each float32 variable to the compute dtype at every call; conv/dense
-        # backward keeps that 2-byte copy (input gradient = dy ⊛ kernel). Normalization layers
-        # upcast to float32 instead, so their variables get no copy.
-        mixed = 2 * sum(math.prod(w.shape) for layer in internals.flatten_layers(model)
-                        if not isinstance(layer, keras.layers.BatchNormalization)
-                        for w in internals.own_trainable_variables(layer)
-                        if id(w) not in frozen)
-        if precision == "mixed_float16":
-            # LossScaleOptimizer unscales into new float32 gradients and checks them all for
-            # inf/nan before applying: a second gradient set is alive at once.
-            mixed += _nbytes(trainable)
-    notes = list(settings.notes)
-    if override:
-        notes.append(f"built in float32, planned {precision}: float32 activations counted "
-                     f"as {override}")
-    if saved.traced_calls:
-        notes.append("measured by tracing their backward pass: "
-                     + ", ".join(saved.traced_calls))
-    if saved.fallback_calls:
-        notes.append("could not be traced, counted as keeping inputs and outputs (an upper "
-                     "bound): " + "; ".join(saved.fallback_calls))
-    if saved.loop_calls:
-        notes.append("loop intermediates not counted in: " + ", ".join(saved.loop_calls))
-    if (recomputed or ranges) and not saves:
-        notes.append("rematerialized layers planned as kept: on JAX on a CPU, XLA runs the "
-                     "recomputation where it saves no memory (only time)")
-    elif (recomputed and not saved.segments
-            and not internals.is_graph_network(internals.functional_of(model))):
-        notes.append("rematerialized layers planned as kept (an upper bound): the call of "
-                     f"{type(model).__name__} does not trace as a graph of its layers")
-    if remat_setting(model, settings).mode == "full" and not ranges:
-        notes.append("rematerialize full: no cut lowers the planned peak, so none is made"
-                     + (f" (not counted: the loop intermediates of "
-                        f"{', '.join(saved.loop_calls)}; name those layers to recompute them)"
-                        if saved.loop_calls else ""))
+    mixed = _mixed_precision_bytes(model, precision, trainable, frozen)
     fraction = (remat_search.recompute_fraction(model, ranges, override, frozen, analyses)
                 if ranges else 0.0)
-    if saved.segments:
-        notes.append("rematerialized, recomputed in the backward pass one at a time (the "
-                     "largest counted in activations): " + ", ".join(
-                         f"{name} {_per_sample(nbytes)}/sample" for name, nbytes in
-                         saved.segments)
-                     + (f"; ≈ +{100 * fraction:.0f}% compute" if ranges else ""))
+    notes = _notes(model, settings, saved, override, recomputed, ranges, saves, fraction)
     return MemoryPlan(
         model_name=model.name,
         num_parameters=int(model.count_params()),
@@ -276,10 +229,66 @@ def estimate(model: keras.Model, settings: PlanSettings,
         # and temporaries (or a grouped convolution its patch matrix).
         workspace_bytes_per_sample=saved.workspace_bytes,
         input_batches_in_flight=settings.input_batches_in_flight,
-        notes=tuple(notes),
+        notes=notes,
         rematerialized=tuple(ranges),
         recompute_fraction=fraction,
     )
+
+
+def _mixed_precision_bytes(model: keras.Model, precision: str, trainable: list,
+                           frozen) -> int:
+    """The extra bytes a mixed policy keeps: 2-byte copies of the weights, and under
+    float16 a second gradient set."""
+    if precision not in _MIXED:
+        return 0
+    # Keras autocasts each float32 variable to the compute dtype at every call; conv/dense
+    # backward keeps that 2-byte copy (input gradient = dy ⊛ kernel). Normalization layers
+    # upcast to float32 instead, so their variables get no copy.
+    mixed = 2 * sum(math.prod(w.shape) for layer in internals.flatten_layers(model)
+                    if not isinstance(layer, keras.layers.BatchNormalization)
+                    for w in internals.own_trainable_variables(layer)
+                    if id(w) not in frozen)
+    if precision == "mixed_float16":
+        # LossScaleOptimizer unscales into new float32 gradients and checks them all for
+        # inf/nan before applying: a second gradient set is alive at once.
+        mixed += _nbytes(trainable)
+    return mixed
+
+
+def _notes(model: keras.Model, settings: PlanSettings, saved, override, recomputed, ranges,
+           saves: bool, fraction: float) -> tuple[str, ...]:
+    """What a plan says about how it counted: the settings' notes, then the analysis's."""
+    notes = list(settings.notes)
+    if override:
+        notes.append(f"built in float32, planned {settings.precision}: float32 activations "
+                     f"counted as {override}")
+    if saved.traced_calls:
+        notes.append("measured by tracing their backward pass: "
+                     + ", ".join(saved.traced_calls))
+    if saved.fallback_calls:
+        notes.append("could not be traced, counted as keeping inputs and outputs (an upper "
+                     "bound): " + "; ".join(saved.fallback_calls))
+    if saved.loop_calls:
+        notes.append("loop intermediates not counted in: " + ", ".join(saved.loop_calls))
+    if (recomputed or ranges) and not saves:
+        notes.append("rematerialized layers planned as kept: on JAX on a CPU, XLA runs the "
+                     "recomputation where it saves no memory (only time)")
+    elif (recomputed and not saved.segments
+            and not internals.is_graph_network(internals.functional_of(model))):
+        notes.append("rematerialized layers planned as kept (an upper bound): the call of "
+                     f"{type(model).__name__} does not trace as a graph of its layers")
+    if remat_setting(model, settings).mode == "full" and not ranges:
+        notes.append("rematerialize full: no cut lowers the planned peak, so none is made"
+                     + (f" (not counted: the loop intermediates of "
+                        f"{', '.join(saved.loop_calls)}; name those layers to recompute them)"
+                        if saved.loop_calls else ""))
+    if saved.segments:
+        notes.append("rematerialized, recomputed in the backward pass one at a time (the "
+                     "largest counted in activations): " + ", ".join(
+                         f"{name} {_per_sample(nbytes)}/sample" for name, nbytes in
+                         saved.segments)
+                     + (f"; ≈ +{100 * fraction:.0f}% compute" if ranges else ""))
+    return tuple(notes)
 
 
 def _per_sample(nbytes: int) -> str:

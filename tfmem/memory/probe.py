@@ -43,7 +43,7 @@ from tfmem.runtime import memory_cap
 from tfmem.runtime.memory_cap import MemoryWatch
 from tfmem.memory import planner
 from tfmem.memory.memory_plan import MeasuredLine, MemoryPlan
-from tfmem.memory.plan_report import format_bytes
+from tfmem._sizes import format_bytes
 
 # Fraction of the budget the *estimated* peak of a probe run may reach. The estimate is
 # within ~20% (benchmarks/planner_accuracy.py), so half the budget keeps every probe run

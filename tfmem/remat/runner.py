@@ -65,7 +65,7 @@ def apply(model: keras.Model, names: Sequence[str]) -> list[keras.layers.Layer]:
     for layer in chosen:
         if not getattr(layer, _HOOKED, False):
             original = layer.call
-            layer.call = _HALF.rematerialized_call(layer, original)  # this instance only
+            internals.replace_call(layer, _HALF.rematerialized_call(layer, original))
             setattr(layer, _HOOKED, True)
     return chosen
 
@@ -106,7 +106,7 @@ def _apply_inside(graph: keras.Model, spec: tuple) -> None:
         setattr(layer, _INSIDE, bool(inner_spec))
         if (inner is not internals.functional_of(layer)
                 and not getattr(layer, _RUNS_ITS_GRAPH, False)):
-            layer.call = _running_traced_graph(layer, layer.call, inner)  # this instance only
+            internals.replace_call(layer, _running_traced_graph(layer, layer.call, inner))
             setattr(layer, _RUNS_ITS_GRAPH, True)
     apply_ranges(graph, dict(spec).get("", ()))
 
@@ -146,7 +146,7 @@ def _original_runner(graph: keras.Model):
     if original is None:
         original = internals.graph_runner(graph)
         graph._tfmem_graph_runner = original
-        graph.call = recording_training(graph.call)  # this instance only
+        internals.replace_call(graph, recording_training(graph.call))
     return original
 
 

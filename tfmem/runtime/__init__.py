@@ -2,7 +2,7 @@
 
 `devices` is the table of known accelerators; `hardware` and `tpu` read what is attached
 without starting a device; `distribute` (TensorFlow) and `distribute_jax` turn that into a
-`Runtime` (replicas, memory per replica, scope); `precision` picks the dtype policy;
+`Runtime` (replicas, memory per replica, scope); `precision` picks the dtype policy (and the dtype sums are kept in);
 `report` prints the environment for a bug report (`tfmem-env`).
 """
 

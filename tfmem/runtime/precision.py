@@ -12,7 +12,10 @@
 from __future__ import annotations
 
 import logging
+import math
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 if TYPE_CHECKING:
     from tfmem.runtime.runtime import Runtime
@@ -95,3 +98,31 @@ def set_policy(
     keras.mixed_precision.set_global_policy(policy)
     logger.info("precision policy %s: %s.", policy, why)
     return policy
+
+
+def accumulator_dtype(dtype) -> str:
+    """The dtype a sum of `dtype` values is kept in: float32, or float64 for float64 values.
+
+    Half-precision gradients and statistics are summed in float32, so `k` micro-batches round
+    no worse than one; a float64 model keeps its precision.
+
+    Args:
+        dtype: a dtype name, or a NumPy, TensorFlow or JAX dtype.
+
+    Example:
+        >>> accumulator_dtype("bfloat16"), accumulator_dtype("float64")
+        ('float32', 'float64')
+    """
+    import keras  # lazily, like `set_policy`
+
+    return "float64" if keras.backend.standardize_dtype(dtype) == "float64" else "float32"
+
+
+def accumulator_nbytes(shape, dtype) -> int:
+    """The bytes of the running sum of a `shape` value of `dtype` (`accumulator_dtype`).
+
+    Example:
+        >>> accumulator_nbytes((3, 4), "float16"), accumulator_nbytes((3, 4), "float64")
+        (48, 96)
+    """
+    return math.prod(shape) * np.dtype(accumulator_dtype(dtype)).itemsize

@@ -13,7 +13,7 @@ import sys
 import traceback
 from importlib import metadata
 
-from tfmem.memory.plan_report import format_bytes  # the one wording of sizes
+from tfmem._sizes import format_bytes  # the one wording of sizes
 from tfmem.runtime import devices
 from tfmem.runtime import precision
 from tfmem._version import __version__

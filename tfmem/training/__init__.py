@@ -1,7 +1,7 @@
 """Training: `AccumModel`, its per-backend train steps, and training that survives a kill.
 
 `accumulation` holds `AccumModel`; `accumulation_tf` and `accumulation_jax` its train step on
-each backend (`accumulation_math`: the arithmetic and loop state both share, the planner too;
+each backend (`accumulation_math`: the arithmetic and loop state both share;
 `micro_batches`: what both say about cutting a batch by rows; `placement`: where
 the micro-batch loop runs under XLA, in the compiled step or on the host; `sparse_gradients`:
 TensorFlow's gradients that are rows, kept as rows over a window); `resume` runs `fit`

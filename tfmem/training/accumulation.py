@@ -115,7 +115,10 @@ class AccumModel(_STEP.AccumTrainer, keras.Model):
     def __init__(self, *args, accumulation_steps: int | str | None = None,
                  rematerialize=None, **kwargs):
         functional = internals.functional_init_arguments(args, kwargs)
-        with _functional_if(type(self), functional):
+        # As Keras makes a `keras.Model` subclass functional, the functional form goes under
+        # each `AccumModel` subclass among the bases; a construction that fails undoes it.
+        with (internals.functional_bases(type(self), AccumModel, Functional) if functional
+              else contextlib.nullcontext()):
             if accumulation_steps is None:
                 accumulation_steps = (_replayed_accumulation_steps(args, kwargs) if functional
                                       else 1)
@@ -398,37 +401,6 @@ class Functional(AccumModel, internals.functional_class()):
 
 # Symbolic outputs of a functional AccumModel's graph → (that model's name, its steps).
 _REPLAYED_FROM = weakref.WeakKeyDictionary()
-
-
-@contextlib.contextmanager
-def _functional_if(cls: type, functional: bool):
-    """Makes `cls` a functional class when `functional`, for good if the block succeeds.
-
-    As Keras makes a `keras.Model` subclass functional when its `__init__` hands `inputs` and
-    `outputs` on, the functional form goes under each `AccumModel` subclass among the bases
-    (`AccumModel` itself never changes). A construction that fails puts the bases back.
-    """
-    changed = []  # (class, its bases before), in the order they were changed
-
-    def rebase(klass: type) -> type:
-        if issubclass(klass, internals.functional_class()):
-            return klass
-        if klass is AccumModel:
-            return Functional
-        bases = tuple(rebase(base) if issubclass(base, AccumModel) else base
-                      for base in klass.__bases__)
-        changed.append((klass, klass.__bases__))
-        klass.__bases__ = bases
-        return klass
-
-    try:
-        if functional:
-            rebase(cls)
-        yield
-    except BaseException:
-        for klass, bases in reversed(changed):
-            klass.__bases__ = bases
-        raise
 
 
 def _check_train_step_accumulates(cls: type, accumulation_steps) -> None:

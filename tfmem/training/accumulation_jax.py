@@ -55,12 +55,8 @@ from keras import tree
 from tfmem import _keras_internals as internals
 from tfmem.runtime.cluster import split_batch
 from tfmem.training import loss_terms, micro_batches, placement
-from tfmem.training.accumulation_math import (
-    AccumulationState,
-    accumulator_dtype,
-    average_statistic,
-    mean,
-)
+from tfmem.runtime.precision import accumulator_dtype
+from tfmem.training.accumulation_math import AccumulationState, average_statistic, mean
 
 
 class AccumTrainer:

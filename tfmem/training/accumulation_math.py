@@ -1,30 +1,21 @@
-"""The arithmetic of one accumulation window, shared by both backends' train steps and the planner.
+"""The arithmetic of one accumulation window (docs/accumulation.md), shared by both backends'
+train steps: the loop state (`AccumulationState`), the update's `mean` (a loss Keras divides
+by a count that varies between micro-batches: `loss_terms`) and each BatchNorm statistic's
+`average_statistic`. Written with `keras.ops`, so it runs in a TensorFlow graph and
+in a JAX `jit` alike; sums are kept in `runtime.precision.accumulator_dtype`.
 
-A window is `k = accumulation_steps` micro-batches and one optimizer update
-(docs/accumulation.md). Its sums are kept in `accumulator_dtype`; the update takes their
-`mean` (for a loss Keras divides by a count that differs between micro-batches, their sum over
-the summed count: `loss_terms`), and each BatchNorm statistic ends at `average_statistic`. `AccumulationState` is what
-the micro-batch loop carries. The rules use `keras.ops` (or Python operators), so one
-definition runs inside a TensorFlow graph and inside a JAX `jit`; this module imports neither
-framework itself (the planner imports no TensorFlow).
-
-What an `AccumTrainer` (`accumulation_tf`, `accumulation_jax`) needs of the class it is mixed
-into (`AccumModel`): a `keras.Model` with
+What a train step needs of the model it is mixed into (`AccumModel`):
 
 * `accumulation_steps`: `k`, an integer >= 1 (or "auto" until `fit` chooses it);
-* `check_accumulation_setup()`: raises `ValueError` when no step can run (`k` still "auto",
-  an optimizer that accumulates gradients too); called before each step;
-* `batch_norm_statistics()`: the variables averaged over the window (`average_statistic`)
-  rather than threaded through the micro-batches.
+* `check_accumulation_setup()`: raises `ValueError` when no step can run; called each step;
+* `batch_norm_statistics()`: the variables averaged over the window (`average_statistic`).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import keras
-import numpy as np
 
 
 class AccumulationState(NamedTuple):
@@ -56,32 +47,6 @@ class AccumulationState(NamedTuple):
     metrics_variables: list | tuple = ()
     group_gradient_sums: list | tuple = ()
     term_sums: list | tuple = ()
-
-
-def accumulator_dtype(dtype) -> str:
-    """The dtype a sum of `dtype` values is kept in: float32, or float64 for float64 values.
-
-    Half-precision gradients and statistics are summed in float32, so `k` micro-batches round
-    no worse than one; a float64 model keeps its precision.
-
-    Args:
-        dtype: a dtype name, or a NumPy, TensorFlow or JAX dtype.
-
-    Example:
-        >>> accumulator_dtype("bfloat16"), accumulator_dtype("float64")
-        ('float32', 'float64')
-    """
-    return "float64" if keras.backend.standardize_dtype(dtype) == "float64" else "float32"
-
-
-def accumulator_nbytes(shape, dtype) -> int:
-    """The bytes of the running sum of a `shape` value of `dtype` (`accumulator_dtype`).
-
-    Example:
-        >>> accumulator_nbytes((3, 4), "float16"), accumulator_nbytes((3, 4), "float64")
-        (48, 96)
-    """
-    return math.prod(shape) * np.dtype(accumulator_dtype(dtype)).itemsize
 
 
 def mean(total, num_steps: int):

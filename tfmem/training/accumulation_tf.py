@@ -22,12 +22,8 @@ from tfmem.training import loss_terms, micro_batches
 from tfmem.runtime.cluster import split_batch
 from tfmem.training import placement
 from tfmem.training import sparse_gradients
-from tfmem.training.accumulation_math import (
-    AccumulationState,
-    accumulator_dtype,
-    average_statistic,
-    mean,
-)
+from tfmem.runtime.precision import accumulator_dtype
+from tfmem.training.accumulation_math import AccumulationState, average_statistic, mean
 
 
 class AccumTrainer:
@@ -108,15 +104,11 @@ class AccumTrainer:
         return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
     def _build_before_tracing(self, iterator, data_batch) -> None:
-        """Without a strategy Keras 3.15 builds nothing here: the optimizer's slots and the
-        metrics' variables are made while the step traces, and TensorFlow then traces the step
-        a second time (a function that makes variables is traced once to make them and again
-        to run) and keeps both graphs for the run's life (tiramisu-103 at 224 px: two graphs
-        of 30,000 ops, 368 MiB more resident set, 63% more time in the first step). Built
-        here from the data's shapes (the dataset's element spec: no batch is read, no
-        shuffle buffer filled), the step traces once.
-        Data whose shapes are not plain tensors (ragged, sparse) is left to Keras, as is a
-        model that cannot be built on symbolic inputs: the step then builds it as before."""
+        """Builds the model, its optimizer and metrics from the data's shapes (the dataset's
+        element spec: no batch is read), so that the step traces once: without a strategy
+        Keras 3.15 makes their variables while the step traces, and TensorFlow then traces it
+        twice and keeps both graphs (docs/benchmarks.md, "The first step"). Ragged or sparse
+        data, or a model that cannot be built on symbolic inputs, is left to Keras."""
         if iterator is not None:
             data_batch = internals.epoch_dataset(iterator).element_spec
         if data_batch is None or not _dense(data_batch):

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
-from tfmem.training.accumulation_math import accumulator_dtype
+from tfmem.runtime.precision import accumulator_dtype
 
 
 class Rows(NamedTuple):

@@ -18,7 +18,7 @@ from tfmem.remat import segments
 from tfmem.remat.graph import node_order, range_inputs
 from tfmem.remat.spec import Ranges, RematSpec
 
-CASES = os.path.join(os.path.dirname(__file__), "remat_cases.py")
+CASES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "training", "remat_cases.py")
 
 
 def test_rematerialized_block_ends_with_the_same_weights_and_statistics():
