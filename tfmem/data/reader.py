@@ -19,7 +19,7 @@ import sys
 
 from tfmem._tf import tf
 
-from tfmem.data import integrity
+from tfmem.data import augment, integrity
 from tfmem.data import manifest as manifest_lib
 from tfmem.data import pipeline
 from tfmem.data import schema as schema_lib
@@ -322,16 +322,17 @@ def image_dataset(
         records = records.apply(tf.data.experimental.assert_cardinality(sum(counts)))
     if shard_records:
         records = records.shard(pipelines, index)
+    transform = augment.batch_transform(schema, options, source.num_classes)
     spec, names = source.spec, tf.constant(source.files)
     decode_batch = pipeline.decode_fn(
         schema, parse=lambda record: tf.io.parse_single_example(record, spec),
-        label_is_string=schema.labelled and spec[schema.label_key].dtype == tf.string,
+        label_is_string=schema.label_key is not None and spec[schema.label_key].dtype == tf.string,
         num_classes=source.num_classes, options=options,
         describe=lambda shards, indices: (tf.gather(names, shards), indices),
         skip_corrupt=bool(skip_corrupt), log=skipped)
     dataset = pipeline.batched(records, decode_batch,
                                dataclasses.replace(options, batch_size=batch_size),
-                               bool(skip_corrupt), rows=rows)
+                               bool(skip_corrupt), rows=rows, transform=transform)
     if split is not None and integrity.UNKNOWN not in source.counts:
         # Every process takes the same number of steps (one more alone would wait forever).
         dataset = dataset.take(sum(source.counts) // options.batch_size)
