@@ -190,7 +190,10 @@ def inspect_tfrecords(path_or_pattern: str | os.PathLike) -> str:
             lines.append(f"  {key!r} decodes to an image of shape {tuple(shape)}")
     if manifest_lib.has_manifest(path_or_pattern):
         manifest = manifest_lib.read_manifest(path_or_pattern)
-        lines.append(f"Manifest: {manifest.num_examples} examples, {manifest.num_classes} classes")
+        task = "" if manifest.task == "classification" else (
+            f", {manifest.task} (ignore value {manifest.ignore_value})")
+        lines.append(f"Manifest: {manifest.num_examples} examples, {manifest.num_classes} "
+                     f"classes{task}")
         lines.append(f"Schema: {manifest.schema}")
         return "\n".join(lines)
     try:
@@ -227,8 +230,9 @@ def image_dataset(
             the shards and schema), a directory of foreign TFRecords, or a glob of shards.
         schema: feature keys of foreign records; default: from the manifest, else detected
             from the first record (see `tfmem.detect_schema`).
-        num_classes: labels must lie in `[0, num_classes)`; default: the manifest's or the
-            schema's class count (then giving another one is an error).
+        num_classes: labels (mask values other than the ignore value) must lie in
+            `[0, num_classes)`; default: the manifest's or the schema's class count (then
+            giving another one is an error).
         skip_corrupt: skip what cannot be read (a truncated or corrupted shard's rest, a
             missing shard, a record that cannot be decoded) instead of raising an error that
             names it; each skip is printed on stderr, naming the shard and record.
@@ -241,13 +245,17 @@ def image_dataset(
 
     Returns:
         `(images, labels)`: float32 `(batch, height, width, channels)` in `data_range` and
-        int32 `(batch,)`. Unlabelled sets give `(images, ids)`, or images alone without ids.
+        int32 `(batch,)`. Segmentation sets (a mask per record: tfmem's, or DeepLab's layout)
+        give `(images, masks)`: masks int32 `(batch, height, width)` of class indices and
+        the ignore value (resized nearest-neighbour), or `(batch, height, width, classes)`
+        of 0/1 for multi-label masks. Unlabelled sets give `(images, ids)`, or images alone
+        without ids.
 
     Raises:
         ValueError: no files, unknown keys, an option out of range, a manifest set whose
             shards are missing or of another size. While reading,
             `tf.errors.InvalidArgumentError` names the shard (and record) of damaged data or
-            of a label outside the classes (unless `skip_corrupt`, for damage).
+            of a label or mask value outside the classes (unless `skip_corrupt`, for damage).
 
     Example:
         >>> train = tfmem.image_dataset("/data/flowers/train", image_size=(224, 224),
