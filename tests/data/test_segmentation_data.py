@@ -90,6 +90,12 @@ def test_arrays_round_trip_to_masks_with_deeplab_keys(written, tmp_path):
     assert multi.class_names == ("0", "1", "2", "3") and multi.schema.multi_label
     np.testing.assert_array_equal(np.stack(_stored(multi)), (channels * [1, 2, 4, 8]).sum(-1))
 
+    # Two classes stored as 0 and 255 would leave the foreground ignored: refused.
+    with pytest.raises(ValueError, match=r"The 6 masks hold no class but 0 \(background\), "
+                                         r"besides the ignore value 255"):
+        tfmem.write_image_tfrecords((images, (masks > 0) * 255), tmp_path / "binary")
+    assert not list((tmp_path / "binary").iterdir())
+
 
 def test_augmentation_moves_image_and_mask_together(written, tmp_path):
     _, masks, _ = written

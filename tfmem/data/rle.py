@@ -132,7 +132,8 @@ def csv_source(images_root: str, csv_path: str, class_names: Sequence[str] | Non
     if not tf.io.gfile.isdir(images_root):
         raise ValueError(f"Image folder {images_root!r} does not exist or is not a directory.")
     files = {name: os.path.join(images_root, name) for name in tf.io.gfile.listdir(images_root)
-             if not name.startswith(".")}
+             if not name.startswith(".")
+             and not tf.io.gfile.isdir(os.path.join(images_root, name))}
     stems = {os.path.splitext(name)[0]: path for name, path in files.items()}
     paths = {image: files.get(image, stems.get(image)) for image in table}
     missing = sorted(image for image, path in paths.items() if path is None)

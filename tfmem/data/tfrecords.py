@@ -304,11 +304,18 @@ def write_image_tfrecords(
             max_label, encodings = max(max_label, item.label), encodings | {item.encoding}
             if progress is not None:
                 progress(num_examples, num_bytes, total)
+        if schema.mask_key is not None and names is None and max_label < 1:
+            raise ValueError(
+                f"The {num_examples} masks hold no class but 0 (background), besides the "
+                f"ignore value {schema.ignore_value}: there is nothing to segment. Masks of "
+                "two classes stored as 0 and 255 need 0 and 1 (or ignore_value=None, "
+                "`--ignore-value none`, and class_names for 256 classes); pass class_names "
+                "(`--class-names`) if class 0 alone is meant")
         writer.finish_shard()
     except BaseException:  # includes KeyboardInterrupt: leave the directory as it was
         writer.abort()
         raise
-    if names is None:  # a dataset source without class names: as many as the labels need
+    if names is None:  # no class names given: as many as the labels (mask values) need
         names = [str(i) for i in range(max_label + 1)]
     result = manifest_lib.Manifest(
         directory=output_dir,
