@@ -68,6 +68,15 @@ class MaskFormat:
 
     def check(self, mask: np.ndarray, where: str) -> int:
         """The largest class in `mask` (-1: none); raises naming `where` on a bad value."""
+        if self.multi_label:
+            channels = mask.shape[-1]
+            if channels > MAX_CHANNELS or (self.class_names is not None
+                                           and channels != len(self.class_names)):
+                named = (f" for {len(self.class_names)} class_names"
+                         if self.class_names is not None else "")
+                raise ValueError(
+                    f"{where} has {channels} channels{named}; a multi-label mask has one "
+                    f"channel per class, at most {MAX_CHANNELS} (the bits of an 8-bit PNG)")
         values = np.unique(mask)
         bad = values < 0
         if self.multi_label:
@@ -209,9 +218,6 @@ def numpy_source(images: np.ndarray, masks: np.ndarray, mask_format: MaskFormat,
                          f"{images.shape}: each mask needs its image's height and width.")
     if not (np.issubdtype(masks.dtype, np.integer) or masks.dtype == bool):
         raise ValueError(f"Masks must hold integer class indices; got {masks.dtype}.")
-    if mask_format.multi_label and masks.shape[-1] > MAX_CHANNELS:
-        raise ValueError(f"Multi-label masks have at most {MAX_CHANNELS} channels (one bit "
-                         f"each of an 8-bit PNG); got {masks.shape[-1]}.")
     largest = [mask_format.check(mask, f"masks[{index}]") for index, mask in enumerate(masks)]
     order = np.random.default_rng(seed).permutation(len(images)) if shuffle else range(
         len(images))

@@ -190,8 +190,9 @@ def inspect_tfrecords(path_or_pattern: str | os.PathLike) -> str:
             lines.append(f"  {key!r} decodes to an image of shape {tuple(shape)}")
     if manifest_lib.has_manifest(path_or_pattern):
         manifest = manifest_lib.read_manifest(path_or_pattern)
-        task = "" if manifest.task == "classification" else (
-            f", {manifest.task} (ignore value {manifest.ignore_value})")
+        schema = manifest.schema
+        task = ("" if schema.mask_key is None else ", segmentation (multi-label masks)"
+                if schema.multi_label else f", segmentation (ignore value {schema.ignore_value})")
         lines.append(f"Manifest: {manifest.num_examples} examples, {manifest.num_classes} "
                      f"classes{task}")
         lines.append(f"Schema: {manifest.schema}")
