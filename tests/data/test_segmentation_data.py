@@ -102,9 +102,12 @@ def test_augmentation_moves_image_and_mask_together(written, tmp_path):
     # Each pixel's brightness tells its class: 100 + 50 × class (ignored pixels: 250).
     images = np.repeat((100 + 50 * np.minimum(masks, 3))[..., None], 3, axis=-1).astype(np.uint8)
     manifest = tfmem.write_image_tfrecords((images, masks), tmp_path, shuffle=False)
-    images, read = _read(manifest.directory, image_size=(16, 24), training=True, augment=True,
-                         seed=3, batch_size=NUM_EXAMPLES)
-    assert read.shape == (NUM_EXAMPLES, 16, 24)
+    dataset = tfmem.image_dataset(manifest.directory, image_size=(16, 24), training=True,
+                                  augment=True, seed=3, batch_size=NUM_EXAMPLES)
+    # Static shapes (drop_remainder), as TPUs need, after the augmentation too.
+    assert [tuple(spec.shape) for spec in dataset.element_spec] == [
+        (NUM_EXAMPLES, 16, 24, 3), (NUM_EXAMPLES, 16, 24)]
+    (images, read), = dataset.as_numpy_iterator()
     value = images[..., 0]
     # Away from edges (where bilinear mixes two classes) the image says the mask's class; a
     # pixel outside the zoomed-out image is 0 in the image and ignored in the mask.

@@ -52,7 +52,8 @@ def batch_transform(schema: Schema, options: ReaderOptions,
 def jointly_augmented(images: tf.Tensor, masks: tf.Tensor, size: tuple[int, int],
                       fill: int, seed: int | None = None) -> tuple[tf.Tensor, tf.Tensor]:
     """Images `(B, H, W, C)` float and masks `(B, H, W)` scaled, cropped and flipped alike."""
-    batch = tf.shape(images)[0]
+    # The static batch size when there is one (drop_remainder): TPUs need static shapes.
+    batch = images.shape[0] if images.shape[0] is not None else tf.shape(images)[0]
     # One draw per example: scale, the box's two offsets and the flip.
     draw = tf.random.uniform([batch, 4], seed=seed)
     low, high = SCALE_RANGE
