@@ -107,6 +107,17 @@ def one_line_warnings() -> Iterator[None]:
         warnings.formatwarning = shown
 
 
+def image_size(text: str, flag: str = "--image-size") -> tuple[int, int]:
+    """`"224"` → `(224, 224)`, `"360,480"` → `(360, 480)` (height, width); a `UsageError`
+    naming `flag` otherwise."""
+    parts = [part.strip() for part in str(text).split(",")]
+    if len(parts) in (1, 2) and all(part.isdigit() and int(part) > 0 for part in parts):
+        height, width = (int(part) for part in parts * (3 - len(parts)))
+        return height, width
+    raise UsageError(f"{flag} {text!r} is not a size: pass one number for square images "
+                     f"({flag} 224) or height,width ({flag} 360,480)")
+
+
 def fail(message: str, status: int) -> None:
     print(f"error: {message}", file=sys.stderr)
     sys.exit(status)

@@ -61,7 +61,25 @@ def test_every_script_reports_a_bad_command_in_one_line_with_status_2(tmp_path):
         (tmp_path / "photos" / folder).mkdir(parents=True)
     (tmp_path / "photos" / "cats" / "a.png").write_bytes(
         tf.io.encode_png(np.zeros((4, 4, 3), np.uint8)).numpy())
+    for folder in ("images", "masks"):  # a segmentation pair: b.png's mask has no image
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "a.png").write_bytes(
+            tf.io.encode_png(np.zeros((4, 6, 1), np.uint8)).numpy())
+    (tmp_path / "masks" / "b.png").write_bytes((tmp_path / "masks" / "a.png").read_bytes())
+    (tmp_path / "runs.csv").write_text("ImageId,EncodedPixels\na.png,20 8\n")  # 24 pixels
     commands = {
+        "mask alone": (["scripts/make_tfrecords.py", f"--source={tmp_path / 'images'}",
+                        f"--masks={tmp_path / 'masks'}", f"--output={tmp_path / 'seg'}"],
+                       rf"error: mask '{tmp_path / 'masks' / 'b.png'}' has no image in "
+                       rf"'{tmp_path / 'images'}' \(expected a file named 'b' with any "
+                       r"extension; 1 mask\(s\) without one\); each mask needs its image "
+                       r"under the same name"),
+        "rle runs": (["scripts/make_tfrecords.py", f"--source={tmp_path / 'images'}",
+                      f"--rle-csv={tmp_path / 'runs.csv'}", "--ignore-value=none",
+                      f"--output={tmp_path / 'seg'}"],
+                     rf"error: '{tmp_path / 'runs.csv'}', image 'a.png', class '1': its runs "
+                     r"leave the image's 24 pixels \(6×4\), or have a negative start or "
+                     r"length"),
         "empty class": (["scripts/make_tfrecords.py", f"--source={tmp_path / 'photos'}",
                          f"--output={tmp_path / 'out'}"],
                         rf"error: 1 class folder\(s\) of '{tmp_path / 'photos'}' hold no images: "

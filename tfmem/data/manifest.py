@@ -44,9 +44,10 @@ class Manifest:
     Attributes:
         directory: the directory holding the shards and `manifest.json`.
         num_examples: total records over all shards.
-        class_names: class names; a label `i` means `class_names[i]`.
+        class_names: class names; a label `i` (or mask value `i`) means `class_names[i]`.
         shards: the shards, in writing order.
-        schema: the feature keys of each record (see `tfmem.Schema`).
+        schema: the feature keys of each record (see `tfmem.Schema`); a segmentation set's
+            also says its ignore value and whether its masks are multi-label.
         image_formats: encodings found among the stored images, e.g. `("jpeg", "png")`.
         pixel_range: range of the stored (decoded, uint8) pixel values; `image_dataset`'s
             `data_range` rescales from it.
@@ -72,6 +73,16 @@ class Manifest:
     origin: str = ""
 
     @property
+    def task(self) -> str:
+        """`"segmentation"` (records hold masks) or `"classification"` (labels)."""
+        return self.schema.task
+
+    @property
+    def ignore_value(self) -> int | None:
+        """The mask value of pixels without a class (segmentation sets), else None."""
+        return self.schema.ignore_value
+
+    @property
     def num_classes(self) -> int:
         """Number of classes (`len(class_names)`)."""
         return len(self.class_names)
@@ -94,11 +105,14 @@ class Manifest:
 
     def to_json(self) -> str:
         """The manifest as the JSON text stored in `manifest.json`."""
-        # "origin" is written only when known, so that a set without one keeps its fingerprint.
+        # "origin" is written only when known, and "task" only for segmentation, so that a
+        # classification set without an origin keeps its fingerprint.
         origin = {"origin": self.origin} if self.origin else {}
+        task = {"task": self.task} if self.task != "classification" else {}
         return json.dumps(
             {
                 "format": _FORMAT,
+                **task,
                 "tfmem_version": self.tfmem_version,
                 "num_examples": self.num_examples,
                 "num_classes": self.num_classes,
@@ -198,6 +212,9 @@ def read_manifest(dir_or_pattern: str | os.PathLike) -> Manifest:
     except (KeyError, TypeError, ValueError) as error:
         raise ValueError(f"{path!r} is damaged ({type(error).__name__}: {error}); write the "
                          "set again.") from None
+    if data.get("task", "classification") != manifest.task:
+        raise ValueError(f"{path!r} is damaged: its task is {data.get('task')!r} but its schema "
+                         f"describes {manifest.task}; write the set again.")
     listed = sum(shard.num_examples for shard in shards)
     if listed != manifest.num_examples:
         raise ValueError(

@@ -30,7 +30,8 @@ class ReaderOptions:
     """How records become batches: size, range, shuffling, sharding and the memory bounds.
 
     Attributes:
-        image_size: `(height, width)` every image is resized to (bilinear).
+        image_size: `(height, width)` every image is resized to (bilinear; masks
+            nearest-neighbour).
         batch_size: examples per batch; with `input_context`, the *global* batch, divided
             among the replicas.
         training: shuffle, augment if asked, drop the last partial batch, non-deterministic.
@@ -38,7 +39,8 @@ class ReaderOptions:
         channels: channels of the decoded images (1 = grey, 3 = RGB, 4 = RGBA).
         shuffle_buffer_size: encoded records in the shuffle buffer (memory ≈ this × the
             mean record size, e.g. 1024 × 110 KB for ImageNet JPEGs).
-        augment: random left-right flips when training.
+        augment: random left-right flips when training; for segmentation sets also a
+            random scale (0.5-2×) and crop, the same for an image and its mask.
         cache: keep decoded, resized images in memory after the first epoch. Only for sets
             that fit in RAM (examples × height × width × channels × 4 bytes); it ends
             streaming, so it is off unless asked.

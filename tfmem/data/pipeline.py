@@ -40,9 +40,10 @@ def decode_fn(schema: schema_lib.Schema, *, parse: Callable | None, label_is_str
               describe: Callable[..., tuple[tf.Tensor, tf.Tensor]], skip_corrupt: bool,
               log: integrity.SkippedRecords | None):
     """`(payloads, *locators) -> parts` for a batch of records; `parts` is `(images, labels)`,
-    `(images, ids)` or `(images,)` of the records that decoded. A record that does not decode
-    raises an error naming it, or with `skip_corrupt` is reported and left out; a label outside
-    the classes always raises. `describe(*locators)` gives `(shard names, indices)`.
+    `(images, masks)` (uint8, resized nearest-neighbour), `(images, ids)` or `(images,)` of
+    the records that decoded. A record that does not decode raises an error naming it, or with
+    `skip_corrupt` is reported and left out; a label or mask value outside the classes (and
+    the ignore value) always raises. `describe(*locators)` gives `(shard names, indices)`.
     """
     table = None
     if label_is_string:
@@ -51,7 +52,7 @@ def decode_fn(schema: schema_lib.Schema, *, parse: Callable | None, label_is_str
                 list(schema.class_names), tf.range(len(schema.class_names), dtype=tf.int64)),
             default_value=-1)
     limit = options.max_image_pixels
-    decode = _record_decoder(schema, parse, options)
+    decode = _record_decoder(schema, parse, options, num_classes)
 
     def name(locators, position):
         shard, index = describe(*(tf.gather(part, position) for part in locators))
@@ -108,6 +109,10 @@ def decode_fn(schema: schema_lib.Schema, *, parse: Callable | None, label_is_str
                          for part in parts]
         if not schema.labelled:
             return tuple(parts)
+        if schema.mask_key is not None:
+            images, masks, bad = parts
+            _check_masks(bad, schema, num_classes, lambda position: name(locators, kept[position]))
+            return images, masks
         images, stored = parts
         labels = _checked_labels(stored, schema, table, num_classes,
                                  lambda position: name(locators, kept[position]))
@@ -117,11 +122,22 @@ def decode_fn(schema: schema_lib.Schema, *, parse: Callable | None, label_is_str
 
 
 def _record_decoder(schema: schema_lib.Schema, parse: Callable | None,
-                    options: ReaderOptions) -> Callable:
-    """`payload -> parts` of one record: its image decoded, resized and scaled, with its label
-    or id; an image over `max_image_pixels` fails before it is decoded."""
+                    options: ReaderOptions, num_classes: int | None) -> Callable:
+    """`payload -> parts` of one record: its image decoded, resized and scaled, with its label,
+    its mask (resized nearest-neighbour) and the mask's largest value outside the classes and
+    the ignore value (or -1), or its id; an image over `max_image_pixels` fails before it is
+    decoded."""
     height, width = options.image_size
     limit = options.max_image_pixels
+
+    def outside(values):
+        """Which mask values are neither a class (a class's bit) nor the ignore value."""
+        if schema.multi_label:
+            return values >= 2**num_classes
+        if num_classes is None:  # any 8-bit value may be a class
+            return tf.zeros_like(values, tf.bool)
+        return tf.logical_and(values >= num_classes, values != (
+            -1 if schema.ignore_value is None else schema.ignore_value))
 
     def decode(payload):
         features = payload if parse is None else parse(payload)
@@ -134,11 +150,36 @@ def _record_decoder(schema: schema_lib.Schema, parse: Callable | None,
         image = tf.image.resize(image, (height, width))  # float32, values still in 0..255
         if options.data_range == (0, 1):
             image = image / 255.0
+        if schema.mask_key is not None:
+            mask = tf.io.decode_png(features[schema.mask_key], channels=1)
+            # Checked at its own size (before resizing can drop a pixel).
+            values = tf.cast(mask, tf.int32)
+            bad = tf.reduce_max(tf.where(outside(values), values, -1))
+            # Nearest-neighbour: a mask value is a class, never a mean of two.
+            mask = tf.image.resize(mask, (height, width), method="nearest")
+            return image, mask[..., 0], bad
         if schema.labelled:
             return image, features[schema.label_key]
         return (image, features[schema.id_key]) if schema.id_key else (image,)
 
     return decode
+
+
+def _check_masks(bad: tf.Tensor, schema: schema_lib.Schema, num_classes: int | None,
+                 name: Callable[[tf.Tensor], tf.Tensor]) -> None:
+    """Raises for the first record of a batch whose mask holds a value outside the classes
+    and the ignore value (`bad`: each record's largest such value, or -1), naming it."""
+    if tf.reduce_any(bad >= 0):
+        first = tf.argmax(tf.cast(bad >= 0, tf.int32))
+        expected = (f"{num_classes} multi-label bits (a value below {2**num_classes})"
+                    if schema.multi_label else
+                    f"a class index in [0, {num_classes})" + (
+                        f" or the ignore value {schema.ignore_value}"
+                        if schema.ignore_value is not None else ""))
+        tf.debugging.Assert(False, [tf.strings.join([
+            "tfmem: ", name(first), f": its mask (`{schema.mask_key}`) holds the value ",
+            tf.strings.as_string(bad[first]), f", not {expected}; check num_classes "
+            "(`--num-classes`) and the Schema's ignore_value"])])
 
 
 def _checked_labels(stored: tf.Tensor, schema: schema_lib.Schema, table, num_classes,
@@ -246,10 +287,12 @@ def own_rows(elements: tf.data.Dataset, processes: int, index: int,
 
 
 def batched(elements: tf.data.Dataset, decode_batch, options: ReaderOptions,
-            skip_corrupt: bool, rows: tuple[int, int] | None = None) -> tf.data.Dataset:
-    """Shuffle (training) → batch → decode (`decode_batch`) → augment → prefetch.
+            skip_corrupt: bool, rows: tuple[int, int] | None = None,
+            transform: Callable | None = None) -> tf.data.Dataset:
+    """Shuffle (training) → batch → decode (`decode_batch`) → `transform` → prefetch.
 
-    `elements` are `(payload, *locator)`, still encoded; `decode_batch` is from `decode_fn`.
+    `elements` are `(payload, *locator)`, still encoded; `decode_batch` is from `decode_fn`;
+    `transform` (from `augment.batch_transform`) augments a decoded batch.
     Memory: `prefetch_batches` decoded batches, plus `BATCHES_IN_FLIGHT` being decoded.
     `rows` = `(processes, index)`: the elements are every process's, and this process keeps
     its rows of each global batch (`options.batch_size` is then the per-process batch).
@@ -281,9 +324,8 @@ def batched(elements: tf.data.Dataset, decode_batch, options: ReaderOptions,
             dataset = dataset.rebatch(batch_size, drop_remainder=options.drop_remainder)
     if len(dataset.element_spec) == 1:  # images alone
         dataset = dataset.map(lambda images: images)
-    if training and options.augment:  # each image of the batch flipped or not
-        dataset = dataset.map(lambda images, *rest: (
-            tf.image.random_flip_left_right(images, seed), *rest))
+    if transform is not None:
+        dataset = dataset.map(transform)
     # Decode the next batches while this one trains. A fixed depth, not AUTOTUNE: tf.data's
     # prefetch autotuner doubles its buffer each time a full buffer drains to empty and never
     # shrinks it, so a run with pauses (validation, checkpoints) keeps growing

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 from tfmem._tf import tf
 
-from tfmem.data import integrity
+from tfmem.data import augment, integrity
 from tfmem.data import manifest as manifest_lib
 from tfmem.data import pipeline
 from tfmem.data import schema as schema_lib
@@ -191,7 +191,11 @@ def inspect_tfrecords(path_or_pattern: str | os.PathLike) -> str:
             lines.append(f"  {key!r} decodes to an image of shape {tuple(shape)}")
     if manifest_lib.has_manifest(path_or_pattern):
         manifest = manifest_lib.read_manifest(path_or_pattern)
-        lines.append(f"Manifest: {manifest.num_examples} examples, {manifest.num_classes} classes")
+        schema = manifest.schema
+        task = ("" if schema.mask_key is None else ", segmentation (multi-label masks)"
+                if schema.multi_label else f", segmentation (ignore value {schema.ignore_value})")
+        lines.append(f"Manifest: {manifest.num_examples} examples, {manifest.num_classes} "
+                     f"classes{task}")
         lines.append(f"Schema: {manifest.schema}")
         return "\n".join(lines)
     try:
@@ -228,8 +232,9 @@ def image_dataset(
             the shards and schema), a directory of foreign TFRecords, or a glob of shards.
         schema: feature keys of foreign records; default: from the manifest, else detected
             from the first record (see `tfmem.detect_schema`).
-        num_classes: labels must lie in `[0, num_classes)`; default: the manifest's or the
-            schema's class count (then giving another one is an error).
+        num_classes: labels (mask values other than the ignore value) must lie in
+            `[0, num_classes)`; default: the manifest's or the schema's class count (then
+            giving another one is an error).
         skip_corrupt: skip what cannot be read (a truncated or corrupted shard's rest, a
             missing shard, a record that cannot be decoded) instead of raising an error that
             names it; each skip is printed on stderr, naming the shard and record.
@@ -242,13 +247,17 @@ def image_dataset(
 
     Returns:
         `(images, labels)`: float32 `(batch, height, width, channels)` in `data_range` and
-        int32 `(batch,)`. Unlabelled sets give `(images, ids)`, or images alone without ids.
+        int32 `(batch,)`. Segmentation sets (a mask per record: tfmem's, or DeepLab's layout)
+        give `(images, masks)`: masks int32 `(batch, height, width)` of class indices and
+        the ignore value (resized nearest-neighbour), or `(batch, height, width, classes)`
+        of 0/1 for multi-label masks. Unlabelled sets give `(images, ids)`, or images alone
+        without ids.
 
     Raises:
         ValueError: no files, unknown keys, an option out of range, a manifest set whose
             shards are missing or of another size. While reading,
             `tf.errors.InvalidArgumentError` names the shard (and record) of damaged data or
-            of a label outside the classes (unless `skip_corrupt`, for damage).
+            of a label or mask value outside the classes (unless `skip_corrupt`, for damage).
 
     Example:
         >>> train = tfmem.image_dataset("/data/flowers/train", image_size=(224, 224),
@@ -298,16 +307,17 @@ def image_dataset(
         records = records.apply(tf.data.experimental.assert_cardinality(sum(share.counts)))
     if share.record_shard is not None:
         records = records.shard(*share.record_shard)
+    transform = augment.batch_transform(schema, options, source.num_classes)
     spec, names = source.spec, tf.constant(source.files)
     decode_batch = pipeline.decode_fn(
         schema, parse=lambda record: tf.io.parse_single_example(record, spec),
-        label_is_string=schema.labelled and spec[schema.label_key].dtype == tf.string,
+        label_is_string=schema.label_key is not None and spec[schema.label_key].dtype == tf.string,
         num_classes=source.num_classes, options=options,
         describe=lambda shards, indices: (tf.gather(names, shards), indices),
         skip_corrupt=bool(skip_corrupt), log=skipped)
     dataset = pipeline.batched(records, decode_batch,
                                dataclasses.replace(options, batch_size=share.batch_size),
-                               bool(skip_corrupt), rows=share.rows)
+                               bool(skip_corrupt), rows=share.rows, transform=transform)
     if share.split is not None and integrity.UNKNOWN not in source.counts:
         # Every process takes the same number of steps (one more alone would wait forever).
         dataset = dataset.take(sum(source.counts) // options.batch_size)

@@ -1,4 +1,4 @@
-"""Which feature of a TFRecord `tf.train.Example` holds the image, the label and the id.
+"""Which feature of a TFRecord `tf.train.Example` holds the image, the label (or mask) and the id.
 
 tfmem's own shards say so in their manifest. Shards written by other tools (Kaggle competition
 sets, the ImageNet/TF-slim layout) have none, so `detect_schema` reads the first record of the
@@ -7,6 +7,8 @@ first shard and recognises the common layouts:
 - Kaggle: `image` + `class` / `label` / `target` (+ `id`); test sets: `image` + `id` only.
 - ImageNet / TF-slim: `image/encoded` + `image/class/label`, whose labels are usually 1-based
   (0 was "background"), so the label offset must be given explicitly.
+- DeepLab / TF Model Garden segmentation: `image/encoded` + `image/segmentation/class/encoded`
+  (a PNG of class indices per pixel; 255 marks pixels to ignore).
 
 When the layout is ambiguous or a key is missing, the error lists the keys found with their
 types and shows the `Schema(...)` to pass.
@@ -29,6 +31,10 @@ _IMAGE_SIGNATURES = {
 }
 # Label keys of the common layouts, in the order they are tried.
 LABEL_KEYS = ("label", "class", "target", "image/class/label")
+# Mask keys of the segmentation layouts: a PNG of class indices per pixel.
+MASK_KEYS = ("image/segmentation/class/encoded", "mask")
+# The value DeepLab and the Model Garden give pixels without a class (borders, "void").
+DEFAULT_IGNORE_VALUE = 255
 ID_KEYS = ("id", "image_id", "image_name", "image/filename", "filename", "image/source_id")
 # Keys that describe an image rather than label it: ignored when deciding "unlabelled".
 _METADATA_SUFFIXES = (
@@ -68,7 +74,7 @@ class FeatureInfo:
 
 @dataclasses.dataclass(frozen=True)
 class Schema:
-    """Where a record keeps its encoded image, its label and its id.
+    """Where a record keeps its encoded image, its label (or mask) and its id.
 
     Attributes:
         image_key: bytes feature holding the encoded image (JPEG, PNG, GIF or BMP).
@@ -78,6 +84,13 @@ class Schema:
         label_offset: subtracted from stored int labels, e.g. 1 for TF-slim ImageNet shards
             whose labels run 1..1000 so that they become 0..999.
         class_names: class names; maps string labels to indices and gives `num_classes`.
+        mask_key: bytes feature holding a segmentation mask (a PNG of class indices per
+            pixel, the DeepLab layout); set, the records give `(images, masks)`.
+        ignore_value: the mask value of pixels without a class (not checked against the
+            classes; a loss skips it with `ignore_class`); None when no pixel is ignored.
+        multi_label: the mask's PNG packs one 0/1 channel per class into the bits of each
+            pixel (bit `c` for class `c`), for classes that overlap; read as
+            `(height, width, num_classes)`.
 
     Example:
         >>> schema = tfmem.Schema(image_key="image/encoded", label_key="image/class/label",
@@ -92,11 +105,14 @@ class Schema:
     id_key: str | None = None
     label_offset: int = 0
     class_names: tuple[str, ...] | None = None
+    mask_key: str | None = None
+    ignore_value: int | None = None
+    multi_label: bool = False
 
     def __post_init__(self):
         if not isinstance(self.image_key, str) or not self.image_key:
             raise TypeError(f"`image_key` must be a non-empty str, got {self.image_key!r}.")
-        for name in ("label_key", "id_key"):
+        for name in ("label_key", "id_key", "mask_key"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise TypeError(f"`{name}` must be a str or None, got {value!r}.")
@@ -104,15 +120,36 @@ class Schema:
             raise TypeError(f"`label_offset` must be an int, got {self.label_offset!r}.")
         if self.class_names is not None:
             object.__setattr__(self, "class_names", tuple(str(c) for c in self.class_names))
+        if self.mask_key is not None and self.label_key is not None:
+            raise ValueError(f"A Schema has a label (`label_key={self.label_key!r}`) or a "
+                             f"mask (`mask_key={self.mask_key!r}`), not both; pass "
+                             "label_key=None for a segmentation set.")
+        if self.ignore_value is not None and (isinstance(self.ignore_value, bool) or not (
+                isinstance(self.ignore_value, int) and 0 <= self.ignore_value <= 255)):
+            raise ValueError(f"`ignore_value` must be a mask value in [0, 255] or None, got "
+                             f"{self.ignore_value!r}.")
+        if (self.multi_label or self.ignore_value is not None) and self.mask_key is None:
+            raise ValueError("`ignore_value` and `multi_label` describe masks: pass "
+                             "`mask_key` with them.")
 
     @property
     def labelled(self) -> bool:
-        return self.label_key is not None
+        """Whether each record has a target: a label or a mask."""
+        return self.label_key is not None or self.mask_key is not None
+
+    @property
+    def task(self) -> str:
+        """`"segmentation"` (a mask per record) or `"classification"`."""
+        return "classification" if self.mask_key is None else "segmentation"
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self) | {
+        data = dataclasses.asdict(self) | {
             "class_names": list(self.class_names) if self.class_names is not None else None
         }
+        if self.mask_key is None:  # a classification schema keeps its text (and fingerprint)
+            for name in ("mask_key", "ignore_value", "multi_label"):
+                del data[name]
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping) -> Schema:
@@ -120,7 +157,8 @@ class Schema:
 
     def feature_spec(self, features: Mapping[str, FeatureInfo], path: str) -> dict:
         """The `tf.io.parse_single_example` spec, checked against the first record's features."""
-        wanted = {"image_key": self.image_key, "label_key": self.label_key, "id_key": self.id_key}
+        wanted = {"image_key": self.image_key, "label_key": self.label_key,
+                  "mask_key": self.mask_key, "id_key": self.id_key}
         spec = {}
         for role, key in wanted.items():
             if key is None:
@@ -133,9 +171,9 @@ class Schema:
                     "prints them)."
                 )
             info = features[key]
-            if role == "image_key" and info.kind != "bytes":
+            if role in ("image_key", "mask_key") and info.kind != "bytes":
                 raise ValueError(
-                    f"`image_key={key!r}` in {path!r} is {info.kind}, expected a bytes feature "
+                    f"`{role}={key!r}` in {path!r} is {info.kind}, expected a bytes feature "
                     f"holding an encoded image.\n{describe_features(features)}"
                 )
             if role == "label_key" and info.kind == "bytes" and self.class_names is None:
@@ -202,7 +240,10 @@ def _is_metadata(key: str) -> bool:
 
 
 def detect_schema(path: str, features: Mapping[str, FeatureInfo] | None = None) -> Schema:
-    """Recognises the layout of foreign image-classification TFRecords from their first record.
+    """Recognises the layout of foreign image TFRecords from their first record.
+
+    A record with a DeepLab mask (`image/segmentation/class/encoded`, or `mask`) is a
+    segmentation layout, read with DeepLab's ignore value 255.
 
     Args:
         path: a TFRecord file; its first record is read unless `features` is given.
@@ -225,6 +266,11 @@ def detect_schema(path: str, features: Mapping[str, FeatureInfo] | None = None) 
     listing = describe_features(features)
     images = [k for k, f in features.items()
               if f.kind == "bytes" and isinstance(f.first, bytes) and image_format(f.first)]
+    # A segmentation layout (a mask, no label): the other encoded image is the picture.
+    has_label = any(k in features for k in LABEL_KEYS)
+    masks = [k for k in MASK_KEYS if k in images and not has_label]
+    if masks:
+        images = [k for k in images if k != masks[0]]
     if len(images) != 1:
         what = "no feature holds" if not images else f"several features hold ({images})"
         raise ValueError(
@@ -235,6 +281,9 @@ def detect_schema(path: str, features: Mapping[str, FeatureInfo] | None = None) 
     image_key = images[0]
     ids = [k for k in ID_KEYS if k in features and features[k].kind in ("bytes", "int64")]
     id_key = ids[0] if ids else None
+    if masks:
+        return Schema(image_key=image_key, label_key=None, id_key=id_key, mask_key=masks[0],
+                      ignore_value=DEFAULT_IGNORE_VALUE)
     labels = [k for k in LABEL_KEYS if k in features and features[k].kind in ("bytes", "int64")]
     if len(labels) > 1:
         raise ValueError(

@@ -13,7 +13,7 @@ import os
 
 from tfmem._tf import tf
 
-from tfmem.data import pipeline
+from tfmem.data import augment, pipeline
 from tfmem.data.options import ReaderOptions, with_reader_options
 from tfmem.data.schema import Schema
 
@@ -107,11 +107,14 @@ def tfds_image_dataset(
         return (tf.strings.regex_replace(tfds_ids, "__[0-9]+$", ""),
                 tf.strings.to_number(tf.strings.regex_replace(tfds_ids, "^.*__", ""), tf.int64))
 
+    schema = Schema(image_key=image_key, label_key=label_key)
     decode_batch = pipeline.decode_fn(
-        Schema(image_key=image_key, label_key=label_key), parse=None, label_is_string=False,
+        schema, parse=None, label_is_string=False,
         num_classes=getattr(features[label_key], "num_classes", None), options=options,
         describe=describe, skip_corrupt=False, log=None)
+    transform = augment.batch_transform(schema, options, None)
     dataset = pipeline.batched(elements, decode_batch,
-                               dataclasses.replace(options, batch_size=batch_size), False)
+                               dataclasses.replace(options, batch_size=batch_size), False,
+                               transform=transform)
     return dataset.with_options(
         pipeline.dataset_options(options, builder.info.splits[split].num_shards))

@@ -1,280 +1,109 @@
-"""Writing image-classification sets to sharded TFRecord files (`write_image_tfrecords`).
+"""Writing image sets to sharded TFRecord files (`write_image_tfrecords`).
 
-Each record is a `tf.train.Example` with the encoded image (`image`: JPEG/PNG bytes), its
-`label`, `height`, `width`, `channels` and an `id`. Shards are written streaming, one example
-at a time, each under a temporary hidden name that is renamed when the shard is complete; the
-`manifest.json` is written last, in one rename, and it alone says which shards form the set.
-So a directory with a manifest is a complete set, and an interrupted run never leaves a
-half-written file under a shard's name. Replacing a set (`overwrite=True`) writes the new
-shards beside the old ones, under names of their own, and the new manifest's rename is the
-switch: a kill at any moment leaves the old set or the new one, complete; the files of the
-other are removed by the next write into the directory.
+A classification record is a `tf.train.Example` with the encoded image (`image`: JPEG/PNG
+bytes), its `label`, `height`, `width`, `channels` and an `id`; a segmentation record has
+DeepLab's and the TF Model Garden's keys (`image/encoded`, `image/format`, `image/height`,
+`image/width`, `image/channels`, `image/filename`, `image/segmentation/class/encoded`: a PNG
+mask, `image/segmentation/class/format`), so other tools read it too. Shards are written
+streaming, one example at a time, each under a temporary hidden name that is renamed when the
+shard is complete; the `manifest.json` is written last, in one rename, and it alone says which
+shards form the set. So a directory with a manifest is a complete set, and an interrupted run
+never leaves a half-written file under a shard's name. Replacing a set (`overwrite=True`)
+writes the new shards beside the old ones, under names of their own, and the new manifest's
+rename is the switch: a kill at any moment leaves the old set or the new one, complete; the
+files of the other are removed by the next write into the directory.
 """
 
 from __future__ import annotations
 
 import os
-import random
 import secrets
-import stat
-import struct
-import warnings
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 import numpy as np
 from tfmem._tf import tf
 
 from tfmem.data import manifest as manifest_lib
+from tfmem.data import masks as masks_lib
+from tfmem.data import rle, sources
 from tfmem.data.options import MAX_IMAGE_PIXELS
-from tfmem.data.schema import Schema, image_format
+from tfmem.data.schema import DEFAULT_IGNORE_VALUE
 
 SHARD_PATTERN = "shard-*.tfrecord"
-# The layout of our own records; the reader recognises it to catch sets without a manifest.
-SCHEMA = Schema(image_key="image", label_key="label", id_key="id")
+SCHEMA = sources.SCHEMA
 FEATURE_KEYS = ("channels", "height", "id", "image", "label", "width")
-_FOLDER_FORMATS = ("jpeg", "png")
 _ENCODINGS = ("png", "jpeg")
 
 Progress = Callable[[int, int, "int | None"], None]
 
 
-class _Encoded(NamedTuple):
-    data: bytes
-    label: int
-    height: int
-    width: int
-    channels: int
-    encoding: str
-    id: str
-
-
-def _example(item: _Encoded) -> bytes:
+def _example(item: sources.Encoded) -> bytes:
     def int64(value):
         return tf.train.Feature(int64_list=tf.train.Int64List(value=[value]))
 
     def bytes_(value):
         return tf.train.Feature(bytes_list=tf.train.BytesList(value=[value]))
 
-    feature = {
-        "image": bytes_(item.data),
-        "label": int64(item.label),
-        "height": int64(item.height),
-        "width": int64(item.width),
-        "channels": int64(item.channels),
-        "id": bytes_(item.id.encode()),
-    }
+    if item.mask is None:
+        feature = {
+            "image": bytes_(item.data),
+            "label": int64(item.label),
+            "height": int64(item.height),
+            "width": int64(item.width),
+            "channels": int64(item.channels),
+            "id": bytes_(item.id.encode()),
+        }
+    else:
+        feature = {
+            "image/encoded": bytes_(item.data),
+            "image/format": bytes_(item.encoding.encode()),
+            "image/height": int64(item.height),
+            "image/width": int64(item.width),
+            "image/channels": int64(item.channels),
+            "image/filename": bytes_(item.id.encode()),
+            "image/segmentation/class/encoded": bytes_(item.mask),
+            "image/segmentation/class/format": bytes_(b"png"),
+        }
     return tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString()
 
 
-def _encoded_shape(data: bytes, encoding: str) -> tuple[int, int, int]:
-    """(height, width, channels) from the header, without decoding the pixels."""
-    if encoding == "png":  # IHDR: width, height (big-endian uint32), bit depth, colour type
-        width, height, _, colour = struct.unpack(">IIBB", data[16:26])
-        return height, width, {0: 1, 2: 3, 3: 3, 4: 2, 6: 4}[colour]
-    height, width, channels = tf.image.extract_jpeg_shape(data).numpy().tolist()
-    return height, width, channels
+def _source(source, *, class_names, encoding, shuffle, seed, skip_unreadable, skipped,
+            allow_empty_classes, max_image_pixels, ignore_value, output_dir) -> sources.Source:
+    """The `sources.Source` of what `write_image_tfrecords` was given."""
+    def mask_format(multi_label=False):
+        return masks_lib.MaskFormat(class_names, ignore_value, multi_label)
 
-
-# ---- sources: each yields _Encoded items and knows its class names -----------------------
-
-
-def _folder_source(root: str, skip_unreadable: bool, shuffle: bool, seed: int, skipped: list,
-                   allow_empty_classes: bool, max_image_pixels: int):
-    if not tf.io.gfile.isdir(root):
-        raise ValueError(
-            f"Image folder {root!r} does not exist or is not a directory: expected "
-            "root/<class_name>/<image>.{jpg,jpeg,png}."
-        )
-    class_names = sorted(
-        name.rstrip("/") for name in tf.io.gfile.listdir(root)
-        if not name.startswith(".") and tf.io.gfile.isdir(os.path.join(root, name))
+    paths = (str, os.PathLike)
+    if isinstance(source, paths):
+        _check_outside(os.fspath(source), output_dir)
+        return sources.folder_source(os.fspath(source), skip_unreadable, shuffle, seed, skipped,
+                                     allow_empty_classes, max_image_pixels)
+    if isinstance(source, (tuple, list)) and len(source) == 2:
+        first, second = source
+        if isinstance(first, paths) and isinstance(second, paths):
+            images, targets = os.fspath(first), os.fspath(second)
+            _check_outside(images, output_dir)
+            if tf.io.gfile.isdir(targets) or not tf.io.gfile.exists(targets):
+                _check_outside(targets, output_dir)
+                return masks_lib.folder_pair_source(
+                    images, targets, mask_format(), skip_unreadable, shuffle, seed, skipped,
+                    max_image_pixels)
+            return rle.csv_source(images, targets, class_names, ignore_value, skip_unreadable,
+                                  shuffle, seed, skipped, max_image_pixels)
+        images, targets = np.asarray(first), np.asarray(second)
+        if targets.ndim in (3, 4) and len(targets) == len(images):
+            images = sources.checked_images(images)
+            return masks_lib.numpy_source(images, targets, mask_format(targets.ndim == 4), encoding,
+                                          shuffle, seed)
+        return sources.numpy_source(images, targets, class_names, encoding, shuffle, seed)
+    if isinstance(source, tf.data.Dataset):
+        return sources.dataset_source(source, class_names, encoding, max_image_pixels,
+                                      mask_format)
+    raise TypeError(
+        "`source` must be an image folder path, a pair (images, labels or masks) of numpy "
+        "arrays, a pair of folders (images, masks) or (images folder, RLE CSV file), or a "
+        f"tf.data.Dataset of (image, label); got {type(source).__name__}."
     )
-    files = []
-    for label, name in enumerate(class_names):
-        for directory, _, names in tf.io.gfile.walk(os.path.join(root, name)):
-            for path in (os.path.join(directory, f) for f in sorted(names)
-                         if not f.startswith(".")):
-                reason = _not_a_file(path)
-                if reason is None:
-                    files.append((path, label))
-                else:  # told before anything is written; opening a FIFO would wait forever
-                    _unreadable(path, root, reason, skip_unreadable, skipped)
-    if not files:
-        raise ValueError(
-            f"Found no images in {root!r} (class folders: {class_names or 'none'}): expected "
-            "root/<class_name>/<image>.{jpg,jpeg,png}, one sub-folder per class."
-        )
-    _check_empty_classes(root, class_names, {label for _, label in files}, allow_empty_classes)
-    # Folders list one class after another; shuffled once here so that every shard (and so
-    # every window of the reader's shuffle buffer) holds a mix of classes.
-    if shuffle:
-        random.Random(seed).shuffle(files)
-
-    def items():
-        for path, label in files:
-            try:
-                data = tf.io.gfile.GFile(path, "rb").read()
-                encoding = image_format(data)
-                if encoding not in _FOLDER_FORMATS:
-                    raise ValueError(f"not a JPEG or PNG file (starts with {data[:8]!r})")
-                _check_pixels(_encoded_shape(data, encoding), max_image_pixels)
-                # Decoded in full (not only the header) so that a damaged file fails here,
-                # naming itself, instead of in the middle of someone's training run.
-                shape = tf.io.decode_image(data, expand_animations=False).shape
-            except (ValueError, OSError, tf.errors.OpError) as error:
-                _unreadable(path, root, getattr(error, "message", str(error)), skip_unreadable,
-                            skipped)
-                continue
-            yield _Encoded(data, label, shape[0], shape[1], shape[2], encoding,
-                           os.path.relpath(path, root))
-
-    return class_names, len(files), items()
-
-
-def _not_a_file(path: str) -> str | None:
-    """Why `path` is no image file to open (a FIFO, a device, a broken link), or None."""
-    if "://" in path:  # object stores hold files only
-        return None
-    try:
-        mode = os.stat(path).st_mode
-    except OSError as error:
-        link = " (a symbolic link to nothing)" if os.path.islink(path) else ""
-        return f"it cannot be opened{link}: {error.strerror}"
-    if not stat.S_ISREG(mode):
-        return "not a regular file (a FIFO, socket or device): it was not opened"
-    return None
-
-
-def _unreadable(path: str, root: str, reason: str, skip_unreadable: bool, skipped: list) -> None:
-    """Skips `path` (counted) with `skip_unreadable`, else raises naming it."""
-    if skip_unreadable:
-        skipped.append(os.path.relpath(path, root))
-        return
-    raise ValueError(
-        f"Cannot read image {path!r}: {reason}. Remove or fix the file, or pass "
-        "skip_unreadable=True (`--skip_unreadable`) to skip and count such files."
-    )
-
-
-def _check_pixels(shape: tuple[int, int, int], max_image_pixels: int) -> None:
-    height, width = shape[:2]
-    if height * width > max_image_pixels:
-        raise ValueError(
-            f"its header says {width}×{height} = {height * width:,} pixels, above the limit of "
-            f"{max_image_pixels:,} (max_image_pixels, `--max-image-pixels`); it was not "
-            "decoded. Raise the limit if such images are meant")
-
-
-def _check_empty_classes(root: str, class_names: Sequence[str], used: set[int],
-                         allow_empty_classes: bool) -> None:
-    """A class folder without images keeps its label (the others' stay as sorted), but is
-    refused unless allowed, and then said."""
-    empty = [name for label, name in enumerate(class_names) if label not in used]
-    if not empty:
-        return
-    said = (f"{len(empty)} class folder(s) of {root!r} hold no images: "
-            f"{', '.join(repr(name) for name in empty[:10])}")
-    if not allow_empty_classes:
-        raise ValueError(
-            f"{said}; each would be a class without examples. Add images to it, remove it, "
-            "or pass allow_empty_classes=True (`--allow-empty-classes`) to keep it as a class")
-    warnings.warn(f"{said}; kept as classes without examples (allow_empty_classes)",
-                  stacklevel=3)
-
-
-def _check_labels(labels: np.ndarray, class_names: Sequence[str] | None) -> list[str]:
-    if labels.size and (labels.min() < 0):
-        raise ValueError(f"Labels must be class indices >= 0; found {labels.min()}.")
-    if class_names is None:
-        return [str(i) for i in range(int(labels.max()) + 1 if labels.size else 0)]
-    if labels.size and labels.max() >= len(class_names):
-        bad = np.flatnonzero(labels >= len(class_names))
-        raise ValueError(
-            f"Label {labels[bad[0]]} (at index {bad[0]}; {len(bad)} such labels) is out of range "
-            f"for {len(class_names)} class names {list(class_names)[:10]}: labels must lie in "
-            f"[0, {len(class_names) - 1}]. Pass the full class list or fix the labels."
-        )
-    return list(class_names)
-
-
-def _numpy_source(images, labels, class_names, encoding, shuffle, seed):
-    images, labels = np.asarray(images), np.asarray(labels)
-    if len(images) != len(labels):
-        raise ValueError(
-            f"Got {len(images)} images but {len(labels)} labels; expected one label per image."
-        )
-    if images.ndim not in (3, 4) or images.dtype != np.uint8:
-        raise ValueError(
-            f"Images must be a uint8 array of shape (N, H, W) or (N, H, W, C); got {images.dtype} "
-            f"{images.shape}. Convert with e.g. `np.clip(x * 255, 0, 255).astype(np.uint8)`."
-        )
-    if images.ndim == 3:
-        images = images[..., None]
-    if images.shape[-1] not in (1, 3, 4):
-        raise ValueError(f"Images need 1, 3 or 4 channels; got shape {images.shape}.")
-    if not np.issubdtype(labels.dtype, np.integer) or labels.ndim != 1:
-        raise ValueError(f"Labels must be a 1-D integer array; got {labels.dtype} {labels.shape}.")
-    class_names = _check_labels(labels, class_names)
-    order = np.arange(len(images))
-    if shuffle:
-        order = np.random.default_rng(seed).permutation(len(images))
-
-    def items():
-        encode = tf.io.encode_png if encoding == "png" else (
-            lambda x: tf.io.encode_jpeg(x, quality=95))
-        for index in order:
-            image = images[index]
-            yield _Encoded(encode(image).numpy(), int(labels[index]), *image.shape, encoding,
-                           str(index))
-
-    return class_names, len(images), items()
-
-
-def _dataset_source(dataset: tf.data.Dataset, class_names, encoding, max_image_pixels: int):
-    cardinality = int(dataset.cardinality())
-    total = cardinality if cardinality >= 0 else None
-    names = list(class_names) if class_names is not None else None
-    if isinstance(dataset.element_spec, dict):  # tfds without as_supervised
-        dataset = dataset.map(lambda element: (element["image"], element["label"]))
-    image_spec = dataset.element_spec[0]
-    encoded = image_spec.dtype == tf.string  # e.g. tfds with decoders=SkipDecoding()
-    if not encoded:
-        if image_spec.dtype != tf.uint8 or image_spec.shape.rank not in (2, 3):
-            raise ValueError(
-                f"Dataset images must be uint8 (H, W[, C]) arrays or encoded bytes; got "
-                f"{image_spec}. Cast with `tf.image.convert_image_dtype(image, tf.uint8)`."
-            )
-
-        def encode(image, label):
-            image = image if image.shape.rank == 3 else image[..., None]
-            data = (tf.io.encode_png(image) if encoding == "png"
-                    else tf.io.encode_jpeg(image, quality=95))
-            return data, tf.shape(image), label
-
-        # Encoded inside tf.data, in parallel, rather than one eager call per image.
-        dataset = dataset.map(encode, num_parallel_calls=tf.data.AUTOTUNE)
-
-    def items():
-        for index, element in enumerate(dataset.as_numpy_iterator()):
-            data, label = element[0], int(element[-1])
-            if label < 0 or (names is not None and label >= len(names)):
-                raise ValueError(
-                    f"Label {label} of example {index} is out of range for "
-                    f"{len(names) if names else 0} class names; labels must lie in "
-                    "[0, num_classes - 1]. Pass the full `class_names`."
-                )
-            kind = image_format(data) if encoded else encoding
-            if kind not in _FOLDER_FORMATS:
-                raise ValueError(f"Example {index}: its bytes are not a JPEG or PNG image.")
-            shape = _encoded_shape(data, kind) if encoded else tuple(element[1].tolist())
-            try:
-                _check_pixels(shape, max_image_pixels)
-            except ValueError as error:
-                raise ValueError(f"Example {index}: {error}.") from None
-            yield _Encoded(data, label, *shape, kind, str(index))
-
-    return names, total, items()
 
 
 # ---- the writer ---------------------------------------------------------------------------
@@ -382,8 +211,9 @@ def write_image_tfrecords(
     allow_empty_classes: bool = False,
     max_image_pixels: int = MAX_IMAGE_PIXELS,
     origin: str = "",
+    ignore_value: int | None = DEFAULT_IGNORE_VALUE,
 ) -> manifest_lib.Manifest:
-    """Writes an image-classification set to sharded TFRecords plus a `manifest.json`.
+    """Writes an image set (classification or segmentation) to TFRecords + `manifest.json`.
 
     Args:
         source: one of
@@ -391,12 +221,21 @@ def write_image_tfrecords(
               the sorted sub-folder names; files are stored as given, not re-encoded);
             - a pair `(images, labels)` of numpy arrays: uint8 `(N, H, W[, C])` and int `(N,)`;
             - a `tf.data.Dataset` (e.g. a tfds split with `as_supervised=True`) of
-              `(image, label)` or `{"image", "label"}`: uint8 images, or encoded bytes.
+              `(image, label)` or `{"image", "label"}`: uint8 images, or encoded bytes;
+            segmentation sets (the records then hold a PNG mask each, DeepLab's layout):
+            - a pair `(images, masks)` of numpy arrays: masks integer `(N, H, W)` class
+              indices, or `(N, H, W, C)` 0/1 channels, one per class (multi-label);
+            - a pair of folders `(images_dir, masks_dir)`: `masks_dir/<stem>.png` for each
+              `images_dir/<stem>.{jpg,png}`, grey PNGs of class indices or palette PNGs
+              (their indices are the classes, as Pascal VOC's);
+            - a pair `(images_dir, csv_file)`: Kaggle's run-length-encoded masks (see
+              `tfmem.data.rle`);
+            - a `tf.data.Dataset` of `(image, mask)`.
         output_dir: directory for the shards (`shard-<id>-00000.tfrecord`, ...) and manifest.
         shard_size_mb: a shard is closed once it holds this many megabytes (10**6 bytes);
             100-200 MB shards read efficiently from disk and cloud storage.
-        class_names: class names for numpy/dataset sources (labels index them). Default:
-            `"0" .. "max label"`.
+        class_names: class names for numpy/dataset sources and masks (labels and mask values
+            index them). Default: `"0" .. "max label"` (the largest class in the masks).
         encoding: how uint8 arrays are stored: `"png"` (lossless) or `"jpeg"` (quality 95).
         shuffle: write folder and numpy sources in a random order (seeded by `seed`), so
             shards mix classes. Datasets are written in the order they yield.
@@ -414,6 +253,8 @@ def write_image_tfrecords(
             with `skip_unreadable`).
         origin: what made the records, recorded as the manifest's `origin` (a writer that
             makes the same records again from it can reuse the set instead).
+        ignore_value: segmentation: the mask value of pixels without a class (DeepLab's
+            255), recorded in the manifest; None when every pixel has a class.
 
     Returns:
         The `Manifest` written beside the shards.
@@ -422,7 +263,10 @@ def write_image_tfrecords(
         ValueError: missing or empty folder, a class folder without images (unless
             `allow_empty_classes`), `output_dir` inside the folder, unreadable image (unless
             `skip_unreadable`; a FIFO, device or broken link is never opened), labels out of
-            range or lengths that differ (numpy and folders: before anything is written).
+            range or lengths that differ (numpy and folders: before anything is written);
+            an image without its mask or a mask without its image (before anything is
+            written), a mask of another size than its image, a mask value outside the
+            classes and the ignore value: each names the file.
 
     Example:
         >>> manifest = tfmem.write_image_tfrecords("photos/", "/data/photos-tfrecords")
@@ -439,19 +283,15 @@ def write_image_tfrecords(
     if isinstance(max_image_pixels, bool) or not isinstance(max_image_pixels, int) or (
             max_image_pixels < 1):
         raise ValueError(f"`max_image_pixels` must be a positive int, got {max_image_pixels!r}.")
-    if isinstance(source, (str, os.PathLike)):
-        _check_outside(os.fspath(source), output_dir)
-        names, total, items = _folder_source(os.fspath(source), skip_unreadable, shuffle, seed,
-                                             skipped, allow_empty_classes, max_image_pixels)
-    elif isinstance(source, (tuple, list)) and len(source) == 2:
-        names, total, items = _numpy_source(*source, class_names, encoding, shuffle, seed)
-    elif isinstance(source, tf.data.Dataset):
-        names, total, items = _dataset_source(source, class_names, encoding, max_image_pixels)
-    else:
-        raise TypeError(
-            "`source` must be an image folder path, a pair (images, labels) of numpy arrays "
-            f"or a tf.data.Dataset of (image, label); got {type(source).__name__}."
-        )
+    if ignore_value is not None and (isinstance(ignore_value, bool) or not isinstance(
+            ignore_value, int) or not 0 <= ignore_value <= masks_lib.MAX_VALUE):
+        raise ValueError(f"`ignore_value` must be a mask value in [0, {masks_lib.MAX_VALUE}] "
+                         f"or None, got {ignore_value!r}.")
+    names, total, items, schema = _source(
+        source, class_names=class_names, encoding=encoding, shuffle=shuffle, seed=seed,
+        skip_unreadable=skip_unreadable, skipped=skipped,
+        allow_empty_classes=allow_empty_classes, max_image_pixels=max_image_pixels,
+        ignore_value=ignore_value, output_dir=output_dir)
     _check_directory(output_dir, overwrite)
     writer = _ShardWriter(output_dir, int(shard_size_mb * 10**6))
     num_examples, num_bytes, max_label, encodings = 0, 0, -1, set()
@@ -464,18 +304,25 @@ def write_image_tfrecords(
             max_label, encodings = max(max_label, item.label), encodings | {item.encoding}
             if progress is not None:
                 progress(num_examples, num_bytes, total)
+        if schema.mask_key is not None and names is None and max_label < 1:
+            raise ValueError(
+                f"The {num_examples} masks hold no class but 0 (background), besides the "
+                f"ignore value {schema.ignore_value}: there is nothing to segment. Masks of "
+                "two classes stored as 0 and 255 need 0 and 1 (or ignore_value=None, "
+                "`--ignore-value none`, and class_names for 256 classes); pass class_names "
+                "(`--class-names`) if class 0 alone is meant")
         writer.finish_shard()
     except BaseException:  # includes KeyboardInterrupt: leave the directory as it was
         writer.abort()
         raise
-    if names is None:  # a dataset source without class names: as many as the labels need
+    if names is None:  # no class names given: as many as the labels (mask values) need
         names = [str(i) for i in range(max_label + 1)]
     result = manifest_lib.Manifest(
         directory=output_dir,
         num_examples=num_examples,
         class_names=tuple(names),
         shards=tuple(writer.shards),
-        schema=SCHEMA,
+        schema=schema,
         image_formats=tuple(sorted(encodings)),
         skipped=tuple(skipped),
         origin=origin,
