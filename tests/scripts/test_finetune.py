@@ -130,14 +130,15 @@ def test_demo_trains_clearly_above_chance_and_writes_its_outputs(tmp_path, finet
     assert {name: (output / name).read_bytes() for name in written} == written
 
 
-def test_demo_trains_on_the_jax_backend(tmp_path):
+def test_demo_trains_on_the_jax_backend(tmp_path, written_sets):
     # Today's TPU VMs train Keras on JAX; the same script, tf.data feeding it, KERAS_BACKEND=jax;
     # rematerialized in the segments the plan cuts (exact: it trains as well). Trained in the
     # script's process (no memory limit): the memory-limit runs below start JAX training
-    # processes of their own.
-    result = _finetune("--output", str(tmp_path), "--epochs", "2", "--rematerialize", "full",
-                       "--memory-limit", "none", "--verbose", backend="jax",
-                       JAX_LOG_COMPILES="1")
+    # processes of their own. 512 demo images, 32 updates an epoch.
+    result = _finetune("--output", str(tmp_path), "--data", written_sets["demo512"],
+                       "--validation-data", written_sets["demo"], "--global-batch-size", "16",
+                       "--epochs", "2", "--rematerialize", "full", "--memory-limit", "none",
+                       "--verbose", backend="jax", JAX_LOG_COMPILES="1")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "keras               3" in result.stdout and "(backend jax)" in result.stdout
     # One device: Keras's own path, where the train step compiles once for the whole run

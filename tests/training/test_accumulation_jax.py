@@ -7,7 +7,7 @@ assert on those numbers. Two programs start together at module set-up (they are 
 compilation, and two cores run them side by side) and each test waits for the one it needs;
 the third starts after them.
 `data_parallel_cases.py` runs on 8 host devices (XLA_FLAGS), the shape of a TPU v3-8;
-`loss_normalisation_cases.py` runs the loss cases of `loss_cases.py`.
+`accumulation_cases.py` also runs loss cases of `loss_cases.py` (loss_normalisation_cases.py).
 """
 
 import json
@@ -87,14 +87,8 @@ def data_parallel(cases):
 
 
 @pytest.fixture(scope="module")
-def losses(cases):
-    # Started once the first two are done with, not beside them: three programs on two cores
-    # would each take longer than their timeout allows.
-    for case in cases.values():
-        case.results()
-    case = _Case("loss_normalisation_cases", num_devices=1)
-    yield case.results()
-    case.stop()
+def losses(accumulation):
+    return accumulation["losses"]
 
 
 @pytest.mark.parametrize(
@@ -190,32 +184,26 @@ def _assert_whole_batch_step(result):
         assert values == pytest.approx(plain[name], rel=1e-5), name
 
 
-@pytest.mark.parametrize("name", ["ignore_class", "mask_zero", "sample_weight:sum_over_batch_size",
-                                  "sample_weight:sum", "sample_weight:mean_with_sample_weight",
-                                  "class_weight:mean_with_sample_weight", "two_outputs",
+@pytest.mark.parametrize("name", ["ignore_class", "mask_zero",
+                                  "sample_weight:mean_with_sample_weight", "two_outputs",
                                   "add_loss"])
-def test_every_loss_reduction_gives_the_whole_batch_step(losses, name):
-    # tests/training/loss_cases.py; the same cases as test_accumulation_losses.py on TensorFlow.
+def test_every_counted_loss_gives_the_whole_batch_step(losses, name):
+    # tests/training/loss_cases.py; every case runs on TensorFlow in test_accumulation_losses.py.
     result = losses["host_loop"][name]
     _assert_whole_batch_step(result)
     assert result["warnings"] == []
 
 
-@pytest.mark.parametrize("name", ["add_loss", "two_outputs"])
-def test_masked_groups_in_the_in_graph_loop_and_under_data_parallel(losses, data_parallel, name):
-    _assert_whole_batch_step(losses["in_graph_loop"][name])
-    _assert_whole_batch_step(data_parallel["masked_losses"][name])  # 8 devices
+def test_masked_groups_in_the_in_graph_loop_and_under_data_parallel(losses, data_parallel):
+    _assert_whole_batch_step(losses["in_graph_loop"]["two_outputs"])
+    for name in ("add_loss", "two_outputs"):
+        _assert_whole_batch_step(data_parallel["masked_losses"][name])  # 8 devices
 
 
 def test_a_loss_returning_a_scalar_is_averaged_with_one_warning(losses):
     result = losses["host_loop"]["scalar_loss"]
     _assert_whole_batch_step(result)
     assert len(result["warnings"]) == 1 and "'_scalar_mean_square'" in result["warnings"][0]
-
-
-@pytest.mark.parametrize("name", ["ignore_class", "mask_zero"])
-def test_keras_own_accumulation_is_not_the_whole_batch_step(losses, name):
-    assert losses["keras_accumulation"][name]["update"] > 0.1
 
 
 def test_indivisible_per_replica_batch_names_the_nearest_sizes(data_parallel):

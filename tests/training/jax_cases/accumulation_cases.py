@@ -7,6 +7,7 @@ with KERAS_BACKEND=jax (set by `common`).
 import common  # noqa: F401  (fixes the backend first)
 import keras
 import numpy as np
+import loss_normalisation_cases
 from common import compile_model, conv_model, data, dense_model, emit, relative_difference
 
 K = 4  # accumulation steps in the equivalence cases
@@ -222,6 +223,7 @@ emit(
         "bfloat16": mixed_precision("mixed_bfloat16"),
         "batch_norm": batch_norm(),
         "dropout_seeds": dropout_seeds(),
+        "losses": loss_normalisation_cases.results(),
         "errors": {
             "indivisible_batch": error(30, keras.optimizers.SGD(0.1)),
             "double_accumulation": error(
