@@ -23,6 +23,7 @@ from tfmem.finetune.attempt import Attempt, run_attempt
 from tfmem.finetune.config import FinetuneConfig
 from tfmem.finetune.data_facts import DataFacts
 from tfmem.memory.plan_report import format_bytes
+from tfmem.remat.spec import RematSpec
 from tfmem.runtime import memory_cap
 from tfmem.training import recovery
 
@@ -69,37 +70,41 @@ def supervise(config: FinetuneConfig, cap: int, data: DataFacts, output: str) ->
                     f"the training process reached --memory-limit {format_bytes(cap)} before "
                     f"its first step ({watch.reason}): the framework and the model alone need "
                     "more; raise --memory-limit (or pass --memory-limit none)")
-            micro, k = split["micro_batch_size"], split["accumulation_steps"]
-            smaller = recovery.halved(micro)
-            reached = {"micro_batch_size": micro, "accumulation_steps": k,
-                       "held_bytes": watch.highest, "limit_bytes": cap}
-            resuming = (f"finetune: memory limit {format_bytes(cap)} reached at micro-batch "
-                        f"{micro} × {k} accumulation step{'s' if k > 1 else ''} "
-                        f"({format_bytes(watch.highest)} held); resuming from the last resume "
-                        "point with ")
-            if smaller is None and split.get("recompute_more"):
+            before = recovery.Split(split["micro_batch_size"], split["accumulation_steps"],
+                                    RematSpec.from_flag(config.rematerialize).mode == "full")
+            after = recovery.next_split(
+                before, recomputes_more=lambda: bool(split.get("recompute_more")),
+                ran_out=lambda tried: (f"{tried} still reached --memory-limit "
+                                       f"{format_bytes(cap)} ({format_bytes(watch.highest)} "
+                                       "held)"),
+                advice=lambda: _plan_under(config, attempt, cap, workdir),
+                full="--rematerialize full")
+            if isinstance(after, recovery.Stop):
+                raise cli.UsageError(after.message)
+            print(_resuming(before, after, cap, watch.highest, config.global_batch_size),
+                  flush=True)
+            if after.rematerialize_full and not before.rematerialize_full:
                 config = dataclasses.replace(config, rematerialize="full")
-                attempt = dataclasses.replace(attempt, recoveries=(
-                    *attempt.recoveries,
-                    {**reached, "to_micro_batch_size": micro, "to_accumulation_steps": k,
-                     "to_rematerialize": "full"}))
-                print(f"{resuming}--rematerialize full ({recovery.RECOMPUTED}), micro-batch "
-                      f"1 × {k}", flush=True)
-                continue
-            if smaller is None:
-                recomputed = " with --rematerialize full" if (
-                    config.rematerialize or "").strip() == "full" else ""
-                raise cli.UsageError(
-                    f"micro-batch 1 × {k} accumulation steps{recomputed} still reached "
-                    f"--memory-limit {format_bytes(cap)} ({format_bytes(watch.highest)} held), "
-                    "and nothing smaller can be tried; "
-                    + _plan_under(config, attempt, cap, workdir))
-            steps = k * micro // smaller
-            attempt = dataclasses.replace(attempt, accumulation_steps=steps, recoveries=(
+            else:
+                attempt = dataclasses.replace(attempt, accumulation_steps=after.accumulation_steps)
+            attempt = dataclasses.replace(attempt, recoveries=(
                 *attempt.recoveries,
-                {**reached, "to_micro_batch_size": smaller, "to_accumulation_steps": steps}))
-            print(f"{resuming}micro-batch {smaller} × {steps} accumulation steps, the same "
-                  f"global batch {config.global_batch_size}", flush=True)
+                {**recovery.record(before, after), "held_bytes": watch.highest,
+                 "limit_bytes": cap}))
+
+
+def _resuming(before: recovery.Split, after: recovery.Split, cap: int, held: int,
+              global_batch_size: int) -> str:
+    """The line a stop at the limit prints: where it was reached, and the split to go on with."""
+    k = before.accumulation_steps
+    reached = (f"finetune: memory limit {format_bytes(cap)} reached at micro-batch "
+               f"{before.micro_batch_size} × {k} accumulation step{'s' if k > 1 else ''} "
+               f"({format_bytes(held)} held); resuming from the last resume point with ")
+    if after.rematerialize_full and not before.rematerialize_full:
+        return (f"{reached}--rematerialize full ({recovery.RECOMPUTED}), micro-batch "
+                f"{after.micro_batch_size} × {after.accumulation_steps}")
+    return (f"{reached}micro-batch {after.micro_batch_size} × {after.accumulation_steps} "
+            f"accumulation steps, the same global batch {global_batch_size}")
 
 
 def _plan_under(config: FinetuneConfig, attempt: Attempt, cap: int, workdir: str) -> str:
