@@ -199,11 +199,12 @@ def child_main(spec_path: str) -> None:
     with open(spec_path) as file:
         spec = json.load(file)
     attempt = Attempt(**spec["attempt"])
-    try:
-        results = run_attempt(FinetuneConfig(**spec["config"]), attempt)
+    try:  # as a program: other libraries' warnings are shown only if it ends well
+        with cli.one_line_warnings(), cli.held_warnings() as held:
+            results = run_attempt(FinetuneConfig(**spec["config"]), attempt)
     except BaseException as error:  # noqa: BLE001 - every failure goes back to the supervisor
         outcome = {"error": cli.one_line(error), "usage": cli.is_usage_error(error),
-                   "traceback": traceback.format_exc()}
+                   "traceback": "".join(held) + traceback.format_exc()}
         status = 1
     else:
         outcome, status = {"results": results}, 0
