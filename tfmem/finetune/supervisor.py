@@ -54,7 +54,8 @@ def _attempts_directory(output: str):
 
 
 def supervise(config: FinetuneConfig, cap: int, data: DataFacts, output: str) -> dict:
-    """Trains in child processes held under `cap`, halving the micro-batch after each stop."""
+    """Trains in child processes held under `cap`; after each stop at it, goes on from the last
+    resume point with the split the out-of-memory policy gives (`recovery.next_split`)."""
     attempt = Attempt(config.accumulation_steps, locked=True, data=dataclasses.asdict(data),
                       memory_limit=cap)
     with _attempts_directory(output) as workdir:
