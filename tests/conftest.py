@@ -30,6 +30,7 @@ tf.config.set_logical_device_configuration(
 
 
 import socket  # noqa: E402
+import sys  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -91,3 +92,18 @@ def constant_inputs():
                 if nodes[name].op == "Const"]
 
     return inputs
+
+
+@pytest.fixture
+def warnings_on_stderr():
+    """Warnings printed to stderr as a program outside pytest prints them (pytest records
+    them instead), each time they are raised."""
+    import warnings
+
+    def to_stderr(message, category, filename, lineno, file=None, line=None):
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = to_stderr
+        yield

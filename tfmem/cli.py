@@ -6,12 +6,15 @@ so both spellings reach the same flag. Every error ends the program with one lin
 `error: <what happened>; <how to fix>`, and exit status 2 when the command line is wrong
 (a flag's value, a combination of flags, a run directory made with other settings, a plan
 over the memory budget) or 1 when the run fails (data, disk, another process); `--debug`
-prints the traceback too. A warning is one line too, `warning: <what>`.
+prints the traceback too. A warning is one line too, `warning: <what>`; those of other
+libraries (Keras, TensorFlow) are shown when the program ends without an error, and with
+`--debug` as they come.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import signal
 import sys
@@ -118,6 +121,52 @@ def image_size(text: str, flag: str = "--image-size") -> tuple[int, int]:
                      f"({flag} 224) or height,width ({flag} 360,480)")
 
 
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _from_tfmem(category: type[Warning], filename: str) -> bool:
+    """Whether a warning is tfmem's own (its class, or raised in its code): a line written for
+    the user, shown as it comes."""
+    return (category.__module__.split(".")[0] == "tfmem"
+            or os.path.abspath(filename).startswith(_PACKAGE))
+
+
+@contextlib.contextmanager
+def held_warnings(hold: bool = True) -> Iterator[list[str]]:
+    """Inside: the warnings of other libraries (Keras, TensorFlow, Python) are held, and shown
+    when the block ends without an error, so that an error's one line is all that stderr
+    holds then; tfmem's own warnings are shown as they come. `hold=False` (`--debug`): every
+    warning is shown as it comes.
+
+    Yields the held warnings as the lines they print as (what a failed run may pass on).
+    """
+    held: list[tuple] = []
+    lines: list[str] = []
+    with warnings.catch_warnings():  # restores the filters and `showwarning` on the way out
+        show = warnings.showwarning
+
+        def hold_or_show(message, category, filename, lineno, file=None, line=None):
+            if not hold or _from_tfmem(category, filename):
+                show(message, category, filename, lineno, file, line)
+            else:
+                held.append((message, category, filename, lineno))
+                lines.append(warnings.formatwarning(message, category, filename, lineno))
+
+        warnings.showwarning = hold_or_show
+        try:
+            yield lines
+        except SystemExit as stop:
+            if stop.code:  # an exit with an error status: as an error
+                raise
+            ended = stop
+        else:
+            ended = None
+    for message, category, filename, lineno in held:
+        warnings.showwarning(message, category, filename, lineno)
+    if ended is not None:
+        raise ended
+
+
 def fail(message: str, status: int) -> None:
     print(f"error: {message}", file=sys.stderr)
     sys.exit(status)
@@ -150,7 +199,7 @@ def run(main: Callable[[list[str]], object], argv: Sequence[str] | None = None, 
     if handled:  # raised where the program is, so that its `finally` blocks run
         shown = signal.signal(signal.SIGTERM, _raise_stopped)
     try:
-        with one_line_warnings():
+        with one_line_warnings(), held_warnings(hold=not flags.FLAGS.debug):
             status = main(rest)
     except SystemExit:
         raise

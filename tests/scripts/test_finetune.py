@@ -794,7 +794,8 @@ def test_a_diverging_run_is_one_line_with_status_1_and_keeps_the_last_finite_poi
     assert floating and all(np.isfinite(array).all() for array in floating)
 
 
-def test_weights_that_are_no_weights_file_are_one_line_naming_it(finetune_cli, tmp_path):
+def test_weights_that_are_no_weights_file_are_one_line_naming_it(finetune_cli, tmp_path,
+                                                                 warnings_on_stderr):
     text = tmp_path / "notes.weights.h5"
     text.write_text("not weights")
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
@@ -817,6 +818,14 @@ def test_weights_that_are_no_weights_file_are_one_line_naming_it(finetune_cli, t
         assert re.fullmatch(rf"error: --weights: Weights file '{path}' {message}",
                             _error_line(stderr)), stderr
     assert not (tmp_path / "run").exists()
+    # Another model's weights: Keras warns about each part of small-cnn the file lacks, then
+    # the load fails. The error's line is all of stderr; --debug shows the warnings too.
+    other = tmp_path / "whole.weights.h5"
+    status, _, stderr = finetune_cli("--weights", str(other), "--dry-run")
+    assert status == 2 and "warning" not in stderr
+    assert _error_line(stderr).startswith(f"error: '{other}' does not fit small-cnn")
+    status, _, stderr = finetune_cli("--weights", str(other), "--dry-run", "--debug")
+    assert status == 2 and re.search(r"^warning: ", stderr, re.M), stderr[-3000:]
 
 
 def test_flags_checked_before_any_work_name_themselves(finetune_cli, tmp_path, monkeypatch):

@@ -214,3 +214,51 @@ def test_out_of_memory_in_the_validation_pass_says_to_batch_it_smaller(
         "training's micro-batch over its replicas, which the train steps ran, and start again "
         "(the run resumes from its last resume point)")
     assert model.accumulation_steps == 4 and int(model.optimizer.iterations) == 4
+
+
+def _policy_sequence(micro_batch_size, accumulation_steps, recomputes_more, full=None):
+    """The splits the out-of-memory policy goes through from one, and its stop message."""
+    split, splits, asked = recovery.Split(micro_batch_size, accumulation_steps), [], []
+
+    def recomputes():
+        asked.append(split.micro_batch_size)
+        return recomputes_more
+
+    spelled = {} if full is None else {"full": full}
+    while True:
+        after = recovery.next_split(split, recomputes_more=recomputes,
+                                    ran_out=lambda tried: f"ran out at {tried}",
+                                    advice=lambda: "the advice", **spelled)
+        if isinstance(after, recovery.Stop):
+            return splits, after.message, asked
+        splits.append((after.micro_batch_size, after.accumulation_steps,
+                       after.rematerialize_full))
+        split = after
+
+
+def test_the_one_out_of_memory_policy_halves_then_recomputes_then_stops():
+    # 64 × 1: halved six times (k doubling, the same 64 samples), then "full" once, then stop;
+    # whether recomputing helps is asked only at micro-batch 1.
+    splits, message, asked = _policy_sequence(64, 1, recomputes_more=True)
+    assert splits == [(32, 2, False), (16, 4, False), (8, 8, False), (4, 16, False),
+                      (2, 32, False), (1, 64, False), (1, 64, True)]
+    assert message == ('ran out at micro-batch 1 × 64 accumulation steps with '
+                       'rematerialize="full", and nothing smaller can be tried; the advice')
+    assert asked == [1]
+    # 12 × 2: the largest divisor up to the half (6, 3, then 1 of 3); nothing to recompute.
+    splits, message, _ = _policy_sequence(12, 2, recomputes_more=False)
+    assert splits == [(6, 4, False), (3, 8, False), (1, 24, False)]
+    assert message == ("ran out at micro-batch 1 × 24 accumulation steps, and nothing smaller "
+                       "can be tried; the advice")
+    # A program spells the setting as its flag.
+    splits, message, _ = _policy_sequence(1, 4, recomputes_more=True,
+                                          full="--rematerialize full")
+    assert splits == [(1, 4, True)] and message.startswith(
+        "ran out at micro-batch 1 × 4 accumulation steps with --rematerialize full, and")
+    # What a run records of a step.
+    assert recovery.record(recovery.Split(9, 1), recovery.Split(3, 3)) == {
+        "micro_batch_size": 9, "accumulation_steps": 1, "to_micro_batch_size": 3,
+        "to_accumulation_steps": 3}
+    assert recovery.record(recovery.Split(1, 4), recovery.Split(1, 4, True)) == {
+        "micro_batch_size": 1, "accumulation_steps": 4, "to_micro_batch_size": 1,
+        "to_accumulation_steps": 4, "to_rematerialize": "full"}

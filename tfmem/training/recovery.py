@@ -6,12 +6,15 @@ Where the framework raises when memory runs out (JAX on any device, TensorFlow o
 its last resume point. AccumModel is exact for any `k` and resuming is exact, so the run ends
 with the weights of a run that used the smaller micro-batch from its start. At micro-batch 1
 it turns on `rematerialize="full"` where that cuts segments the run does not cut yet (exact
-too: only time changes). This module holds the decisions; `tfmem.training.resume` does the
-restart.
+too: only time changes). This module holds the decisions (`next_split`, the one policy, also
+used by `scripts/finetune.py`'s `--memory-limit` supervisor); `tfmem.training.resume` does
+the restart.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import keras
@@ -74,6 +77,70 @@ def what_it_said(error: BaseException) -> str:
     return said if len(said) <= 160 else said[:157] + "..."
 
 
+# How Python spells the setting the policy turns on at micro-batch 1 (a program: its flag).
+FULL_IN_PYTHON = 'rematerialize="full"'
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """How a train step splits its global batch: micro-batch × k, and whether it recomputes
+    every segment it can (`rematerialize="full"`)."""
+
+    micro_batch_size: int
+    accumulation_steps: int
+    rematerialize_full: bool = False
+
+    def describe(self, full: str = FULL_IN_PYTHON) -> str:
+        """E.g. 'micro-batch 1 × 4 accumulation steps with rematerialize="full"'."""
+        return (f"micro-batch {self.micro_batch_size} × {self.accumulation_steps} "
+                f"accumulation steps" + (f" with {full}" if self.rematerialize_full else ""))
+
+
+@dataclasses.dataclass(frozen=True)
+class Stop:
+    """Nothing smaller can be tried: what to stop with."""
+
+    message: str
+
+
+def next_split(split: Split, *, recomputes_more: Callable[[], bool],
+               ran_out: Callable[[str], str], advice: Callable[[], str],
+               full: str = FULL_IN_PYTHON) -> Split | Stop:
+    """The one out-of-memory policy: the split to go on with after `split` ran out, or a Stop.
+
+    First the micro-batch halves (`halved`) and k grows so that the global batch stays the
+    same; at micro-batch 1, `rematerialize="full"` once, where it recomputes more than the run
+    does (`recomputes_more()`, asked only then); after that, a Stop whose message is
+    `ran_out(what was tried)`, "and nothing smaller can be tried", and `advice()`.
+    `full` spells the rematerialization setting in the caller's terms.
+
+    Example:
+        >>> next_split(Split(6, 2), recomputes_more=lambda: False, ran_out=str,
+        ...            advice=str)
+        Split(micro_batch_size=3, accumulation_steps=4, rematerialize_full=False)
+    """
+    micro, k = split.micro_batch_size, split.accumulation_steps
+    smaller = halved(micro)
+    if smaller is not None:
+        return dataclasses.replace(split, micro_batch_size=smaller,
+                                   accumulation_steps=k * micro // smaller)
+    if not split.rematerialize_full and recomputes_more():
+        return dataclasses.replace(split, rematerialize_full=True)
+    return Stop(f"{ran_out(split.describe(full))}, and nothing smaller can be tried; "
+                f"{advice()}")
+
+
+def record(before: Split, after: Split) -> dict[str, Any]:
+    """A recovery as a run records it (in its resume points and metrics.json)."""
+    entry = {"micro_batch_size": before.micro_batch_size,
+             "accumulation_steps": before.accumulation_steps,
+             "to_micro_batch_size": after.micro_batch_size,
+             "to_accumulation_steps": after.accumulation_steps}
+    if after.rematerialize_full and not before.rematerialize_full:
+        entry["to_rematerialize"] = "full"
+    return entry
+
+
 def halved(micro_batch_size: int) -> int | None:
     """The micro-batch after running out of memory: the largest divisor of `micro_batch_size`
     up to its half (so replicas × micro-batch × k still make the global batch); None below 2."""
@@ -102,23 +169,14 @@ def smaller_split(model: keras.Model, global_batch_size: int | None, num_replica
             f"out of memory in a train step with accumulation_steps={k} ({said}); the data "
             "has no static batch size, so the micro-batch cannot be halved: batch it with "
             "drop_remainder=True")
-    micro = split_batch(global_batch_size, num_replicas, k)
-    smaller = halved(micro)
-    if smaller is None and rematerialization_left(model):
-        return {"micro_batch_size": micro, "accumulation_steps": k,
-                "to_micro_batch_size": micro, "to_accumulation_steps": k,
-                "to_rematerialize": "full", "error": said}
-    if smaller is None:
-        recomputed = (' with rematerialize="full"'
-                      if RematSpec.parse(getattr(model, "rematerialize", None)).mode == "full"
-                      else "")
-        raise OutOfMemoryError(
-            f"out of memory in a train step at micro-batch 1 × {k} accumulation steps"
-            f"{recomputed} ({said}), and nothing smaller can be tried; "
-            + what_would_fit(model, global_batch_size))
-    return {"micro_batch_size": micro, "accumulation_steps": k,
-            "to_micro_batch_size": smaller, "to_accumulation_steps": k * micro // smaller,
-            "error": said}
+    recomputing = RematSpec.parse(getattr(model, "rematerialize", None)).mode == "full"
+    now = Split(split_batch(global_batch_size, num_replicas, k), k, recomputing)
+    after = next_split(now, recomputes_more=lambda: rematerialization_left(model),
+                       ran_out=lambda tried: f"out of memory in a train step at {tried} ({said})",
+                       advice=lambda: what_would_fit(model, global_batch_size))
+    if isinstance(after, Stop):
+        raise OutOfMemoryError(after.message)
+    return {**record(now, after), "error": said}
 
 
 def rematerialization_left(model: keras.Model, setting=_OWN, cut=_OWN,

@@ -1,0 +1,20 @@
+"""Fine-tuning an image classifier from TFRecords, as one call: `run(FinetuneConfig(...))`.
+
+What `scripts/finetune.py` runs (its flags are `FinetuneConfig`'s fields, with hyphens). The
+settings and their checks (config.py), the data's facts (data_facts.py), the run directory
+(outputs.py), one training in this process: build → plan → train → evaluate (attempt.py), the
+`--memory-limit` supervisor of training processes (supervisor.py), what is printed
+(messages.py); `run` (main.py) puts them together. What is checked and recovered:
+docs/failure-model.md.
+
+Example:
+    >>> from tfmem import finetune
+    >>> finetune.run(finetune.FinetuneConfig(epochs=1, output="runs/demo"))  # doctest: +SKIP
+"""
+
+from tfmem.finetune.config import OPTIMIZERS, FinetuneConfig, memory_limit_bytes
+from tfmem.finetune.data_facts import DEMO_SPLITS
+from tfmem.finetune.main import run
+from tfmem.finetune.outputs import WRITES
+
+__all__ = ["DEMO_SPLITS", "OPTIMIZERS", "WRITES", "FinetuneConfig", "memory_limit_bytes", "run"]

@@ -1,0 +1,137 @@
+"""What a run knows of its data before training: size, classes, identity; the demo set."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from tfmem import cli, models
+from tfmem.data import demo, manifest as manifest_lib, reader
+from tfmem.finetune.config import FinetuneConfig
+
+# The demo set: 2048 training + 512 held-out shapes (tfmem.make_demo_dataset), 4 classes.
+DEMO_SPLITS = (("train", 2048, 0), ("validation", 512, 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class DataFacts:
+    """What the run knows of its data before training: its size, classes and identity."""
+
+    demo: bool
+    image_size: int
+    num_classes: int
+    num_examples: int | None
+    identity: str | None = None
+    validation_identity: str | None = None
+    train: str | None = None
+    validation: str | None = None
+
+    @classmethod
+    def of(cls, config: FinetuneConfig, spec) -> DataFacts:
+        image_size = config.image_size or spec.default_image_size
+        if config.data == "demo" and config.num_classes:  # a dry run for data elsewhere
+            print(f"finetune: no data given: a dry run plans for --num-classes "
+                  f"{config.num_classes}; training needs --data")
+            return cls(False, image_size, config.num_classes, config.num_examples)
+        if config.data == "demo":  # written only when training starts
+            return cls(True, config.image_size or 32, len(demo.CLASS_NAMES),
+                       DEMO_SPLITS[0][1], "demo", "demo")
+        num_classes, num_examples, identity = _dataset_facts(config)
+        # Not read either when the training data was not (a dry run for another machine).
+        validation = config.validation_data
+        validation_identity = validation and identity and _validation_identity(validation)
+        return cls(False, image_size, num_classes, num_examples, identity,
+                   validation_identity, config.data, validation)
+
+
+def check_sizes(config: FinetuneConfig, spec, data: DataFacts) -> None:
+    """The sizes a run asks of its model and data, checked before anything is written: an
+    image size the model takes and within the pixel limit, a global batch the data holds."""
+    with cli.usage_errors():  # an image size the model cannot take
+        models.input_shape(spec.name, data.image_size)
+    pixels = data.image_size**2
+    if pixels > config.max_image_pixels:
+        raise cli.UsageError(
+            f"--image-size {data.image_size}: images of {data.image_size}×{data.image_size} = "
+            f"{pixels:,} pixels are above the limit of {config.max_image_pixels:,} per image "
+            f"(--max-image-pixels); use a smaller --image-size ({spec.name} is made for "
+            f"{spec.default_image_size}), or raise --max-image-pixels")
+    if data.num_examples is not None and config.global_batch_size > data.num_examples:
+        where = "the demo set" if data.demo else data.train
+        raise cli.UsageError(
+            f"--global-batch-size {config.global_batch_size} is larger than the "
+            f"{data.num_examples} training examples of {where}; use at most "
+            f"{data.num_examples}")
+
+
+def demo_data(output: str, image_size: int) -> dict:
+    """Writes the demo train/validation sets once under `output`; returns their paths."""
+    paths = []
+    for split, num_examples, seed in DEMO_SPLITS:
+        path = os.path.join(output, "demo-data", f"{image_size}px", split)
+        try:
+            manifest_lib.read_manifest(path)
+        except ValueError:  # none yet, or damaged: (re)write it; it is the same every time
+            demo.make_demo_dataset(path, num_examples=num_examples, image_size=image_size,
+                                   seed=seed, overwrite=True)
+        paths.append(path)
+    return {"train": paths[0], "validation": paths[1]}
+
+
+def _dataset_facts(config: FinetuneConfig) -> tuple[int, int, str | None]:
+    """(num_classes, num_examples, identity) from the manifest, or from the records and flags.
+
+    The identity goes into the run's settings: the manifest's fingerprint (the set wherever
+    it lies), or for foreign records their path and count.
+    """
+    data = config.data
+    # A dry run given both counts plans for another machine, whose data may live there (a TPU
+    # VM, a bucket): a remote path is not looked at, a local manifest is still used.
+    counted = config.dry_run and config.num_classes and config.num_examples
+    has_manifest = not (counted and "://" in data) and manifest_lib.has_manifest(data)
+    if counted and not has_manifest:
+        print(f"finetune: data not checked: a dry run plans from --num-classes "
+              f"{config.num_classes} and --num-examples {config.num_examples} without reading "
+              f"{data}; training checks it before it starts")
+        return config.num_classes, config.num_examples, None
+    if has_manifest:
+        manifest = manifest_lib.read_manifest(data)  # a damaged one stops here, naming it
+        for name, value in (("num_classes", manifest.num_classes),
+                            ("num_examples", manifest.num_examples)):
+            given, option = getattr(config, name), "--" + name.replace("_", "-")
+            if given is not None and given != value:
+                raise cli.UsageError(
+                    f"{option} {given}, but the manifest of {data} says {value}; leave "
+                    f"{option} out (the manifest gives it)")
+        return manifest.num_classes, manifest.num_examples, f"manifest {manifest.fingerprint}"
+    return _records_facts(config)
+
+
+def _records_facts(config: FinetuneConfig) -> tuple[int, int, str]:
+    """(num_classes, num_examples, identity) of records without a manifest: from the flags,
+    and the records counted where they are local."""
+    data = config.data
+    if config.num_classes is None:
+        raise cli.UsageError(
+            f"{data!r} has no tfmem manifest.json, so its classes are unknown; pass "
+            "--num-classes (e.g. from the dataset's description)")
+    try:  # no files there, or files that are no TFRecords: the path is wrong
+        count = reader.count_records(data)
+    except ValueError as error:
+        raise cli.UsageError(f"--data {data}: {cli.one_line(error)}") from error
+    if count is None and config.num_examples is None:
+        raise cli.UsageError(f"{data!r} is remote and has no manifest.json, so its size is "
+                             "unknown; pass --num-examples")
+    if count is not None and config.num_examples is not None and config.num_examples > count:
+        raise cli.UsageError(f"--num-examples {config.num_examples} is more than the {count} "
+                             f"records of {data}; pass --num-examples {count} or fewer")
+    num_examples = config.num_examples or count
+    return config.num_classes, num_examples, f"{os.path.abspath(data)}, {num_examples} examples"
+
+
+def _validation_identity(data: str) -> str:
+    """The validation set's identity in the run's settings (as `_dataset_facts` gives it)."""
+    if manifest_lib.has_manifest(data):
+        return f"manifest {manifest_lib.read_manifest(data).fingerprint}"
+    with cli.usage_errors():  # no files there: the path is wrong
+        return f"{os.path.abspath(data)}, {reader.count_records(data)} records"

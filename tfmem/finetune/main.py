@@ -1,0 +1,56 @@
+"""`run(FinetuneConfig)`: the checks that need no work, then the training, in this process or
+under the `--memory-limit` supervisor."""
+
+from __future__ import annotations
+
+import sys
+
+from tfmem import cli
+from tfmem.finetune import config as config_lib, outputs
+from tfmem.finetune.attempt import Attempt, run_attempt
+from tfmem.finetune.config import FinetuneConfig
+from tfmem.finetune.data_facts import DataFacts, check_sizes
+from tfmem.finetune.supervisor import supervise
+from tfmem.runtime import memory_cap
+from tfmem.training import run_directory
+
+
+def run(config: FinetuneConfig) -> dict:
+    """Runs (or with `dry_run`, plans) one fine-tuning; returns metrics.json's dict.
+
+    Under a memory limit (`memory_limit`, by default 80% of the RAM available at the start) the
+    training runs in a child process that `tfmem.runtime.memory_cap.MemoryWatch` stops at the
+    limit; this process then resumes it from its last resume point with the micro-batch halved
+    and twice the accumulation steps (the same global batch), until it fits or micro-batch 1
+    does not (docs/out-of-memory.md).
+
+    Returns:
+        The results written to metrics.json; `{}` for a dry run or a run found complete.
+
+    Raises:
+        tfmem.cli.UsageError: the settings cannot work (a flag combination, the data's facts,
+            a run directory made with other settings, a plan over the budget, a memory limit
+            that even micro-batch 1 exceeds).
+        ValueError, OSError, RuntimeError: the data, the disk or the training process failed
+            (`docs/failure-model.md`).
+    """
+    config_lib.check_combinations(config)
+    config_lib.check_named_files_and_devices(config)
+    with cli.usage_errors():  # "3 GB", "lots"
+        cap = config_lib.memory_limit_bytes(config.memory_limit)
+    if config.dry_run:
+        return run_attempt(config, Attempt(config.accumulation_steps))
+    config_lib.check_installed()
+    spec = config_lib.model_spec(config)
+    output = outputs.output_directory(config, spec)
+    outputs.check_output(config, output)
+    if cap is None:
+        return run_attempt(config, Attempt(config.accumulation_steps))
+    note = memory_cap.limit_note_here()
+    if note:  # once, before any work: what the limit cannot see here
+        print(f"warning: {note}", file=sys.stderr)
+    data = DataFacts.of(config, spec)  # a wrong model or data stops here, before any process
+    check_sizes(config, spec, data)
+    # This process holds the run directory for its training processes, one after the other.
+    with run_directory.lock(output, "--output"):
+        return supervise(config, cap, data, output)
