@@ -166,7 +166,8 @@ class AccumModel(_STEP.AccumTrainer, keras.Model):
             x, y, batch_size, *args, **kwargs: as `keras.Model.fit`; batch by the
                 *global* batch size.
             check_memory: False skips the check (the explicit override); with
-                `accumulation_steps="auto"` the plan still picks `k`.
+                `accumulation_steps="auto"` the plan still picks `k` (micro-batch 1
+                when nothing fits).
             memory_budget: bytes per replica; default: what the distribution
                 strategy's devices have (`tfmem.Runtime.from_strategy`).
 
@@ -243,7 +244,8 @@ class AccumModel(_STEP.AccumTrainer, keras.Model):
         Args:
             x: the training data as `fit` takes it (arrays, or a batched `tf.data.Dataset`).
             batch_size: as in `fit`, for arrays.
-            check_memory: False skips the check (with "auto" the plan still picks `k`).
+            check_memory: False skips the check (with "auto" the plan still picks `k`,
+                micro-batch 1 when nothing fits).
             memory_budget: bytes per replica; default: the strategy's devices.
 
         Returns:
@@ -269,7 +271,7 @@ class AccumModel(_STEP.AccumTrainer, keras.Model):
         run = guard.guard(
             self, global_batch_size=global_batch,
             accumulation_steps="auto" if auto else self.accumulation_steps,
-            allow_over_budget=not check_memory and not auto, batch_of_the_data=True, **where,
+            allow_over_budget=not check_memory, batch_of_the_data=True, **where,
             switches=Switches(allow_over_budget="check_memory=False"),
             optimizer=self.optimizer,
             precision=plan_precision(self),
