@@ -9,7 +9,7 @@ import pytest
 
 import tfmem
 from tfmem import cli
-from tfmem.memory import guard, levers, planner
+from tfmem.memory import guard, levers, plan_report, planner
 from tfmem.runtime import devices
 from tfmem.runtime.budget import Budget, budget_for
 
@@ -118,9 +118,15 @@ def test_a_runtime_of_unknown_memory_trains_unchecked_after_one_warning():
     # A batch that does not split is an error first, whether or not a plan can be made.
     with pytest.raises(ValueError, match=r"replicas × accumulation_steps \(2 × 3 = 6\)"):
         guard.guard(model, global_batch_size=64, accumulation_steps=3, runtime=runtime)
-    with pytest.raises(ValueError, match=r'"auto" takes k from the memory plan, and there is '
-                                         r"none: .*divides the per-replica batch \(32\)"):
+    with pytest.raises(ValueError, match=r"`accumulation_steps='auto'` takes k from the memory "
+                                         r"plan, and there is none: .*divides the per-replica "
+                                         r"batch \(32\), e\.g\. `accumulation_steps=1`"):
         guard.guard(model, global_batch_size=64, runtime=runtime)
+    # From a program: its flag.
+    with pytest.raises(ValueError, match=r"`--accumulation-steps auto` takes k .* e\.g\. "
+                                         r"`--accumulation-steps 1`\.$"):
+        guard.guard(model, global_batch_size=64, runtime=runtime,
+                    switches=plan_report.COMMAND_LINE)
 
 
 def test_a_warning_of_a_command_line_program_is_one_line():

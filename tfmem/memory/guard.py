@@ -144,7 +144,7 @@ def guard(
         else:
             return _checked(memory_plan, steps, allow_over_budget, switches)
     unplanned(model, reason, auto=steps == "auto",
-              per_replica_batch=global_batch_size // replicas)
+              per_replica_batch=global_batch_size // replicas, switches=switches)
     return RunPlan(global_batch_size, replicas, steps,
                    split_batch(global_batch_size, replicas, steps), skipped=reason)
 
@@ -165,21 +165,21 @@ def _checked(memory_plan: MemoryPlan, steps: int | str, allow_over_budget: bool,
 _WARNED: weakref.WeakSet = weakref.WeakSet()
 
 
-def unplanned(model: Any, reason: str, *, auto: bool, per_replica_batch: int | None = None
-              ) -> None:
+def unplanned(model: Any, reason: str, *, auto: bool, per_replica_batch: int | None = None,
+              switches: Switches = PYTHON) -> None:
     """The one policy for a run that cannot be planned: "auto" stops (it needs the plan's k);
     any other k trains without the check, after one `UnplannedRunWarning` per model.
 
     Raises:
-        ValueError: `auto`, naming `reason` and what to set instead.
+        ValueError: `auto`, naming `reason` and what to set instead in the caller's `switches`.
     """
     if auto:
         divides = (f" that divides the per-replica batch ({per_replica_batch})"
                    if per_replica_batch else "")
         raise ValueError(
-            f'accumulation_steps="auto" takes k from the memory plan, and there is none: '
-            f"{reason}. Set `accumulation_steps` to a number k{divides}, e.g. "
-            "`accumulation_steps=1`.")
+            f"`{switches.spell('accumulation_steps', 'auto')}` takes k from the memory plan, "
+            f"and there is none: {reason}. Set k to a number{divides}, e.g. "
+            f"`{switches.spell('accumulation_steps', 1)}`.")
     try:
         if model in _WARNED:
             return
