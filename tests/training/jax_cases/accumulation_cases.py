@@ -210,8 +210,61 @@ def placement_cases():
     }
 
 
+def compiled_memory(build, shape, policy):
+    """XLA's memory analysis of plain `fit`'s step at micro-batch 8 and AccumModel(8 × 4)'s
+    in-graph step (what GPUs and TPUs run), with the bytes accumulating must add: the float32
+    gradient sums and the rest of the global batch."""
+    import tfmem
+    from tfmem.memory import probe_jax
+    from tfmem.training import accumulation_math, placement
+
+    keras.mixed_precision.set_global_policy(policy)
+    placement.HOST_LOOP_PLATFORMS = ()
+    try:
+        x, y, _ = data(shape, num_samples=8 * K)
+        results = {}
+        for name, accumulation_steps in (("plain", None), ("accum", K)):
+            keras.utils.set_random_seed(0)
+            model = build(keras.Input(shape))
+            if accumulation_steps:
+                model = tfmem.AccumModel.wrap(model, accumulation_steps=accumulation_steps)
+            compile_model(model, keras.optimizers.SGD(0.1), metrics=())
+            model.optimizer.build(model.trainable_variables)
+            batch = (x, y) if accumulation_steps else (x[:8], y[:8])
+            results[name] = probe_jax.compiled_step_memory(model, batch)["peak_bytes"]
+        results["sums_bytes"] = sum(accumulation_math.accumulator_nbytes(v.shape, v.dtype)
+                                    for v in model.trainable_variables)
+        results["more_batch_bytes"] = x[8:].nbytes + y[8:].nbytes
+        return results
+    finally:
+        placement.HOST_LOOP_PLATFORMS = ("cpu",)
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def small_convolutions(inputs):
+    """Two convolutions: activations outweigh weights, as in image models."""
+    hidden = inputs
+    for filters in (32, 64):
+        hidden = keras.layers.Conv2D(filters, 3, padding="same", activation="relu")(hidden)
+    hidden = keras.layers.GlobalAveragePooling2D()(hidden)
+    return keras.Model(inputs, keras.layers.Dense(3, dtype="float32")(hidden))
+
+
+def wide_dense(inputs):
+    """Weights outweigh activations: what a step keeps per weight shows."""
+    hidden = keras.layers.Flatten()(inputs)
+    for _ in range(2):
+        hidden = keras.layers.Dense(256, activation="relu")(hidden)
+    return keras.Model(inputs, keras.layers.Dense(3, dtype="float32")(hidden))
+
+
 emit(
     {
+        "compiled_memory": {
+            "convolutions": {policy: compiled_memory(small_convolutions, (16, 16, 3), policy)
+                             for policy in ("float32", "mixed_bfloat16")},
+            "dense": compiled_memory(wide_dense, (8, 8, 3), "mixed_bfloat16"),
+        },
         "placement": placement_cases(),
         "dense_sgd_weighted": equivalence(dense_model, (6,), "sgd", weighted=True),
         "dense_adam_weighted": equivalence(dense_model, (6,), "adam", weighted=True),
