@@ -160,16 +160,27 @@ def guard(
             reason = (f"the planner could not plan this run ({type(error).__name__}: "
                       f"{str(error).splitlines()[0] if str(error) else ''})")
         else:
-            try:
-                return _checked(memory_plan, steps, allow_over_budget, switches)
-            except MemoryPlanError:
-                if compiled_peak is None:
-                    raise
-            return _compiled(memory_plan, steps, switches, compiled_peak)
+            return _decided(memory_plan, steps, allow_over_budget, switches, compiled_peak)
     unplanned(model, reason, auto=steps == "auto",
               per_replica_batch=global_batch_size // replicas, switches=switches)
     return RunPlan(global_batch_size, replicas, steps,
                    split_batch(global_batch_size, replicas, steps), skipped=reason)
+
+
+def _decided(memory_plan: MemoryPlan, steps: int | str, allow_over_budget: bool,
+             switches: Switches, compiled_peak: Callable[[int], int] | None) -> RunPlan:
+    """The plan's split; one it refuses, XLA's compiled step decides where it can be read."""
+    try:
+        return _checked(memory_plan, steps, allow_over_budget, switches)
+    except MemoryPlanError as refusal:
+        if compiled_peak is None:
+            raise
+        try:
+            return _compiled(memory_plan, steps, switches, compiled_peak)
+        except MemoryPlanError:
+            raise
+        except Exception as error:  # noqa: BLE001 - a step not compiled ahead: the plan's no
+            raise refusal from error
 
 
 def _checked(memory_plan: MemoryPlan, steps: int | str, allow_over_budget: bool,

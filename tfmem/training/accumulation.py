@@ -295,9 +295,9 @@ class AccumModel(_STEP.AccumTrainer, keras.Model):
         batch = _batch_shapes(x, y, global_batch)
         if batch is None or self.optimizer is None:
             return None
-        internals.symbolic_build(self, batch)  # the variables the compiled step takes
 
         def compiled_peak(accumulation_steps: int) -> int:
+            internals.symbolic_build(self, batch)  # the variables the compiled step takes
             chosen = self._accumulation_steps
             self._accumulation_steps = accumulation_steps
             try:
