@@ -121,11 +121,11 @@ def test_host_loop_and_in_graph_loop_give_the_same_step(accumulation):
     assert result["iterations"] == [2, 2]
 
 
-@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
-def test_accumulating_holds_at_most_a_tenth_more_than_a_plain_step(accumulation, policy):
+def test_accumulating_holds_at_most_a_tenth_more_than_a_plain_step(accumulation):
     # XLA's memory analysis (compile-time arithmetic, nothing measured) of AccumModel(8 × 4)'s
-    # in-graph step against plain fit at batch 8, on a conv net.
-    result = accumulation["compiled_memory"]["convolutions"][policy]
+    # in-graph step against plain fit at batch 8, on a conv net in mixed_bfloat16 (float32 and
+    # real models: benchmarks/accumulation.py --analysis_only).
+    result = accumulation["compiled_memory"]["convolutions"]
     assert result["accum"] <= 1.10 * result["plain"]
 
 
@@ -159,7 +159,7 @@ def test_auto_takes_the_largest_micro_batch_whose_compiled_step_fits(accumulatio
         "global batch 32 = micro-batch 32 × 1 accumulation step × 1 replica needs ")
     assert result["refused"].endswith(
         f"by XLA's figure (accumulation_steps={auto['accumulation_steps']}). "
-        "Pass `check_memory=False` to run anyway.")
+        "Pass `allow_over_budget=True` to run anyway.")
 
 
 def test_lr_schedule_counts_real_updates(accumulation):
