@@ -51,6 +51,11 @@ flags.DEFINE_list("cases", None, "Cases to run (default: all of the backend's, s
 flags.DEFINE_bool("memory_analysis", False,
                   "JAX: also XLA's memory analysis of the compiled step and the planner's "
                   "estimate, in the first round.")
+flags.DEFINE_bool("analysis_only", False,
+                  "JAX: only XLA's memory analysis of each case's compiled step, side by side "
+                  "as ratios (nothing trains; minutes on a CPU for ResNet50).")
+flags.DEFINE_enum("precision", "float32", ["float32", "mixed_bfloat16", "mixed_float16"],
+                  "Keras dtype policy of every case.")
 flags.DEFINE_string("case", None, "Internal: run one case in this process and print JSON.")
 
 # key: (reference key, batch given to fit is global (m·k), AccumModel k, Keras k, XLA, loop)
@@ -96,6 +101,7 @@ def run_case(key: str) -> dict:
         placement.HOST_LOOP_PLATFORMS = ()
     window = m * k
     batch_size = window if is_global else m
+    keras.config.set_dtype_policy(FLAGS.precision)
     keras.utils.set_random_seed(0)
     size = FLAGS.image_size
     model = getattr(keras.applications, FLAGS.model)(
@@ -110,6 +116,9 @@ def run_case(key: str) -> dict:
     rng = np.random.default_rng(0)
     images = rng.uniform(0, 255, (window, size, size, 3)).astype("float32")
     labels = rng.integers(0, 10, (window,))
+    if FLAGS.analysis_only:
+        model.optimizer.build(model.trainable_variables)
+        return {"xla": _xla_memory(model, (images[:batch_size], labels[:batch_size]))}
     times = []
 
     def on_batch_end(batch, logs):
@@ -133,10 +142,10 @@ def run_case(key: str) -> dict:
 
         peak = probe_jax.peak_bytes_in_use()
         result["device_peak_gb"] = None if peak is None else peak / 1e9
-        if FLAGS.memory_analysis and not keras_accumulates:
+        if FLAGS.memory_analysis:
             data = (images[:batch_size], labels[:batch_size])
-            analysis = probe_jax.compiled_step_memory(model, data)
-            result["xla_peak_gb"] = analysis["peak_bytes"] / 1e9
+            result["xla"] = _xla_memory(model, data)
+            result["xla_peak_gb"] = result["xla"]["peak_bytes"] / 1e9
             try:
                 memory_plan = tfmem.plan(model, global_batch_size=batch_size, optimizer="sgd",
                                          runtime=tfmem.runtime.current.current_runtime(model))
@@ -149,10 +158,23 @@ def run_case(key: str) -> dict:
     return result
 
 
+def _xla_memory(model, data) -> dict:
+    """XLA's memory analysis of the step `fit` runs (AccumModel's: the loop its platform runs,
+    or the one the case forces)."""
+    from tfmem.memory import probe_jax
+
+    import jax
+
+    memory = (model.compiled_step_memory(data) if hasattr(model, "compiled_step_memory")
+              else probe_jax.compiled_step_memory(model, data))
+    return dict(memory, compiler=f"XLA:{jax.devices()[0].platform.upper()}, JAX {jax.__version__}")
+
+
 def _run_child(key: str, memory_analysis: bool) -> dict:
     command = [sys.executable, os.path.abspath(__file__), f"--case={key}"] + [
         f"--{name}={FLAGS[name].value}" for name in
-        ("backend", "model", "image_size", "micro_batch", "accumulation_steps", "windows")
+        ("backend", "model", "image_size", "micro_batch", "accumulation_steps", "windows",
+         "precision", "analysis_only")
     ] + [f"--memory_analysis={memory_analysis}"]
     output = subprocess.run(command, capture_output=True, text=True, check=False)
     line = [l for l in output.stdout.splitlines() if l.startswith("RESULT ")]
@@ -174,6 +196,12 @@ def main(argv):
     unknown = [key for key in keys if key not in CASES]
     if unknown:
         sys.exit(f"error: unknown case(s) {unknown}; choose from {sorted(CASES)}")
+    if FLAGS.analysis_only:
+        if FLAGS.backend != "jax":
+            sys.exit("error: --analysis_only reads XLA's analysis of a JAX step; pass "
+                     "--backend=jax")
+        _print_analysis({key: _run_child(key, False)["xla"] for key in keys})
+        return
     runs = {key: [] for key in keys}
     for round_index in range(FLAGS.rounds):
         for key in keys:
@@ -223,10 +251,30 @@ def main(argv):
             if "xla_peak_gb" in row:
                 print(f"| {label(key)} | {_gb(row['plan_peak_gb'])} | {_gb(row['xla_peak_gb'])} "
                       f"| {_gb(row['device_peak_gb'])} |")
+    analyses = {key: table[key]["xla"] for key in keys if "xla" in table[key]}
+    if analyses:
+        _print_analysis(analyses)
     print()
     for name, fast, small in checks:
         print(f"{name}: samples/s >= 0.8 × reference {'met' if fast else 'NOT met'}; "
               f"peak <= 1.15 × reference {'met' if small else 'NOT met'}")
+
+
+def _print_analysis(analyses: dict) -> None:
+    """XLA's memory analysis of each case's step, in MB and as a ratio to its reference."""
+    m, k = FLAGS.micro_batch, FLAGS.accumulation_steps
+    compiler = next(iter(analyses.values()))["compiler"]
+    print(f"\nXLA's memory analysis of each compiled step ({compiler}): "
+          f"{FLAGS.model} {FLAGS.image_size}x{FLAGS.image_size}, "
+          f"{FLAGS.precision}, SGD, m={m}, k={k}; MB per device\n")
+    print("| case | arguments | outputs − aliased | temporaries | peak | × ref. |")
+    print("|---|---|---|---|---|---|")
+    for key, xla in analyses.items():
+        reference = analyses.get(CASES[key][0]) or xla
+        print(f"| {label(key)} | {xla['argument_bytes'] / 1e6:.1f} "
+              f"| {(xla['output_bytes'] - xla['alias_bytes']) / 1e6:.1f} "
+              f"| {xla['temp_bytes'] / 1e6:.1f} | {xla['peak_bytes'] / 1e6:.1f} "
+              f"| {xla['peak_bytes'] / reference['peak_bytes']:.2f} |")
 
 
 if __name__ == "__main__":

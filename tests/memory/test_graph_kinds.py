@@ -207,8 +207,8 @@ def test_a_model_the_planner_cannot_plan_warns_once_and_trains():
     assert int(model.optimizer.iterations) == 4
     auto = tfmem.AccumModel(inputs, ops.mean(hidden, axis=1), accumulation_steps="auto")
     auto.compile("sgd", "mse")
-    with pytest.raises(ValueError, match=r'accumulation_steps="auto" takes k from the memory '
-                                         r"plan.*Set `accumulation_steps` to a number k"):
+    with pytest.raises(ValueError, match=r"accumulation_steps='auto'` takes k from the memory "
+                                         r"plan.*Set k to a number.*`accumulation_steps=1`"):
         auto.fit(_dataset(), epochs=1, verbose=0, memory_budget=GIB)
 
 

@@ -4,11 +4,12 @@ import dataclasses
 import warnings
 
 import keras
+import numpy as np
 import pytest
 
 import tfmem
 from tfmem import cli
-from tfmem.memory import guard, levers, planner
+from tfmem.memory import guard, levers, plan_report, planner
 from tfmem.runtime import devices
 from tfmem.runtime.budget import Budget, budget_for
 
@@ -117,9 +118,15 @@ def test_a_runtime_of_unknown_memory_trains_unchecked_after_one_warning():
     # A batch that does not split is an error first, whether or not a plan can be made.
     with pytest.raises(ValueError, match=r"replicas × accumulation_steps \(2 × 3 = 6\)"):
         guard.guard(model, global_batch_size=64, accumulation_steps=3, runtime=runtime)
-    with pytest.raises(ValueError, match=r'"auto" takes k from the memory plan, and there is '
-                                         r"none: .*divides the per-replica batch \(32\)"):
+    with pytest.raises(ValueError, match=r"`accumulation_steps='auto'` takes k from the memory "
+                                         r"plan, and there is none: .*divides the per-replica "
+                                         r"batch \(32\), e\.g\. `accumulation_steps=1`"):
         guard.guard(model, global_batch_size=64, runtime=runtime)
+    # From a program: its flag.
+    with pytest.raises(ValueError, match=r"`--accumulation-steps auto` takes k .* e\.g\. "
+                                         r"`--accumulation-steps 1`\.$"):
+        guard.guard(model, global_batch_size=64, runtime=runtime,
+                    switches=plan_report.COMMAND_LINE)
 
 
 def test_a_warning_of_a_command_line_program_is_one_line():
@@ -129,3 +136,24 @@ def test_a_warning_of_a_command_line_program_is_one_line():
                                       guard.UnplannedRunWarning, "guard.py", 170) == (
             "warning: memory check skipped, for a reason\n")
     assert warnings.formatwarning is shown
+
+
+def test_accum_fit_auto_with_the_check_off_takes_micro_batch_one_when_nothing_fits():
+    # The refusal names `check_memory=False`: passed, it trains (micro-batch 1), the same
+    # update as plain Keras on the whole batch.
+    features = keras.random.normal((8, 32), seed=1)
+    targets = keras.random.normal((8, 4), seed=2)
+    plain = dense_model()
+    model = tfmem.AccumModel.wrap(dense_model(), accumulation_steps="auto")
+    model.set_weights(plain.get_weights())
+    for each in (plain, model):
+        each.compile(keras.optimizers.SGD(0.1), "mse")
+    tiny = 2**20  # nothing fits
+    with pytest.raises(tfmem.MemoryPlanError, match="Pass `check_memory=False` to run anyway"):
+        model.fit(features, targets, batch_size=8, verbose=0, memory_budget=tiny)
+    model.fit(features, targets, batch_size=8, verbose=0, memory_budget=tiny,
+              check_memory=False)
+    plain.fit(features, targets, batch_size=8, verbose=0)
+    assert model.accumulation_steps == 8
+    for ours, reference in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(ours, reference, rtol=1e-5, atol=1e-6)

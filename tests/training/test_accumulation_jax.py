@@ -115,6 +115,47 @@ def test_host_loop_and_in_graph_loop_give_the_same_step(accumulation):
     assert result["iterations"] == [2, 2]
 
 
+def test_accumulating_holds_at_most_a_tenth_more_than_a_plain_step(accumulation):
+    # XLA's memory analysis (compile-time arithmetic, nothing measured) of AccumModel(8 × 4)'s
+    # in-graph step against plain fit at batch 8, on a conv net in mixed_bfloat16 (float32 and
+    # real models: benchmarks/accumulation.py --analysis_only).
+    result = accumulation["compiled_memory"]["convolutions"]
+    assert result["accum"] <= 1.10 * result["plain"]
+
+
+def test_accumulating_adds_only_its_sums_and_the_rest_of_the_batch(accumulation):
+    # Where weights outweigh activations, in mixed_bfloat16: half-precision copies of the
+    # weights kept through the micro-batch loop would add about as much again as the sums.
+    result = accumulation["compiled_memory"]["dense"]
+    added = result["accum"] - result["plain"]
+    assert added <= result["more_batch_bytes"] + 1.25 * result["sums_bytes"]
+
+
+def test_a_split_the_plan_refuses_trains_when_its_compiled_step_fits(accumulation):
+    result = accumulation["guard_with_xla"]
+    fixed = result["fixed"]
+    assert fixed["plan_refused"]  # the plan's CPU framework term alone is over the budget
+    assert fixed["compiled_peak"] <= fixed["budget_bytes"]
+    assert fixed["iterations"] == 1 and fixed["weights"] <= 1e-5  # the whole batch's step
+
+
+def test_auto_takes_the_largest_micro_batch_whose_compiled_step_fits(accumulation):
+    result = accumulation["guard_with_xla"]
+    auto = result["auto"]
+    peak_of_1, peak_of_4 = result["peaks"]  # the compiled peaks with k = 1 and 4
+    assert peak_of_1 > auto["budget_bytes"] >= peak_of_4
+    assert auto["plan_refused"]
+    assert 1 < auto["accumulation_steps"] <= 4
+    assert auto["compiled_peak"] <= auto["budget_bytes"] < auto["half_steps_peak"]
+    assert auto["iterations"] == 1 and auto["weights"] <= 1e-5  # chosen before any step
+    # A set k over the budget by XLA's figure too: refused, naming what XLA fits.
+    assert result["refused"].startswith(
+        "global batch 32 = micro-batch 32 × 1 accumulation step × 1 replica needs ")
+    assert result["refused"].endswith(
+        f"by XLA's figure (accumulation_steps={auto['accumulation_steps']}). "
+        "Pass `allow_over_budget=True` to run anyway.")
+
+
 def test_lr_schedule_counts_real_updates(accumulation):
     # PiecewiseConstantDecay([2], [0.1, 0.0]): iterations 0, 1, 2 at lr 0.1, then lr 0.
     result = accumulation["lr_schedule"]

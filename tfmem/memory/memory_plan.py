@@ -258,12 +258,15 @@ class MemoryPlanError(ValueError):
         needed_bytes: its predicted peak per replica.
         switches: how the interface that raised it spells its switches (named in the
             message; default: Python's arguments).
+        compiled_fit: where XLA's compiled step decided, `(micro-batch, k, peak bytes)` of
+            the split it fits (None: none does); `needed_bytes` is then XLA's figure too.
     """
 
     def __init__(self, plan: MemoryPlan, micro_batch_size: int, accumulation_steps: int,
-                 needed_bytes: int, switches: plan_report.Switches | None = None):
+                 needed_bytes: int, switches: plan_report.Switches | None = None,
+                 compiled_fit: tuple[int, int, int] | None = None):
         self.plan, self.needed_bytes = plan, needed_bytes
         self.micro_batch_size, self.accumulation_steps = micro_batch_size, accumulation_steps
         self.switches = switches = switches or plan_report.PYTHON
         super().__init__(plan_report.format_error(plan, micro_batch_size, accumulation_steps,
-                                                  needed_bytes, switches))
+                                                  needed_bytes, switches, compiled_fit))

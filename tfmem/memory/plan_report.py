@@ -178,15 +178,22 @@ def format_nothing_fits(p) -> str:
 
 
 def format_error(p, micro_batch_size: int, accumulation_steps: int, needed_bytes: int,
-                 switches: Switches = PYTHON) -> str:
+                 switches: Switches = PYTHON, compiled_fit: tuple | None = None) -> str:
     """The guard's message: what was asked, what it needs, and what would fit, in the
-    caller's `switches`."""
+    caller's `switches`; with `compiled_fit` (micro-batch, k, peak of the split XLA fits),
+    the figures are those of XLA's compiled step."""
     asked = describe_split(p.global_batch_size, micro_batch_size, accumulation_steps,
                            p.num_replicas)
-    head = (f"{asked} needs {format_bytes(needed_bytes)} per replica on {p.device}, over the "
+    by_xla = " by XLA's compiled step" if compiled_fit else ""
+    head = (f"{asked} needs {format_bytes(needed_bytes)} per replica on {p.device}{by_xla}, "
+            f"over the "
             f"budget of {format_bytes(p.budget_bytes)} ({p.safety:.0%} of "
             f"{format_bytes(p.memory_per_replica)})")
-    if p.fits:
+    if compiled_fit:
+        micro, k, peak = compiled_fit
+        advice = (f"; micro-batch {micro} × {_steps(k)} fits in {format_bytes(peak)} by XLA's "
+                  f"figure ({switches.run(k)}).")
+    elif p.fits:
         fit = p.peak_bytes(p.micro_batch_size, p.accumulation_steps)
         advice = (f"; micro-batch {p.micro_batch_size} × {_steps(p.accumulation_steps)} fits "
                   f"in {format_bytes(fit)} ({switches.run(p.accumulation_steps)}).")

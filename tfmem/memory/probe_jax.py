@@ -91,11 +91,20 @@ def compiled_step_memory(model: keras.Model, data) -> dict[str, int]:
         [v.value for v in model.optimizer.variables],
         [v.value for v in model.metrics_variables],
     )
-    abstract_state = tree.map_structure(_abstract, state)
-    abstract_data = tree.map_structure(_abstract_batch, data)
-    compiled = (
-        jax.jit(model.train_step, donate_argnums=0).lower(abstract_state, abstract_data).compile()
-    )
+    abstract_state = tree.map_structure(abstract, state)
+    abstract_data = abstract_batch(data)
+    return memory_analysis(
+        jax.jit(model.train_step, donate_argnums=0).lower(abstract_state, abstract_data).compile())
+
+
+def memory_analysis(compiled) -> dict[str, int]:
+    """XLA's memory analysis of a compiled JAX program (`jax.jit(f).lower(...).compile()`).
+
+    Returns:
+        `{"argument_bytes", "output_bytes", "alias_bytes", "temp_bytes",
+        "generated_code_bytes", "peak_bytes"}` per device, `peak_bytes` = argument + output −
+        alias + temp.
+    """
     analysis = compiled.memory_analysis()
     sizes = {
         "argument_bytes": analysis.argument_size_in_bytes,
@@ -110,8 +119,14 @@ def compiled_step_memory(model: keras.Model, data) -> dict[str, int]:
     return {name: int(value) for name, value in sizes.items()}
 
 
-def _abstract(value) -> jax.ShapeDtypeStruct:
+def abstract(value) -> jax.ShapeDtypeStruct:
+    """The shape, dtype and sharding of a JAX array, to lower a program for it."""
     return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=value.sharding)
+
+
+def abstract_batch(data):
+    """A batch's leaves as `jax.ShapeDtypeStruct`s laid out as `fit` lays them out."""
+    return tree.map_structure(_abstract_batch, data)
 
 
 def _abstract_batch(value):

@@ -169,7 +169,8 @@ class AccumModel(_STEP.AccumTrainer, keras.Model):
             x, y, batch_size, *args, **kwargs: as `keras.Model.fit`; batch by the
                 *global* batch size.
             check_memory: False skips the check (the explicit override); with
-                `accumulation_steps="auto"` the plan still picks `k`.
+                `accumulation_steps="auto"` the plan still picks `k` (micro-batch 1
+                when nothing fits).
             memory_budget: bytes per replica; default: what the distribution
                 strategy's devices have (`tfmem.Runtime.from_strategy`).
 
@@ -190,7 +191,7 @@ class AccumModel(_STEP.AccumTrainer, keras.Model):
         if self._rematerialize.names:
             runner.apply(self, self._rematerialize.names)
         run = self.plan_memory(x, batch_size, check_memory=check_memory,
-                               memory_budget=memory_budget)
+                               memory_budget=memory_budget, y=y)
         self._apply_segments(run)
         return super().fit(x, y, batch_size, *args, **kwargs)
 
@@ -237,16 +238,22 @@ class AccumModel(_STEP.AccumTrainer, keras.Model):
         return super().make_train_function(force)
 
     def plan_memory(self, x=None, batch_size=None, *, check_memory: bool = True,
-                    memory_budget: int | None = None) -> RunPlan | None:
-        """Plans and checks the run `fit(x, batch_size=batch_size)` would make; `fit` calls it.
+                    memory_budget: int | None = None, y=None) -> RunPlan | None:
+        """Plans and checks the run `fit(x, y, batch_size=batch_size)` would make; `fit`
+        calls it.
 
         The one guard (`tfmem.memory.guard`): with `accumulation_steps="auto"` it sets `k`
-        from the plan. Every `fit` calls it (so does `fit_resumable`, through `fit`).
+        from the plan. Every `fit` calls it (so does `fit_resumable`, through `fit`). Where the
+        backend compiles the step ahead (JAX), a setting the plan refuses is checked again
+        with XLA's memory analysis of the compiled step (`guard`'s `compiled_peak`), before
+        any step: it trains if that fits, and "auto" takes the micro-batch that does.
 
         Args:
             x: the training data as `fit` takes it (arrays, or a batched `tf.data.Dataset`).
             batch_size: as in `fit`, for arrays.
-            check_memory: False skips the check (with "auto" the plan still picks `k`).
+            y: as in `fit`: the targets of array data.
+            check_memory: False skips the check (with "auto" the plan still picks `k`,
+                micro-batch 1 when nothing fits).
             memory_budget: bytes per replica; default: the strategy's devices.
 
         Returns:
@@ -272,8 +279,9 @@ class AccumModel(_STEP.AccumTrainer, keras.Model):
         run = guard.guard(
             self, global_batch_size=global_batch,
             accumulation_steps="auto" if auto else self.accumulation_steps,
-            allow_over_budget=not check_memory and not auto, batch_of_the_data=True, **where,
+            allow_over_budget=not check_memory, batch_of_the_data=True, **where,
             switches=Switches(allow_over_budget="check_memory=False"),
+            compiled_peak=self._compiled_peak(x, y, global_batch),
             optimizer=self.optimizer,
             precision=plan_precision(self),
             # A subclassed model Keras has not built yet is planned at the data's shapes.
@@ -281,6 +289,26 @@ class AccumModel(_STEP.AccumTrainer, keras.Model):
         if auto:
             self.accumulation_steps = run.accumulation_steps
         return run
+
+    def _compiled_peak(self, x, y, global_batch: int):
+        """`k → XLA's peak bytes of the compiled step` for the data's global batch, where the
+        backend's step can be compiled ahead (`compiled_step_memory`); else None."""
+        if not hasattr(_STEP.AccumTrainer, "compiled_step_memory") or self.run_eagerly:
+            return None
+        batch = _batch_shapes(x, y, global_batch)
+        if batch is None or self.optimizer is None:
+            return None
+
+        def compiled_peak(accumulation_steps: int) -> int:
+            internals.symbolic_build(self, batch)  # the variables the compiled step takes
+            chosen = self._accumulation_steps
+            self._accumulation_steps = accumulation_steps
+            try:
+                return self.compiled_step_memory(batch)["peak_bytes"]
+            finally:
+                self._accumulation_steps = chosen
+
+        return compiled_peak
 
     @classmethod
     def wrap(cls, model: keras.Model, accumulation_steps: int = 1,
@@ -450,6 +478,24 @@ def _sample_shapes(x) -> list[tuple] | None:
     if not parts or any(shape is None or len(shape) < 1 for shape in shapes):
         return None
     return [tuple(shape)[1:] for shape in shapes]
+
+
+def _batch_shapes(x, y, global_batch: int):
+    """`(x, y)` of one global batch as shapes and dtypes, from arrays or a batched
+    `tf.data.Dataset`; None for other data."""
+    element_spec = getattr(x, "element_spec", None)
+    parts = element_spec if element_spec is not None else (x, y) if y is not None else x
+    leaves = keras.tree.flatten(parts)
+    if not leaves or any(getattr(leaf, "shape", None) is None for leaf in leaves):
+        return None
+
+    def shape_of(leaf):
+        dtype = getattr(leaf.dtype, "as_numpy_dtype", leaf.dtype)  # a TensorSpec's
+        return keras.KerasTensor((global_batch,) + tuple(leaf.shape)[1:], dtype)
+
+    if any(len(leaf.shape) < 1 or None in tuple(leaf.shape)[1:] for leaf in leaves):
+        return None
+    return keras.tree.map_structure(shape_of, parts)
 
 
 def plan_precision(model: keras.Model) -> str:

@@ -53,6 +53,7 @@ from jax.experimental import sparse as jax_sparse
 from keras import tree
 
 from tfmem import _keras_internals as internals
+from tfmem.memory import probe_jax
 from tfmem.runtime.cluster import split_batch
 from tfmem.training import loss_terms, micro_batches, placement
 from tfmem.runtime.precision import accumulator_dtype
@@ -77,11 +78,35 @@ class AccumTrainer:
         """Keras's jitted step, or on a host-loop platform the loop over jitted micro-steps."""
         if self.train_function is not None and not force:
             return
-        if (self.run_eagerly or not self.jit_compile or self.accumulation_steps in (1, "auto")
-                or not placement.loop_on_host(_platform())):
+        if not _loops_on_host(self):
             super().make_train_function(force)
             return
         self.train_function = internals.jax_train_function(self, HostLoopStep(self))
+
+    def compiled_step_memory(self, data) -> dict[str, int]:
+        """XLA's memory analysis of the step `fit` runs, compiled for a batch shaped like `data`.
+
+        The in-graph loop is one program (`tfmem.memory.probe_jax.compiled_step_memory`); the
+        host loop's peak is the larger of its micro-step's and its update's, since between
+        them only their arguments are alive. Nothing runs and no variable changes.
+
+        Args:
+            data: one global batch as `fit` sees it; arrays or `jax.ShapeDtypeStruct`s.
+
+        Returns:
+            As `probe_jax.compiled_step_memory`, per device; the host loop's the figures of
+            its larger program.
+        """
+        if not _loops_on_host(self):
+            return probe_jax.compiled_step_memory(self, data)
+        return HostLoopStep(self).compiled_memory(data)
+
+
+def _loops_on_host(model: keras.Model) -> bool:
+    """Whether `fit` runs the micro-batch loop from the host (`HostLoopStep`)."""
+    return not (model.run_eagerly or not model.jit_compile
+                or model.accumulation_steps in (1, "auto")
+                or not placement.loop_on_host(_platform()))
 
 
 # Traces of a micro-step per step at most: the model's last layout, the one the compiled loss
@@ -128,7 +153,11 @@ def train_step(model: keras.Model, state: tuple, data) -> tuple[dict, tuple]:
         layout = loss_terms.stored_layout(model)
 
         def body(carry, micro_batch):
-            carry = _micro_step(model, is_averaged, trainable, statistics, optimizer_variables,
+            # Through a barrier with the carry, the weights vary with the loop, so XLA casts
+            # them inside each micro-step rather than keeping cast copies of all of them alive
+            # for the whole loop.
+            weights, carry = jax.lax.optimization_barrier((trainable, carry))
+            carry = _micro_step(model, is_averaged, weights, statistics, optimizer_variables,
                                 carry, micro_batch, layout)
             return carry, None
 
@@ -182,6 +211,25 @@ class HostLoopStep:
     def __call__(self, state, data):
         model = self.model
         model.check_accumulation_setup()
+        start, fixed, starts = self._window(state)
+        # Host arrays (numpy, from Keras's iterator) moved once, not once per micro-step.
+        data = jax.tree_util.tree_map(
+            lambda leaf: jax.device_put(leaf) if isinstance(leaf, np.ndarray) else leaf, data)
+        for attempt in range(_TRACES):  # again only when the loss sums other parts
+            carry = _committed(_laid_out(start, loss_terms.stored_layout(model)))
+            try:
+                for index in range(model.accumulation_steps):
+                    carry = self.micro_step(carry, fixed, data, index)
+                break
+            except loss_terms.LayoutChanged:  # raised while tracing: nothing was donated yet
+                if attempt == _TRACES - 1:
+                    raise
+        return self.update(fixed, starts=starts, num_rows=_num_rows(data), **carry._asdict())
+
+    def _window(self, state):
+        """The window's starting carry (zero sums), its fixed arrays and the loss metrics'
+        values before it."""
+        model = self.model
         trainable, non_trainable, optimizer_variables, metrics_variables = state
         is_averaged = _averaged_flags(model)
         statistics = _select(non_trainable, is_averaged, True)
@@ -197,20 +245,33 @@ class HostLoopStep:
             metrics_variables=list(metrics_variables),
         )
         fixed = _committed((trainable, statistics, optimizer_variables))
-        # Host arrays (numpy, from Keras's iterator) moved once, not once per micro-step.
-        data = jax.tree_util.tree_map(
-            lambda leaf: jax.device_put(leaf) if isinstance(leaf, np.ndarray) else leaf, data)
-        start = carry
+        return carry, fixed, starts
+
+    def compiled_memory(self, data) -> dict[str, int]:
+        """XLA's memory analysis of the larger of the two programs a step runs, for a batch
+        shaped like `data` (nothing runs; the zeros are only shapes)."""
+        model = self.model
+        state = tuple([v.value for v in variables] for variables in (
+            model.trainable_variables, model.non_trainable_variables, model.optimizer.variables,
+            model.metrics_variables))
+        start, fixed, starts = jax.eval_shape(lambda: self._window(state))
+        fixed = jax.tree_util.tree_map(probe_jax.abstract, fixed)
+        data = probe_jax.abstract_batch(data)
         for attempt in range(_TRACES):  # again only when the loss sums other parts
-            carry = _committed(_laid_out(start, loss_terms.stored_layout(model)))
+            carry = _laid_out(start, loss_terms.stored_layout(model), like=probe_jax.abstract)
             try:
-                for index in range(model.accumulation_steps):
-                    carry = self.micro_step(carry, fixed, data, index)
+                micro_step = self.micro_step.lower(carry, fixed, data, 0)
                 break
-            except loss_terms.LayoutChanged:  # raised while tracing: nothing was donated yet
+            except loss_terms.LayoutChanged:
                 if attempt == _TRACES - 1:
                     raise
-        return self.update(fixed, starts=starts, num_rows=_num_rows(data), **carry._asdict())
+        programs = [
+            micro_step.compile(),
+            self.update.lower(fixed, starts=starts, num_rows=_num_rows(data),
+                              **carry._asdict()).compile(),
+        ]
+        return max((probe_jax.memory_analysis(program) for program in programs),
+                   key=lambda sizes: sizes["peak_bytes"])
 
     def _micro_step(self, carry, fixed, data, index):
         model = self.model
@@ -306,15 +367,17 @@ def _micro_step(model, is_averaged, trainable, statistics, optimizer_variables, 
     )
 
 
-def _laid_out(carry: AccumulationState, layout: loss_terms.Layout) -> AccumulationState:
-    """`carry` with zero sums for `layout`'s further gradient groups and tracked losses."""
+def _laid_out(carry: AccumulationState, layout: loss_terms.Layout, like=jnp.zeros_like
+              ) -> AccumulationState:
+    """`carry` with zero sums (`like` of the first group's) for `layout`'s further gradient
+    groups and tracked losses."""
     # Each zero an array of its own: the host loop's micro-step donates every one.
     return carry._replace(
-        group_gradient_sums=[[jnp.zeros_like(total) for total in carry.gradient_sums]
+        group_gradient_sums=[[like(total) for total in carry.gradient_sums]
                              for _ in range(layout.num_groups - 1)],
-        term_sums=[[jnp.zeros_like(carry.loss_sum), jnp.zeros_like(carry.loss_sum)]
-                   for _ in layout.tracked],
+        term_sums=[[like(carry.loss_sum), like(carry.loss_sum)] for _ in layout.tracked],
     )
+
 
 
 def _update(model, is_averaged, trainable, statistics, optimizer_variables, carry, starts,

@@ -8,6 +8,7 @@ import common  # noqa: F401  (fixes the backend first)
 import keras
 import numpy as np
 import loss_normalisation_cases
+import tfmem
 from common import compile_model, conv_model, data, dense_model, emit, relative_difference
 
 K = 4  # accumulation steps in the equivalence cases
@@ -211,8 +212,114 @@ def placement_cases():
     }
 
 
+def compiled_memory(build, shape, policy):
+    """XLA's memory analysis of plain `fit`'s step at micro-batch 8 and AccumModel(8 × 4)'s
+    in-graph step (what GPUs and TPUs run), with the bytes accumulating must add: the float32
+    gradient sums and the rest of the global batch."""
+    from tfmem.memory import probe_jax
+    from tfmem.runtime import precision
+    from tfmem.training import placement
+
+    keras.mixed_precision.set_global_policy(policy)
+    placement.HOST_LOOP_PLATFORMS = ()
+    try:
+        x, y, _ = data(shape, num_samples=8 * K)
+        results = {}
+        for name, accumulation_steps in (("plain", None), ("accum", K)):
+            keras.utils.set_random_seed(0)
+            model = build(keras.Input(shape))
+            if accumulation_steps:
+                model = tfmem.AccumModel.wrap(model, accumulation_steps=accumulation_steps)
+            compile_model(model, keras.optimizers.SGD(0.1), metrics=())
+            model.optimizer.build(model.trainable_variables)
+            batch = (x, y) if accumulation_steps else (x[:8], y[:8])
+            results[name] = probe_jax.compiled_step_memory(model, batch)["peak_bytes"]
+        results["sums_bytes"] = sum(precision.accumulator_nbytes(v.shape, v.dtype)
+                                    for v in model.trainable_variables)
+        results["more_batch_bytes"] = x[8:].nbytes + y[8:].nbytes
+        return results
+    finally:
+        placement.HOST_LOOP_PLATFORMS = ("cpu",)
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def small_convolutions(inputs):
+    """Two convolutions: activations outweigh weights, as in image models."""
+    hidden = inputs
+    for filters in (32, 64):
+        hidden = keras.layers.Conv2D(filters, 3, padding="same", activation="relu")(hidden)
+    hidden = keras.layers.GlobalAveragePooling2D()(hidden)
+    return keras.Model(inputs, keras.layers.Dense(3, dtype="float32")(hidden))
+
+
+def wide_dense(inputs):
+    """Weights outweigh activations: what a step keeps per weight shows."""
+    hidden = keras.layers.Flatten()(inputs)
+    for _ in range(2):
+        hidden = keras.layers.Dense(256, activation="relu")(hidden)
+    return keras.Model(inputs, keras.layers.Dense(3, dtype="float32")(hidden))
+
+
+def guard_with_xla():
+    """fit where the plan's fixed CPU term refuses every split: XLA's figure of the compiled
+    step decides. A budget between the compiled peaks of micro-batch 32 and 8."""
+    from tfmem.memory import guard
+
+    x, y, _ = data((6,), num_samples=32)
+    probe = compile_model(dense_model(1), keras.optimizers.SGD(0.1), metrics=())
+    probe.optimizer.build(probe.trainable_variables)
+    compiled = {}
+
+    def peak(k):
+        if k not in compiled:
+            probe.accumulation_steps = k
+            compiled[k] = probe.compiled_step_memory((x, y))["peak_bytes"]
+        return compiled[k]
+
+    peaks = {k: peak(k) for k in (1, 4)}
+    budget = int((peaks[1] + peaks[4]) / 2 / 0.8)  # the plan's budget is 80% of it
+    plain = compile_model(dense_model(), keras.optimizers.SGD(0.1), metrics=())
+    plain.fit(x, y, batch_size=32, verbose=0, shuffle=False)
+    results = {"peaks": [peaks[1], peaks[4]]}
+    for name, steps, memory_budget in (("fixed", 1, int(peaks[1] / 0.8) + 1),
+                                       ("auto", "auto", budget)):
+        model = compile_model(dense_model(steps), keras.optimizers.SGD(0.1), metrics=())
+        try:
+            guard.guard(model, global_batch_size=32, accumulation_steps=steps,
+                        memory_budget=memory_budget, optimizer="sgd")
+            plan_refused = False
+        except tfmem.MemoryPlanError:
+            plan_refused = True
+        model.fit(x, y, batch_size=32, verbose=0, shuffle=False, memory_budget=memory_budget)
+        k = model.accumulation_steps
+        results[name] = {
+            "budget_bytes": 0.8 * memory_budget,  # the plan's safety: 80% of it
+            "plan_refused": plan_refused,
+            "accumulation_steps": k,
+            "compiled_peak": peak(k),
+            "iterations": int(model.optimizer.iterations),
+            "weights": relative_difference(plain.get_weights(), model.get_weights()),
+        }
+        if k > 1:
+            results[name]["half_steps_peak"] = peak(k // 2)
+    # A set k that XLA's figure refuses too (the guard, given the compiled peaks above): the
+    # message names what XLA fits.
+    try:
+        guard.guard(probe, global_batch_size=32, accumulation_steps=1, memory_budget=budget,
+                    optimizer="sgd", compiled_peak=peak)
+        results["refused"] = None
+    except tfmem.MemoryPlanError as error:
+        results["refused"] = str(error).splitlines()[0]
+    return results
+
+
 emit(
     {
+        "guard_with_xla": guard_with_xla(),
+        "compiled_memory": {
+            "convolutions": compiled_memory(small_convolutions, (16, 16, 3), "mixed_bfloat16"),
+            "dense": compiled_memory(wide_dense, (8, 8, 3), "mixed_bfloat16"),
+        },
         "placement": placement_cases(),
         "dense_sgd_weighted": equivalence(dense_model, (6,), "sgd", weighted=True),
         "dense_adam_weighted": equivalence(dense_model, (6,), "adam", weighted=True),
