@@ -35,6 +35,11 @@ import tfmem  # noqa: E402  (first: it imports TensorFlow without its banner)
 from tfmem import cli, finetune  # noqa: E402
 
 flags.DEFINE_string("model", "small-cnn", "A name of tfmem.models.MODELS.")
+flags.DEFINE_enum(
+    "task", None, list(finetune.TASKS), "'segmentation': a class per pixel (a segmentation "
+    "--model: unet, tiramisu-*; its loss skips the masks' ignore value; validation reports "
+    "mean IoU); 'classification': a label per image. Default: the task of the --data set's "
+    "manifest, else classification (--data demo then writes the shapes with their masks).")
 flags.DEFINE_string(
     "data", "demo", "'demo' (the embedded demo set, written under --output), a directory of "
     "TFRecords, or a glob such as 'gs://bucket/train-*.tfrec'.")

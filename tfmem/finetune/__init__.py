@@ -12,9 +12,9 @@ Example:
     >>> finetune.run(finetune.FinetuneConfig(epochs=1, output="runs/demo"))  # doctest: +SKIP
 """
 
-from tfmem.finetune.config import OPTIMIZERS, FinetuneConfig, memory_limit_bytes
+from tfmem.finetune.config import OPTIMIZERS, TASKS, FinetuneConfig, memory_limit_bytes
 from tfmem.finetune.data_facts import DEMO_SPLITS
 from tfmem.finetune.main import run
 from tfmem.finetune.outputs import WRITES
 
-__all__ = ["DEMO_SPLITS", "OPTIMIZERS", "WRITES", "FinetuneConfig", "memory_limit_bytes", "run"]
+__all__ = ["DEMO_SPLITS", "OPTIMIZERS", "TASKS", "WRITES", "FinetuneConfig", "memory_limit_bytes", "run"]
