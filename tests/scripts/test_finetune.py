@@ -902,7 +902,7 @@ def test_sigterm_says_how_to_resume_and_fewer_epochs_than_begun_are_refused(
 
 @pytest.fixture(scope="module")
 def segmentation_sets(tmp_path_factory):
-    """The demo shapes with their masks, 32 px: 128 to train on, 64 held out."""
+    """The demo shapes with their masks, 32 px: 128 to train on, 32 held out."""
     directory = tmp_path_factory.mktemp("segmentation")
     train = tfmem.make_demo_dataset(directory / "train", num_examples=128, image_size=32,
                                     task="segmentation")
@@ -928,7 +928,7 @@ def test_unet_trains_on_masks_above_the_all_background_baseline(finetune_cli,
     train, held_out = segmentation_sets
     status, out, stderr = finetune_cli(
         "--model", "unet", "--task", "segmentation", "--data", train.directory,
-        "--validation-data", held_out.directory, "--global-batch-size", "8", "--epochs", "2",
+        "--validation-data", held_out.directory, "--global-batch-size", "4", "--epochs", "1",
         "--image-size", "32", "--learning-rate", "3e-3", "--memory-limit", "none",
         "--output", str(tmp_path))
     assert status == 0, stderr[-3000:]
@@ -941,7 +941,7 @@ def test_unet_trains_on_masks_above_the_all_background_baseline(finetune_cli,
     # Every pixel called background: its IoU is the background's share, the shapes' 0.
     background = _iou(_confusion(masks, np.zeros_like(masks), 5))
     baseline = np.mean([iou for iou in background if iou is not None])
-    assert validation["mean_iou"] > baseline + 0.03, (validation, baseline)
+    assert validation["mean_iou"] > baseline + 0.05, (validation, baseline)
     # Per-class IoU and pixel accuracy: the saved model's predictions, counted in NumPy.
     model = keras.models.load_model(tmp_path / "model.keras")
     predicted = np.argmax(model.predict(images, batch_size=16, verbose=0), axis=-1)
@@ -951,7 +951,7 @@ def test_unet_trains_on_masks_above_the_all_background_baseline(finetune_cli,
                                np.trace(confusion) / confusion.sum(), atol=1e-6)
     np.testing.assert_allclose(validation["mean_iou"], np.mean(_iou(confusion)), atol=1e-5)
     assert (f"finetune: validation mean IoU {validation['mean_iou']:.3f}, pixel accuracy "
-            f"{validation['pixel_accuracy']:.3f} after 2 epochs") in out
+            f"{validation['pixel_accuracy']:.3f} after 1 epoch") in out
     assert json.loads((tmp_path / "run.json").read_text())["config"]["task"] == "segmentation"
 
 
