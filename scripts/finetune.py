@@ -1,6 +1,8 @@
-r"""Fine-tune an image classifier from TFRecords without running out of memory.
+r"""Fine-tune an image classifier or a segmentation network from TFRecords without running out
+of memory.
 
     python scripts/finetune.py                      # the demo: about 45 s on 2 CPU cores
+    python scripts/finetune.py --model unet --task segmentation   # the demo's masks, per pixel
     python scripts/finetune.py --model efficientnetv2-xl --dry-run --device v100-32gb
     python scripts/finetune.py --model efficientnetv2-xl --data '/data/train-*.tfrec' \
         --validation-data '/data/val-*.tfrec' --num-classes 104 --global-batch-size 64 \
