@@ -1,6 +1,8 @@
-r"""Fine-tune an image classifier from TFRecords without running out of memory.
+r"""Fine-tune an image classifier or a segmentation network from TFRecords without running out
+of memory.
 
     python scripts/finetune.py                      # the demo: about 45 s on 2 CPU cores
+    python scripts/finetune.py --model unet --task segmentation   # the demo's masks, per pixel
     python scripts/finetune.py --model efficientnetv2-xl --dry-run --device v100-32gb
     python scripts/finetune.py --model efficientnetv2-xl --data '/data/train-*.tfrec' \
         --validation-data '/data/val-*.tfrec' --num-classes 104 --global-batch-size 64 \
@@ -35,6 +37,11 @@ import tfmem  # noqa: E402  (first: it imports TensorFlow without its banner)
 from tfmem import cli, finetune  # noqa: E402
 
 flags.DEFINE_string("model", "small-cnn", "A name of tfmem.models.MODELS.")
+flags.DEFINE_enum(
+    "task", None, list(finetune.TASKS), "'segmentation': a class per pixel (a segmentation "
+    "--model: unet, tiramisu-*; its loss skips the masks' ignore value; validation reports "
+    "mean IoU); 'classification': a label per image. Default: the task of the --data set's "
+    "manifest, else classification (--data demo then writes the shapes with their masks).")
 flags.DEFINE_string(
     "data", "demo", "'demo' (the embedded demo set, written under --output), a directory of "
     "TFRecords, or a glob such as 'gs://bucket/train-*.tfrec'.")

@@ -364,8 +364,11 @@ def written_sets(tmp_path_factory):
     directory = tmp_path_factory.mktemp("sets")
     demo = tfmem.make_demo_dataset(directory / "demo", num_examples=64, image_size=32)
     demo512 = tfmem.make_demo_dataset(directory / "demo512", num_examples=512, image_size=32)
+    masks = tfmem.make_demo_dataset(directory / "masks", num_examples=8, image_size=32,
+                                    task="segmentation")
     return {
         "demo": demo.directory,
+        "masks": masks.directory,
         "demo512": demo512.directory,
         "labels": _foreign(directory / "labels.tfrec", [0, 1, 2, 3] * 16),
         "broken": _foreign(directory / "broken.tfrec", [0, 1, 2, 3] * 16, broken=(5,)),
@@ -392,7 +395,16 @@ def written_sets(tmp_path_factory):
     (["--model", "small-cnn", "--image-size", "16"], r"at least 32×32 pixels"),
     (["--model", "tiramisu", "--weights", "{demo}/manifest.json"],
      r"--weights: tiramisu is a segmentation network, trained here as a classifier of its "
-     r"pooled last features from scratch; leave --weights out"),
+     r"pooled last features from scratch; leave --weights out, or pass --task segmentation"),
+    (["--model", "small-cnn", "--task", "segmentation"],
+     r"--task segmentation \(--task\) predicts a class per pixel, and --model small-cnn is an "
+     r"image classifier \(one label per image\); pass a segmentation network as --model "
+     r"\(.*unet\), or --task classification on data with labels"),
+    (["--data", "{masks}"], r"--task segmentation \(the task of --data .*masks\) predicts a "
+                           r"class per pixel, and --model small-cnn is an image classifier"),
+    (["--model", "unet", "--data", "{demo}", "--task", "segmentation"],
+     r"--task segmentation, but .*demo is a classification set \(its records hold a label "
+     r"per image, says its manifest\); leave --task out"),
     (["--accumulation-steps", "3", "--dry-run"],
      r"must be divisible by replicas × accumulation_steps \(1 × 3 = 3\)\. Try 63 or 66"),
     (["--device", "t4"], r"--device t4 plans for another machine; it only goes with --dry-run"),
@@ -882,3 +894,74 @@ def test_sigterm_says_how_to_resume_and_fewer_epochs_than_begun_are_refused(
            f"--epochs {epoch + (step > 0)} or more to go on with it, or use a new --output (or "
            "--overwrite) to start again")
     assert _files(output) == before
+
+
+@pytest.fixture(scope="module")
+def segmentation_sets(tmp_path_factory):
+    """The demo shapes with their masks, 32 px: 128 to train on, 32 held out."""
+    directory = tmp_path_factory.mktemp("segmentation")
+    train = tfmem.make_demo_dataset(directory / "train", num_examples=128, image_size=32,
+                                    task="segmentation")
+    held_out = tfmem.make_demo_dataset(directory / "validation", num_examples=32,
+                                       image_size=32, seed=1, task="segmentation")
+    return train, held_out
+
+
+def _confusion(true, predicted, num_classes):
+    """Rows: the true class, columns: the predicted one."""
+    return np.bincount(true.ravel() * num_classes + predicted.ravel(),
+                       minlength=num_classes**2).reshape(num_classes, num_classes)
+
+
+def _iou(confusion):
+    hits = np.diag(confusion)
+    union = confusion.sum(0) + confusion.sum(1) - hits
+    return [h / u if u else None for h, u in zip(hits, union)]
+
+
+def test_unet_trains_on_masks_above_the_all_background_baseline(finetune_cli,
+                                                               segmentation_sets, tmp_path):
+    train, held_out = segmentation_sets
+    status, out, stderr = finetune_cli(
+        "--model", "unet", "--task", "segmentation", "--data", train.directory,
+        "--validation-data", held_out.directory, "--global-batch-size", "4", "--epochs", "1",
+        "--image-size", "32", "--learning-rate", "3e-3", "--memory-limit", "none",
+        "--output", str(tmp_path))
+    assert status == 0, stderr[-3000:]
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    validation = metrics["validation"]
+    masks = np.concatenate([m for _, m in tfmem.image_dataset(
+        held_out.directory, image_size=(32, 32), batch_size=32, training=False).as_numpy_iterator()])
+    images = np.concatenate([i for i, _ in tfmem.image_dataset(
+        held_out.directory, image_size=(32, 32), batch_size=32, training=False).as_numpy_iterator()])
+    # Every pixel called background: its IoU is the background's share, the shapes' 0.
+    background = _iou(_confusion(masks, np.zeros_like(masks), 5))
+    baseline = np.mean([iou for iou in background if iou is not None])
+    assert validation["mean_iou"] > baseline + 0.05, (validation, baseline)
+    # Per-class IoU and pixel accuracy: the saved model's predictions, counted in NumPy.
+    model = keras.models.load_model(tmp_path / "model.keras")
+    predicted = np.argmax(model.predict(images, batch_size=16, verbose=0), axis=-1)
+    confusion = _confusion(masks, predicted, 5)
+    np.testing.assert_allclose(validation["per_class_iou"], _iou(confusion), atol=1e-6)
+    np.testing.assert_allclose(validation["pixel_accuracy"],
+                               np.trace(confusion) / confusion.sum(), atol=1e-6)
+    np.testing.assert_allclose(validation["mean_iou"], np.mean(_iou(confusion)), atol=1e-5)
+    assert (f"finetune: validation mean IoU {validation['mean_iou']:.3f}, pixel accuracy "
+            f"{validation['pixel_accuracy']:.3f} after 1 epoch") in out
+    assert json.loads((tmp_path / "run.json").read_text())["config"]["task"] == "segmentation"
+
+
+def test_a_dry_run_plans_the_segmentation_head_per_pixel(finetune_main, tmp_path, capsys):
+    finetune_main("--model", "unet", "--task", "segmentation", "--image-size", "64",
+                  "--dry-run", "--device", "t4", "--output", str(tmp_path))
+    out = capsys.readouterr().out
+    # The demo's 5 classes per pixel (background and the 4 shapes): U-Net's own 1×1 head.
+    head = tfmem.models.build("unet", num_classes=5, image_size=64)
+    assert head.output_shape == (None, 64, 64, 5)
+    assert f"unet: {head.count_params():,} parameters" in out
+    assert "total (peak per replica)" in out and "averaged into" not in out
+    # The plan keeps the per-pixel probabilities: float32 height × width × classes a sample.
+    features = tfmem.models.build("unet", num_classes=None, image_size=64, include_top=False)
+    kept = [tfmem.plan(model, global_batch_size=8, device="t4", precision="float32")
+            .activation_bytes_per_sample for model in (head, features)]
+    assert kept[0] - kept[1] == 64 * 64 * 5 * 4

@@ -1,4 +1,5 @@
-"""Fine-tuning an image classifier from TFRecords, as one call: `run(FinetuneConfig(...))`.
+"""Fine-tuning an image classifier or a segmentation network from TFRecords, as one call:
+`run(FinetuneConfig(...))`.
 
 What `scripts/finetune.py` runs (its flags are `FinetuneConfig`'s fields, with hyphens). The
 settings and their checks (config.py), the data's facts (data_facts.py), the run directory
@@ -12,9 +13,10 @@ Example:
     >>> finetune.run(finetune.FinetuneConfig(epochs=1, output="runs/demo"))  # doctest: +SKIP
 """
 
-from tfmem.finetune.config import OPTIMIZERS, FinetuneConfig, memory_limit_bytes
+from tfmem.finetune.config import OPTIMIZERS, TASKS, FinetuneConfig, memory_limit_bytes
 from tfmem.finetune.data_facts import DEMO_SPLITS
 from tfmem.finetune.main import run
 from tfmem.finetune.outputs import WRITES
 
-__all__ = ["DEMO_SPLITS", "OPTIMIZERS", "WRITES", "FinetuneConfig", "memory_limit_bytes", "run"]
+__all__ = ["DEMO_SPLITS", "OPTIMIZERS", "TASKS", "WRITES", "FinetuneConfig", "memory_limit_bytes",
+           "run"]

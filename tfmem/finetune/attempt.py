@@ -13,6 +13,7 @@ import os
 import time
 
 import keras
+import numpy as np
 
 from tfmem import cli, models
 from tfmem.data import reader
@@ -92,7 +93,7 @@ def _train_in(config: FinetuneConfig, spec, runtime: Runtime, precision: str, ou
     if not attempt.recoveries:  # once per run, not again in each training process
         messages.print_environment(config, runtime)
     if data.demo:
-        data = dataclasses.replace(data, **demo_data(output, data.image_size))
+        data = dataclasses.replace(data, **demo_data(output, data.image_size, data.task))
         if not attempt.recoveries:
             print(messages.demo_line(spec, config, data))
     results = _train(config, spec, runtime, precision, output, data, attempt)
@@ -118,8 +119,8 @@ def _train(config: FinetuneConfig, spec, runtime: Runtime, precision: str, outpu
     with runtime.scope():
         accum = AccumModel.wrap(model, accumulation_steps=run_plan.accumulation_steps,
                                 rematerialize=setting)
-        accum.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(),
-                      metrics=["accuracy"])
+        loss_function, metrics = _loss_and_metrics(data)
+        accum.compile(optimizer, loss_function, metrics=metrics)
     skipped = SkippedRecords() if config.skip_corrupt else None
     options = dict(image_size=(data.image_size, data.image_size), data_range=spec.data_range,
                    num_classes=data.num_classes, skip_corrupt=config.skip_corrupt,
@@ -154,7 +155,14 @@ def _train(config: FinetuneConfig, spec, runtime: Runtime, precision: str, outpu
         "history": history, "train_seconds_this_run": time.perf_counter() - start,
         "memory_recoveries": recoveries,
     }
-    if validation is not None:
+    if validation is not None and data.task == "segmentation":
+        loss, mean_iou = accum.evaluate(validation, verbose=0)
+        # The metric's state after evaluate: the validation pass's confusion matrix.
+        scores = segmentation_scores(metrics[0].total_cm)
+        results["validation"] = {"loss": loss, "mean_iou": mean_iou, **scores,
+                                 "batch_size": validation_batch}
+        print(messages.segmentation_line(mean_iou, scores["pixel_accuracy"], config.epochs))
+    elif validation is not None:
         loss, accuracy = accum.evaluate(validation, verbose=0)
         results["validation"] = {"loss": loss, "accuracy": accuracy,
                                  "batch_size": validation_batch}
@@ -163,6 +171,28 @@ def _train(config: FinetuneConfig, spec, runtime: Runtime, precision: str, outpu
         results["skipped"] = skipped.summary()
     outputs.save_results(accum, results, output)
     return results
+
+
+def _loss_and_metrics(data: DataFacts) -> tuple[keras.losses.Loss, list]:
+    """The task's loss and metrics on the model's probabilities: per image, accuracy; per
+    pixel, cross-entropy and mean IoU over the pixels that have a class (the ignore value
+    counts in neither)."""
+    if data.task != "segmentation":
+        return keras.losses.SparseCategoricalCrossentropy(), ["accuracy"]
+    loss = keras.losses.SparseCategoricalCrossentropy(ignore_class=data.ignore_value)
+    mean_iou = keras.metrics.MeanIoU(data.num_classes, name="mean_iou",
+                                     ignore_class=data.ignore_value, sparse_y_pred=False)
+    return loss, [mean_iou]
+
+
+def segmentation_scores(confusion) -> dict:
+    """Pixel accuracy and each class's IoU (true ∩ predicted / true ∪ predicted) from a
+    confusion matrix (rows: true class, columns: predicted); None for a class in neither."""
+    confusion = np.asarray(confusion, dtype=np.float64)
+    true, predicted, hits = confusion.sum(axis=1), confusion.sum(axis=0), np.diag(confusion)
+    union = true + predicted - hits
+    return {"pixel_accuracy": float(hits.sum() / max(confusion.sum(), 1.0)),
+            "per_class_iou": [float(h / u) if u else None for h, u in zip(hits, union)]}
 
 
 def _fit(config: FinetuneConfig, output: str, accum: AccumModel, make_dataset,
@@ -230,7 +260,8 @@ def _build(config: FinetuneConfig, spec, runtime: Runtime,
     deferred = config.dry_run and not config.weights
     with runtime.scope(), cli.usage_errors():  # e.g. an image size the model cannot take
         with models.shapes_only() if deferred else contextlib.nullcontext():
-            if spec.task == "classification":
+            if spec.task == "classification" or data.task == "segmentation":
+                # A segmentation network on masks: its own per-pixel head, no pooling.
                 model = models.build(spec.name, num_classes=data.num_classes,
                                      image_size=data.image_size, weights=config.weights,
                                      freeze_backbone=config.freeze_backbone)

@@ -15,6 +15,7 @@ from tfmem.data.options import MAX_IMAGE_PIXELS
 from tfmem.runtime import devices, memory_cap
 
 OPTIMIZERS = ("adam", "adamw", "sgd", "rmsprop")
+TASKS = ("classification", "segmentation")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,7 +23,10 @@ class FinetuneConfig:
     """The settings of a fine-tuning run; `scripts/finetune.py --help` describes each flag.
 
     Attributes:
-        model: a name of `tfmem.models.MODELS` (an image classifier).
+        model: a name of `tfmem.models.MODELS`.
+        task: "segmentation" (a class per pixel: a segmentation network on masks) or
+            "classification" (a label per image); default: the --data set's (its manifest),
+            else classification (the demo too).
         data: "demo" (the embedded demo set, written under `output`), a directory of
             TFRecords, or a glob such as "gs://bucket/train-*.tfrec".
         validation_data: TFRecords to evaluate on (with "demo": the demo's held-out set).
@@ -57,6 +61,7 @@ class FinetuneConfig:
     """
 
     model: str = "small-cnn"
+    task: str | None = None
     data: str = "demo"
     validation_data: str | None = None
     num_classes: int | None = None
@@ -98,6 +103,9 @@ class FinetuneConfig:
                 or self.max_image_pixels < 1):
             raise cli.UsageError(f"--max-image-pixels {self.max_image_pixels}: the limit must be "
                                  f"a positive number of pixels, e.g. {MAX_IMAGE_PIXELS}")
+        if self.task is not None and self.task not in TASKS:
+            raise cli.UsageError(f"--task {self.task!r} is not one of {', '.join(TASKS)}; "
+                                 "pick one of them")
         if self.optimizer not in OPTIMIZERS:
             raise cli.UsageError(f"--optimizer {self.optimizer!r} is not one of "
                                  f"{', '.join(OPTIMIZERS)}; pick one of them")
@@ -124,14 +132,29 @@ def check_combinations(config: FinetuneConfig) -> None:
 
 def model_spec(config: FinetuneConfig):
     """The registry entry of `config.model`: an image classifier, or a segmentation network
-    that classifies from its pooled last features."""
+    (per pixel with `--task segmentation`, else a classifier of its pooled last features)."""
     with cli.usage_errors():  # unknown name → the list of valid ones
         spec = models.spec(config.model)
-    if spec.task != "classification" and config.weights:
+    if config.task is not None:
+        check_task(config.task, spec, "--task")
+    if spec.task != "classification" and config.weights and config.task != "segmentation":
         raise cli.UsageError(
             f"--weights: {spec.name} is a {spec.task} network, trained here as a classifier "
-            "of its pooled last features from scratch; leave --weights out")
+            "of its pooled last features from scratch; leave --weights out, or pass --task "
+            "segmentation (its own weights, `model.save_weights`)")
     return spec
+
+
+def check_task(task: str, spec, source: str) -> None:
+    """A segmentation task needs a model that predicts per pixel; `source` names where the
+    task came from (the flag, or the data's manifest)."""
+    if task == "segmentation" and spec.task != "segmentation":
+        networks = ", ".join(name for name, entry in models.MODELS.items()
+                             if entry.task == "segmentation")
+        raise cli.UsageError(
+            f"--task segmentation ({source}) predicts a class per pixel, and --model "
+            f"{spec.name} is an image classifier (one label per image); pass a segmentation "
+            f"network as --model ({networks}), or --task classification on data with labels")
 
 
 def check_named_files_and_devices(config: FinetuneConfig) -> None:

@@ -7,7 +7,8 @@ import os
 
 from tfmem import cli, models
 from tfmem.data import demo, manifest as manifest_lib, reader
-from tfmem.finetune.config import FinetuneConfig
+from tfmem.data.schema import DEFAULT_IGNORE_VALUE
+from tfmem.finetune.config import FinetuneConfig, check_task
 
 # The demo set: 2048 training + 512 held-out shapes (tfmem.make_demo_dataset), 4 classes.
 DEMO_SPLITS = (("train", 2048, 0), ("validation", 512, 1))
@@ -15,7 +16,8 @@ DEMO_SPLITS = (("train", 2048, 0), ("validation", 512, 1))
 
 @dataclasses.dataclass(frozen=True)
 class DataFacts:
-    """What the run knows of its data before training: its size, classes and identity."""
+    """What the run knows of its data before training: its size, classes and identity, and
+    its task (masks hold `ignore_value` where a pixel has no class)."""
 
     demo: bool
     image_size: int
@@ -25,23 +27,34 @@ class DataFacts:
     validation_identity: str | None = None
     train: str | None = None
     validation: str | None = None
+    task: str = "classification"
+    ignore_value: int | None = None
 
     @classmethod
     def of(cls, config: FinetuneConfig, spec) -> DataFacts:
         image_size = config.image_size or spec.default_image_size
+        # Data without a manifest (or none at all) has the task the flag says.
+        task = config.task or "classification"
+        ignore_value = DEFAULT_IGNORE_VALUE if task == "segmentation" else None
         if config.data == "demo" and config.num_classes:  # a dry run for data elsewhere
             print(f"finetune: no data given: a dry run plans for --num-classes "
                   f"{config.num_classes}; training needs --data")
-            return cls(False, image_size, config.num_classes, config.num_examples)
+            return cls(False, image_size, config.num_classes, config.num_examples,
+                       task=task, ignore_value=ignore_value)
         if config.data == "demo":  # written only when training starts
-            return cls(True, config.image_size or 32, len(demo.CLASS_NAMES),
-                       DEMO_SPLITS[0][1], "demo", "demo")
-        num_classes, num_examples, identity = _dataset_facts(config)
+            classes = demo.SEGMENTATION_CLASS_NAMES if task == "segmentation" else (
+                demo.CLASS_NAMES)
+            return cls(True, config.image_size or 32, len(classes), DEMO_SPLITS[0][1],
+                       "demo", "demo", task=task, ignore_value=ignore_value)
+        num_classes, num_examples, identity, manifest = _dataset_facts(config)
+        if manifest is not None:
+            task, ignore_value = _manifest_task(config, manifest), manifest.ignore_value
+            check_task(task, spec, f"the task of --data {config.data}")
         # Not read either when the training data was not (a dry run for another machine).
         validation = config.validation_data
         validation_identity = validation and identity and _validation_identity(validation)
         return cls(False, image_size, num_classes, num_examples, identity,
-                   validation_identity, config.data, validation)
+                   validation_identity, config.data, validation, task, ignore_value)
 
 
 def check_sizes(config: FinetuneConfig, spec, data: DataFacts) -> None:
@@ -64,22 +77,40 @@ def check_sizes(config: FinetuneConfig, spec, data: DataFacts) -> None:
             f"{data.num_examples}")
 
 
-def demo_data(output: str, image_size: int) -> dict:
-    """Writes the demo train/validation sets once under `output`; returns their paths."""
-    paths = []
+def demo_data(output: str, image_size: int, task: str = "classification") -> dict:
+    """Writes the demo train/validation sets (of `task`) once under `output`; returns their
+    paths and the masks' ignore value."""
+    paths, variant = [], "" if task == "classification" else f"-{task}"
     for split, num_examples, seed in DEMO_SPLITS:
-        path = os.path.join(output, "demo-data", f"{image_size}px", split)
+        path = os.path.join(output, "demo-data", f"{image_size}px{variant}", split)
         try:
-            manifest_lib.read_manifest(path)
+            manifest = manifest_lib.read_manifest(path)
         except ValueError:  # none yet, or damaged: (re)write it; it is the same every time
-            demo.make_demo_dataset(path, num_examples=num_examples, image_size=image_size,
-                                   seed=seed, overwrite=True)
+            manifest = demo.make_demo_dataset(path, num_examples=num_examples,
+                                              image_size=image_size, seed=seed,
+                                              overwrite=True, task=task)
         paths.append(path)
-    return {"train": paths[0], "validation": paths[1]}
+    return {"train": paths[0], "validation": paths[1], "ignore_value": manifest.ignore_value}
 
 
-def _dataset_facts(config: FinetuneConfig) -> tuple[int, int, str | None]:
-    """(num_classes, num_examples, identity) from the manifest, or from the records and flags.
+def _manifest_task(config: FinetuneConfig, manifest) -> str:
+    """The manifest's task; a `--task` that its records cannot serve is refused."""
+    if config.task is not None and config.task != manifest.task:
+        held = "masks" if manifest.task == "segmentation" else "a label per image"
+        raise cli.UsageError(
+            f"--task {config.task}, but {config.data} is a {manifest.task} set (its records "
+            f"hold {held}, says its manifest); leave --task out (the manifest gives it)")
+    if manifest.schema.multi_label:
+        raise cli.UsageError(
+            f"--data {config.data} holds multi-label masks (a 0/1 channel per class), and "
+            "finetune trains masks of one class index per pixel; write the set with classes "
+            "that share no pixel, or train it with your own loss through tfmem.AccumModel")
+    return manifest.task
+
+
+def _dataset_facts(config: FinetuneConfig) -> tuple[int, int, str | None, object]:
+    """(num_classes, num_examples, identity, manifest or None) from the manifest, or from the
+    records and flags.
 
     The identity goes into the run's settings: the manifest's fingerprint (the set wherever
     it lies), or for foreign records their path and count.
@@ -93,7 +124,7 @@ def _dataset_facts(config: FinetuneConfig) -> tuple[int, int, str | None]:
         print(f"finetune: data not checked: a dry run plans from --num-classes "
               f"{config.num_classes} and --num-examples {config.num_examples} without reading "
               f"{data}; training checks it before it starts")
-        return config.num_classes, config.num_examples, None
+        return config.num_classes, config.num_examples, None, None
     if has_manifest:
         manifest = manifest_lib.read_manifest(data)  # a damaged one stops here, naming it
         for name, value in (("num_classes", manifest.num_classes),
@@ -103,8 +134,9 @@ def _dataset_facts(config: FinetuneConfig) -> tuple[int, int, str | None]:
                 raise cli.UsageError(
                     f"{option} {given}, but the manifest of {data} says {value}; leave "
                     f"{option} out (the manifest gives it)")
-        return manifest.num_classes, manifest.num_examples, f"manifest {manifest.fingerprint}"
-    return _records_facts(config)
+        return (manifest.num_classes, manifest.num_examples,
+                f"manifest {manifest.fingerprint}", manifest)
+    return (*_records_facts(config), None)
 
 
 def _records_facts(config: FinetuneConfig) -> tuple[int, int, str]:

@@ -21,11 +21,14 @@ def print_environment(config: FinetuneConfig, runtime: Runtime) -> None:
 def demo_line(spec, config: FinetuneConfig, data: DataFacts) -> str:
     """What the demo trains, on what, in one line."""
     held_out = DEMO_SPLITS[1][1]
+    segmentation = data.task == "segmentation"
+    classes = demo.SEGMENTATION_CLASS_NAMES if segmentation else demo.CLASS_NAMES
     return (f"finetune: the demo trains {spec.name} for {config.epochs} epoch"
             f"{'s' if config.epochs != 1 else ''} on tfmem's built-in shapes data: "
-            f"{data.num_examples:,} {data.image_size}×{data.image_size} images of "
-            f"{data.num_classes} classes ({', '.join(demo.CLASS_NAMES)}), {held_out} held out "
-            "to validate")
+            f"{data.num_examples:,} {data.image_size}×{data.image_size} images "
+            f"{'with masks ' if segmentation else ''}of {data.num_classes} classes"
+            f"{' per pixel' if segmentation else ''} ({', '.join(classes)}), {held_out} held "
+            "out to validate")
 
 
 def complete_line(output: str, epochs: int) -> str:
@@ -41,6 +44,13 @@ def validation_line(accuracy: float, epochs: int, num_classes: int) -> str:
     trained = f"{epochs} epoch{'s' if epochs != 1 else ''}"
     return (f"finetune: validation accuracy {accuracy:.3f} after {trained} "
             f"(chance {1 / num_classes:.3f})")
+
+
+def segmentation_line(mean_iou: float, pixel_accuracy: float, epochs: int) -> str:
+    """The validation mean IoU and pixel accuracy after training."""
+    trained = f"{epochs} epoch{'s' if epochs != 1 else ''}"
+    return (f"finetune: validation mean IoU {mean_iou:.3f}, pixel accuracy "
+            f"{pixel_accuracy:.3f} after {trained} (metrics.json: the IoU of each class)")
 
 
 def summary(output: str) -> str:

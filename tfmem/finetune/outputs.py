@@ -60,7 +60,8 @@ def recorded_settings(config: FinetuneConfig, spec, precision: str, data: DataFa
 def run_settings(config: FinetuneConfig, spec, precision: str, data: DataFacts) -> dict:
     """What defines the run: a restart with any of these changed is another run."""
     return {
-        "model": spec.name, "image_size": data.image_size, "num_classes": data.num_classes,
+        "model": spec.name, "task": data.task, "image_size": data.image_size,
+        "num_classes": data.num_classes,
         "optimizer": config.optimizer, "learning_rate": config.learning_rate,
         "global_batch_size": config.global_batch_size,
         "accumulation_steps": str(config.accumulation_steps), "precision": precision,

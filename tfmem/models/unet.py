@@ -22,7 +22,9 @@ def _conv_block(x, filters, name):
         # No conv bias: the following BN's beta plays that role.
         x = layers.Conv2D(filters, 3, padding="same", use_bias=False,
                           kernel_initializer="he_normal", name=f"{name}_conv{i}")(x)
-        x = layers.BatchNormalization(name=f"{name}_bn{i}")(x)
+        # Momentum 0.9, not Keras's 0.99: the moving statistics evaluation uses follow the
+        # training within tens of updates, as a short fine-tuning has.
+        x = layers.BatchNormalization(momentum=0.9, name=f"{name}_bn{i}")(x)
         x = layers.Activation("relu", name=f"{name}_relu{i}")(x)
     return x
 
