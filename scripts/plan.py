@@ -107,6 +107,11 @@ def finetune_switches() -> plan_report.Switches:
 
 
 def main(argv):
+    with cli.usage_errors():  # every value plan.py checks comes from its flags
+        return _plan(argv)
+
+
+def _plan(argv):
     del argv
     plot = plot_path(FLAGS.plot) if FLAGS.plot else None
     if FLAGS.device.strip().lower() != "cpu":
@@ -134,10 +139,5 @@ def main(argv):
     return 0 if plan.fits else 1
 
 
-def _main(argv):
-    with cli.usage_errors():  # every value plan.py checks comes from its flags
-        return main(argv)
-
-
 if __name__ == "__main__":
-    cli.run(_main)
+    cli.run(main)

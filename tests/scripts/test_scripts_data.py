@@ -1,5 +1,6 @@
 """The data scripts, run as a user runs them: real subprocesses, outputs checked."""
 
+import json
 import os
 import re
 import subprocess
@@ -14,6 +15,7 @@ import tfmem
 from native_logs import without_native_logs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RUNNER = os.path.join(ROOT, "tests", "scripts", "cli_commands.py")
 
 
 def _run(*args, timeout=240):
@@ -114,17 +116,30 @@ def test_every_script_reports_a_bad_command_in_one_line_with_status_2(tmp_path):
                       r"error: argument --prefer: invalid choice: 'xpu' \(choose from 'tpu', "
                       r"'gpu', 'cpu'\); see tfmem-env --help"),
     }
+    # One process per program, running its commands one after the other as the program's
+    # own process would (each would import TensorFlow again).
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
-    running = {name: subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-               for name, (args, _) in commands.items()}
-    for name, process in running.items():
-        _, stderr = process.communicate(timeout=240)
-        # TensorFlow's C++ logging at import ("I0000 ...", absl's preamble) is not ours.
-        lines = [line.rstrip("\n")
-                 for line in without_native_logs(stderr, also="<frozen runpy>")]
-        assert process.returncode == 2, (name, stderr[-2000:])
-        assert len(lines) == 1 and re.fullmatch(commands[name][1], lines[0]), (name, stderr)
+    groups = {}
+    for name, (args, _) in commands.items():
+        program, argv = (f"-m {args[1]}", args[2:]) if args[0] == "-m" else (args[0], args[1:])
+        groups.setdefault(program, []).append((name, [program, argv]))
+    running = {}
+    for number, (key, entries) in enumerate(groups.items()):
+        listing = tmp_path / f"commands-{number}.json"
+        listing.write_text(json.dumps([command for _, command in entries]))
+        running[key] = subprocess.Popen([sys.executable, str(RUNNER), str(listing)], cwd=ROOT,
+                                        env=env, text=True, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE)
+    for key, process in running.items():
+        stdout, stderr = process.communicate(timeout=240)
+        assert process.returncode == 0, stderr[-3000:]
+        results = json.loads(stdout.strip().splitlines()[-1])
+        for (name, _), (status, text) in zip(groups[key], results, strict=True):
+            # TensorFlow's C++ logging at import ("I0000 ...", absl's preamble) is not ours.
+            lines = [line.rstrip("\n")
+                     for line in without_native_logs(text, also="<frozen runpy>")]
+            assert status == 2, (name, text[-2000:])
+            assert len(lines) == 1 and re.fullmatch(commands[name][1], lines[0]), (name, text)
     assert not (tmp_path / "out").exists()
 
 
