@@ -331,4 +331,6 @@ def test_planner_and_report_do_not_import_each_other():
                 for alias in node.names}
 
     assert not [name for name in imports("planner") if "plan_report" in name]
-    assert not [name for name in imports("plan_report") if name.startswith("tfmem")]
+    # Of tfmem, only the one wording of a size (a module that imports nothing of tfmem).
+    assert not [name for name in imports("plan_report")
+                if name.startswith("tfmem") and name != "tfmem._sizes.format_bytes"]

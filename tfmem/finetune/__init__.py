@@ -1,14 +1,12 @@
 """Fine-tuning an image classifier or a segmentation network from TFRecords, as one call:
 `run(FinetuneConfig(...))`.
 
-What `scripts/finetune.py` runs (its flags are `FinetuneConfig`'s fields, with hyphens). The
+What `scripts/finetune.py` runs (its flags are `FinetuneConfig`'s fields, with hyphens): the
 settings and their checks (config.py), the data's facts (data_facts.py), the run directory
 (outputs.py), one training in this process: build → plan → train → evaluate (attempt.py), the
 `--memory-limit` supervisor of training processes (supervisor.py), what is printed
-(messages.py); `run` (main.py) puts them together. What is checked and recovered:
-docs/failure-model.md.
+(messages.py); `run` (main.py) puts them together. Checks and recovery: docs/failure-model.md.
 
-Example:
     >>> from tfmem import finetune
     >>> finetune.run(finetune.FinetuneConfig(epochs=1, output="runs/demo"))  # doctest: +SKIP
 """
