@@ -59,9 +59,10 @@ flags.DEFINE_string(
     "accumulation_steps", "auto", "'auto' (the planner picks the largest micro-batch that "
     "fits) or a number k of micro-batches per global batch.")
 flags.DEFINE_integer("epochs", 2, "Training epochs.", lower_bound=1)
-flags.DEFINE_integer("image_size", None, "Height and width; default: the "
-                                   "model's training size (the demo set's 32 for --data demo).",
-                                   lower_bound=1)
+flags.DEFINE_string(
+    "image_size", None, "One number (square) or height,width, e.g. 360,480; default: the "
+    "size of the --data set's images (its manifest, where they share one), else the model's "
+    "training size (the demo set's 32 for --data demo).")
 flags.DEFINE_enum(
     "precision", "auto", ["auto", "float32", "mixed_float16", "mixed_bfloat16"],
     "'auto': bf16 on TPU, fp16 on GPUs with compute capability >= 7, float32 on CPU.")

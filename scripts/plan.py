@@ -28,7 +28,8 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, f"Model name: {', '.join(models.MODELS)}.")
 flags.DEFINE_integer("global_batch_size", None, "Samples per optimizer update, all replicas.")
 flags.DEFINE_string("device", "cpu", f"cpu or one of: {', '.join(devices.ACCELERATORS)}.")
-flags.DEFINE_integer("image_size", 224, "Height and width of the input images.")
+flags.DEFINE_string("image_size", "224", "Input images: one number (square) or height,width, "
+                    "e.g. 360,480.")
 flags.DEFINE_integer("num_classes", 1000, "Classes of the classifier head.")
 flags.DEFINE_string("optimizer", "adam", "Keras optimizer name (sgd, adam, adamw, rmsprop, …).")
 flags.DEFINE_enum("precision", "auto", ["auto", "float32", "mixed_float16", "mixed_bfloat16"],
@@ -41,7 +42,7 @@ flags.DEFINE_string("rematerialize", None, "Recompute activations in the backwar
                     "'full', 'auto' (as much as the micro-batch needs to fit), 'none' (the "
                     "default), or comma-separated layer names and first:last layer ranges.")
 flags.mark_flags_as_required(["model", "global_batch_size"])
-for _name in ("global_batch_size", "image_size", "num_classes"):
+for _name in ("global_batch_size", "num_classes"):
     flags.register_validator(_name, lambda value: value is None or value >= 1,
                              f"--{_name.replace('_', '-')} must be a positive integer")
 flags.register_validator("safety", lambda value: 0 < value <= 1,
@@ -94,9 +95,11 @@ def draw(plan, path: str) -> None:
     plt.close(figure)
 
 
-def finetune_switches() -> plan_report.Switches:
+def finetune_switches(image_size: tuple[int, int]) -> plan_report.Switches:
     """The plan's next step spelled as the scripts/finetune.py command of the planned run."""
-    settings = [("model", FLAGS.model), ("data", "PATH"), ("image_size", FLAGS.image_size),
+    height, width = image_size
+    settings = [("model", FLAGS.model), ("data", "PATH"),
+                ("image_size", height if height == width else f"{height},{width}"),
                 ("global_batch_size", FLAGS.global_batch_size)]
     for name, default in (("optimizer", "adam"), ("precision", "auto"),
                           ("rematerialize", None)):
@@ -114,6 +117,12 @@ def main(argv):
 def _plan(argv):
     del argv
     plot = plot_path(FLAGS.plot) if FLAGS.plot else None
+    image_size = cli.image_size(FLAGS.image_size)
+    models.spec(FLAGS.model)  # an unknown name: the list of valid ones
+    try:
+        models.input_shape(FLAGS.model, image_size)
+    except ValueError as error:  # a size the model cannot take
+        raise cli.UsageError(f"--image-size {FLAGS.image_size}: {cli.one_line(error)}") from None
     if FLAGS.device.strip().lower() != "cpu":
         try:
             devices.by_name(FLAGS.device)
@@ -122,7 +131,7 @@ def _plan(argv):
     # Only shapes are read: the weights are never initialised (no RAM for them).
     with models.shapes_only():
         model = models.build(FLAGS.model, num_classes=FLAGS.num_classes,
-                             image_size=FLAGS.image_size)
+                             image_size=image_size)
     setting = RematSpec.from_flag(FLAGS.rematerialize)
     if setting:  # the plan counts what is recomputed
         model = tfmem.AccumModel.wrap(model, rematerialize=setting)
@@ -130,9 +139,9 @@ def _plan(argv):
                       optimizer=FLAGS.optimizer, precision=FLAGS.precision,
                       device=FLAGS.device, safety=FLAGS.safety,
                       smaller_variants=levers.registry_variants(
-                          FLAGS.model, image_size=FLAGS.image_size,
+                          FLAGS.model, image_size=image_size,
                           num_classes=FLAGS.num_classes))
-    print(plan_report.format_table(plan, switches=finetune_switches()))
+    print(plan_report.format_table(plan, switches=finetune_switches(image_size)))
     if plot:
         draw(plan, plot)
         print(f"wrote {plot}")

@@ -110,9 +110,11 @@ def one_line_warnings() -> Iterator[None]:
         warnings.formatwarning = shown
 
 
-def image_size(text: str, flag: str = "--image-size") -> tuple[int, int]:
-    """`"224"` → `(224, 224)`, `"360,480"` → `(360, 480)` (height, width); a `UsageError`
-    naming `flag` otherwise."""
+def image_size(text, flag: str = "--image-size") -> tuple[int, int]:
+    """`"224"` (or `224`) → `(224, 224)`, `"360,480"` (or `(360, 480)`) → `(360, 480)`
+    (height, width); a `UsageError` naming `flag` otherwise."""
+    if isinstance(text, (tuple, list)):
+        text = ",".join(str(part) for part in text)
     parts = [part.strip() for part in str(text).split(",")]
     if len(parts) in (1, 2) and all(part.isdigit() and int(part) > 0 for part in parts):
         height, width = (int(part) for part in parts * (3 - len(parts)))

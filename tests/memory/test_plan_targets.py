@@ -300,6 +300,11 @@ def test_registry_variants_name_smaller_images_and_the_next_smaller_model():
                                                    num_classes=10)] == [
         "image size 160", "image size 96", "model resnet50"]
     assert levers.registry_variants("small-cnn", image_size=32, num_classes=4) == []
+    wide = levers.registry_variants("unet", image_size=(352, 480), num_classes=3)
+    assert [(d, build.setting) for d, build in wide] == [
+        ("image size 256×352", ("image_size", "256,352")),
+        ("image size 160×224", ("image_size", "160,224"))]
+    assert wide[0][1]().input_shape == (None, 256, 352, 3)
 
 
 def test_the_planner_imports_no_tensorflow():

@@ -158,8 +158,11 @@ def test_overwrite_replaces_a_set_and_keeps_no_old_shard(tmp_path):
 
 def test_plan_plots_where_it_says(tmp_path):
     # A name without an extension: matplotlib adds ".png", and the line names that file.
-    result = _run("scripts/plan.py", "--model=small-cnn", "--image-size=32",
+    result = _run("scripts/plan.py", "--model=small-cnn", "--image-size=32,48",
                   "--global-batch-size=8", f"--plot={tmp_path / 'memory'}")
     assert result.stdout.splitlines()[-1] == f"wrote {tmp_path / 'memory.png'}"
+    # A non-square size, and the finetune.py command of the planned run with it.
+    assert "next: python scripts/finetune.py --model small-cnn --data PATH --image-size 32,48 " \
+        in result.stdout
     assert (tmp_path / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert os.listdir(tmp_path) == ["memory.png"]

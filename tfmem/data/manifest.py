@@ -55,6 +55,8 @@ class Manifest:
         tfmem_version: the tfmem version that wrote the set.
         origin: what made the records, when the writer was told (e.g. the demo set's
             `make_demo_dataset(num_examples=2048, image_size=32, seed=0)`); empty otherwise.
+        image_size: `(height, width)` of every image, when all have one size; None when
+            their sizes differ (or for sets written before tfmem recorded it).
 
     Example:
         >>> manifest = tfmem.read_manifest("/data/flowers/train")   # doctest: +SKIP
@@ -71,6 +73,7 @@ class Manifest:
     skipped: tuple[str, ...] = ()
     tfmem_version: str = __version__
     origin: str = ""
+    image_size: tuple[int, int] | None = None
 
     @property
     def task(self) -> str:
@@ -108,6 +111,7 @@ class Manifest:
         # "origin" is written only when known, and "task" only for segmentation, so that a
         # classification set without an origin keeps its fingerprint.
         origin = {"origin": self.origin} if self.origin else {}
+        size = {"image_size": list(self.image_size)} if self.image_size else {}
         task = {"task": self.task} if self.task != "classification" else {}
         return json.dumps(
             {
@@ -122,9 +126,17 @@ class Manifest:
                 "schema": self.schema.to_dict(),
                 "shards": [dataclasses.asdict(shard) for shard in self.shards],
                 "skipped": list(self.skipped),
-            } | origin,
+            } | origin | size,
             indent=1,
         )
+
+
+def _image_size(value) -> tuple[int, int] | None:
+    """The manifest's `"image_size"` as `(height, width)`; None where it has none."""
+    if value is None:
+        return None
+    height, width = value  # a damaged one (not two ints) is reported by read_manifest
+    return int(height), int(width)
 
 
 def write_manifest(manifest: Manifest) -> str:
@@ -208,6 +220,7 @@ def read_manifest(dir_or_pattern: str | os.PathLike) -> Manifest:
             skipped=tuple(data["skipped"]),
             tfmem_version=data["tfmem_version"],
             origin=str(data.get("origin", "")),  # optional: older sets and most writers lack it
+            image_size=_image_size(data.get("image_size")),  # optional: sizes differ, or older
         )
     except (KeyError, TypeError, ValueError) as error:
         raise ValueError(f"{path!r} is damaged ({type(error).__name__}: {error}); write the "

@@ -294,7 +294,7 @@ def write_image_tfrecords(
         ignore_value=ignore_value, output_dir=output_dir)
     _check_directory(output_dir, overwrite)
     writer = _ShardWriter(output_dir, int(shard_size_mb * 10**6))
-    num_examples, num_bytes, max_label, encodings = 0, 0, -1, set()
+    num_examples, num_bytes, max_label, encodings, sizes = 0, 0, -1, set(), set()
     try:
         for item in items:
             record = _example(item)
@@ -302,6 +302,8 @@ def write_image_tfrecords(
             num_examples += 1
             num_bytes += len(record) + 16
             max_label, encodings = max(max_label, item.label), encodings | {item.encoding}
+            if len(sizes) < 2:  # one size, or "they differ"
+                sizes.add((item.height, item.width))
             if progress is not None:
                 progress(num_examples, num_bytes, total)
         if schema.mask_key is not None and names is None and max_label < 1:
@@ -326,6 +328,7 @@ def write_image_tfrecords(
         image_formats=tuple(sorted(encodings)),
         skipped=tuple(skipped),
         origin=origin,
+        image_size=sizes.pop() if len(sizes) == 1 else None,
     )
     manifest_lib.write_manifest(result)  # the switch from the old set (if any) to this one
     _remove_unlisted(output_dir, result)

@@ -122,7 +122,7 @@ def _train(config: FinetuneConfig, spec, runtime: Runtime, precision: str, outpu
         loss_function, metrics = _loss_and_metrics(data)
         accum.compile(optimizer, loss_function, metrics=metrics)
     skipped = SkippedRecords() if config.skip_corrupt else None
-    options = dict(image_size=(data.image_size, data.image_size), data_range=spec.data_range,
+    options = dict(image_size=data.image_size, data_range=spec.data_range,
                    num_classes=data.num_classes, skip_corrupt=config.skip_corrupt,
                    skipped=skipped, max_image_pixels=config.max_image_pixels)
 

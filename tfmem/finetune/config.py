@@ -34,7 +34,8 @@ class FinetuneConfig:
         global_batch_size: samples per optimizer update, over all replicas.
         accumulation_steps: "auto" (the plan's choice) or k micro-batches per global batch.
         epochs: training epochs.
-        image_size: height and width; default: the model's (the demo's 32 for "demo").
+        image_size: an int (square), `(height, width)` or "360,480"; default: the --data
+            set's own size (its manifest), else the model's (the demo's 32 for "demo").
         precision: "auto", "float32", "mixed_float16" or "mixed_bfloat16".
         weights: a local weights file.
         freeze_backbone: train only the new head.
@@ -69,7 +70,7 @@ class FinetuneConfig:
     global_batch_size: int = 64
     accumulation_steps: int | str = "auto"
     epochs: int = 2
-    image_size: int | None = None
+    image_size: int | tuple[int, int] | str | None = None
     precision: str = "auto"
     weights: str | None = None
     freeze_backbone: bool = False
@@ -103,6 +104,8 @@ class FinetuneConfig:
                 or self.max_image_pixels < 1):
             raise cli.UsageError(f"--max-image-pixels {self.max_image_pixels}: the limit must be "
                                  f"a positive number of pixels, e.g. {MAX_IMAGE_PIXELS}")
+        if self.image_size is not None:  # (height, width) from here on
+            object.__setattr__(self, "image_size", cli.image_size(self.image_size))
         if self.task is not None and self.task not in TASKS:
             raise cli.UsageError(f"--task {self.task!r} is not one of {', '.join(TASKS)}; "
                                  "pick one of them")

@@ -20,7 +20,7 @@ class DataFacts:
     its task (masks hold `ignore_value` where a pixel has no class)."""
 
     demo: bool
-    image_size: int
+    image_size: tuple[int, int]  # (height, width)
     num_classes: int
     num_examples: int | None
     identity: str | None = None
@@ -29,10 +29,15 @@ class DataFacts:
     validation: str | None = None
     task: str = "classification"
     ignore_value: int | None = None
+    size_source: str = "--image-size"  # where image_size came from, for messages
+
+    def __post_init__(self):  # read back from JSON (the supervisor's), a list
+        object.__setattr__(self, "image_size", tuple(self.image_size))
 
     @classmethod
     def of(cls, config: FinetuneConfig, spec) -> DataFacts:
-        image_size = config.image_size or spec.default_image_size
+        image_size = config.image_size or (spec.default_image_size,) * 2
+        source = "--image-size" if config.image_size else f"the training size of {spec.name}"
         # Data without a manifest (or none at all) has the task the flag says.
         task = config.task or "classification"
         ignore_value = DEFAULT_IGNORE_VALUE if task == "segmentation" else None
@@ -40,32 +45,44 @@ class DataFacts:
             print(f"finetune: no data given: a dry run plans for --num-classes "
                   f"{config.num_classes}; training needs --data")
             return cls(False, image_size, config.num_classes, config.num_examples,
-                       task=task, ignore_value=ignore_value)
+                       task=task, ignore_value=ignore_value, size_source=source)
         if config.data == "demo":  # written only when training starts
             classes = demo.SEGMENTATION_CLASS_NAMES if task == "segmentation" else (
                 demo.CLASS_NAMES)
-            return cls(True, config.image_size or 32, len(classes), DEMO_SPLITS[0][1],
-                       "demo", "demo", task=task, ignore_value=ignore_value)
+            return cls(True, config.image_size or (32, 32), len(classes), DEMO_SPLITS[0][1],
+                       "demo", "demo", task=task, ignore_value=ignore_value,
+                       size_source="--image-size" if config.image_size else "the demo's size")
         num_classes, num_examples, identity, manifest = _dataset_facts(config)
         if manifest is not None:
             task, ignore_value = _manifest_task(config, manifest), manifest.ignore_value
             check_task(task, spec, f"the task of --data {config.data}")
+            # Without --image-size, the size all the set's images have (where they have one).
+            if not config.image_size and manifest.image_size:
+                image_size = manifest.image_size
+                source = f"the size of the images of --data {config.data}, from its manifest"
         # Not read either when the training data was not (a dry run for another machine).
         validation = config.validation_data
         validation_identity = validation and identity and _validation_identity(validation)
         return cls(False, image_size, num_classes, num_examples, identity,
-                   validation_identity, config.data, validation, task, ignore_value)
+                   validation_identity, config.data, validation, task, ignore_value, source)
 
 
 def check_sizes(config: FinetuneConfig, spec, data: DataFacts) -> None:
     """The sizes a run asks of its model and data, checked before anything is written: an
     image size the model takes and within the pixel limit, a global batch the data holds."""
-    with cli.usage_errors():  # an image size the model cannot take
+    height, width = data.image_size
+    # Without --image-size the size is the data's (or the model's): say so.
+    given = f"--image-size {height if height == width else f'{height},{width}'}" + ("" if data.size_source == "--image-size" else
+                                                f" ({data.size_source}; none given)")
+    try:  # an image size the model cannot take
         models.input_shape(spec.name, data.image_size)
-    pixels = data.image_size**2
+    except ValueError as error:
+        raise cli.UsageError(f"{given}: {cli.one_line(error)} Pass --image-size "
+                             "HEIGHT,WIDTH that it takes") from None
+    pixels = height * width
     if pixels > config.max_image_pixels:
         raise cli.UsageError(
-            f"--image-size {data.image_size}: images of {data.image_size}×{data.image_size} = "
+            f"{given}: images of {height}×{width} = "
             f"{pixels:,} pixels are above the limit of {config.max_image_pixels:,} per image "
             f"(--max-image-pixels); use a smaller --image-size ({spec.name} is made for "
             f"{spec.default_image_size}), or raise --max-image-pixels")
@@ -77,12 +94,14 @@ def check_sizes(config: FinetuneConfig, spec, data: DataFacts) -> None:
             f"{data.num_examples}")
 
 
-def demo_data(output: str, image_size: int, task: str = "classification") -> dict:
+def demo_data(output: str, image_size: tuple[int, int], task: str = "classification") -> dict:
     """Writes the demo train/validation sets (of `task`) once under `output`; returns their
     paths and the masks' ignore value."""
     paths, variant = [], "" if task == "classification" else f"-{task}"
+    height, width = image_size
+    size = f"{height}px" if height == width else f"{height}x{width}px"
     for split, num_examples, seed in DEMO_SPLITS:
-        path = os.path.join(output, "demo-data", f"{image_size}px{variant}", split)
+        path = os.path.join(output, "demo-data", f"{size}{variant}", split)
         try:
             manifest = manifest_lib.read_manifest(path)
         except ValueError:  # none yet, or damaged: (re)write it; it is the same every time

@@ -25,7 +25,7 @@ def demo_line(spec, config: FinetuneConfig, data: DataFacts) -> str:
     classes = demo.SEGMENTATION_CLASS_NAMES if segmentation else demo.CLASS_NAMES
     return (f"finetune: the demo trains {spec.name} for {config.epochs} epoch"
             f"{'s' if config.epochs != 1 else ''} on tfmem's built-in shapes data: "
-            f"{data.num_examples:,} {data.image_size}×{data.image_size} images "
+            f"{data.num_examples:,} {data.image_size[0]}×{data.image_size[1]} images "
             f"{'with masks ' if segmentation else ''}of {data.num_classes} classes"
             f"{' per pixel' if segmentation else ''} ({', '.join(classes)}), {held_out} held "
             "out to validate")

@@ -60,7 +60,9 @@ def recorded_settings(config: FinetuneConfig, spec, precision: str, data: DataFa
 def run_settings(config: FinetuneConfig, spec, precision: str, data: DataFacts) -> dict:
     """What defines the run: a restart with any of these changed is another run."""
     return {
-        "model": spec.name, "task": data.task, "image_size": data.image_size,
+        # One number for a square size, as runs recorded it before sizes had two.
+        "model": spec.name, "task": data.task, "image_size": (
+            data.image_size[0] if len(set(data.image_size)) == 1 else list(data.image_size)),
         "num_classes": data.num_classes,
         "optimizer": config.optimizer, "learning_rate": config.learning_rate,
         "global_batch_size": config.global_batch_size,

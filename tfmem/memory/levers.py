@@ -153,10 +153,11 @@ def _build(lever: Lever, tried: list) -> keras.Model | None:
         return None
 
 
-def registry_variants(name: str, *, image_size: int, **build_kwargs
+def registry_variants(name: str, *, image_size: int | tuple[int, int], **build_kwargs
                       ) -> list[tuple[str, Callable[[], keras.Model]]]:
     """Smaller variants of a `tfmem.models` name for `plan(smaller_variants=...)`: ¾ and ½
-    of the image size (valid sizes only), then the next smaller model of its family.
+    of the image size (height and width, valid sizes only), then the next smaller model of
+    its family.
 
     The builders leave weights uninitialised (the planner reads shapes only).
 
@@ -170,13 +171,18 @@ def registry_variants(name: str, *, image_size: int, **build_kwargs
         return []
     spec = models.MODELS[name]
     step = max(spec.image_size_multiple, 32)
+    sizes = tuple(image_size) if isinstance(image_size, (tuple, list)) else (image_size,) * 2
     variants = []
     for fraction in (0.75, 0.5):
-        size = int(image_size * fraction) // step * step
-        if spec.min_image_size <= size < image_size and all(
-                f"image size {size}" != d for d, _ in variants):
-            variants.append((f"image size {size}",
-                             _deferred(name, size, build_kwargs, ("image_size", size))))
+        height, width = (int(size * fraction) // step * step for size in sizes)
+        # A square size is one number ("image size 288", `--image-size 288`).
+        square = height == width
+        description = f"image size {height}" if square else f"image size {height}×{width}"
+        if all(spec.min_image_size <= new < size for new, size in zip((height, width), sizes)
+               ) and all(description != d for d, _ in variants):
+            setting = ("image_size", height if square else f"{height},{width}")
+            variants.append((description, _deferred(name, (height, width), build_kwargs,
+                                                    setting)))
     siblings = [other for other in models.MODELS if _family(other) == _family(name)]
     smaller = siblings[:siblings.index(name)]
     if smaller:
@@ -194,7 +200,7 @@ def _family(name: str) -> str:
     return re.sub(r"\d+", "#", name)
 
 
-def _deferred(name: str, image_size: int, build_kwargs: dict, setting: tuple[str, object]
+def _deferred(name: str, image_size: int | tuple[int, int], build_kwargs: dict, setting: tuple[str, object]
               ) -> Callable[[], keras.Model]:
     def build() -> keras.Model:
         from tfmem import models  # the registry, only when the variant is built

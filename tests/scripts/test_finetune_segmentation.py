@@ -1,0 +1,96 @@
+"""scripts/finetune.py on segmentation sets, in this process: non-square sizes and the size of
+the set by default, the per-pixel losses."""
+
+import dataclasses
+import importlib.util
+import json
+import pathlib
+import re
+
+import pytest
+from absl import flags
+
+import tfmem
+from tfmem.finetune import outputs
+from tfmem.finetune.config import FinetuneConfig
+from tfmem.finetune.data_facts import DataFacts
+from native_logs import without_native_logs
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "finetune.py"
+
+
+@pytest.fixture(scope="module")
+def finetune_module():
+    """The script as a module, loaded once (its flags are defined once per process)."""
+    spec = importlib.util.spec_from_file_location("finetune_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    yield module
+    flags.FLAGS.unparse_flags()
+
+
+@pytest.fixture()
+def finetune_cli(finetune_module, capfd):
+    """The script as its command line runs it (`cli.run`), in this process: exit status,
+    stdout and stderr."""
+
+    def run(*args):
+        flags.FLAGS.unparse_flags()
+        capfd.readouterr()
+        with pytest.raises(SystemExit) as exit_:
+            tfmem.cli.run(finetune_module.main, ["finetune.py", *args])
+        out, err = capfd.readouterr()
+        return exit_.value.code, out, "".join(without_native_logs(err))
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def sets(tmp_path_factory):
+    """Tiny demo shapes with masks: 8 of 32×48 (U-Net takes it), 4 of 32×40 (it does not)."""
+    directory = tmp_path_factory.mktemp("segmentation-sets")
+    wide = tfmem.make_demo_dataset(directory / "wide", num_examples=8, image_size=(32, 48),
+                                   task="segmentation")
+    odd = tfmem.make_demo_dataset(directory / "odd", num_examples=4, image_size=(32, 40),
+                                  task="segmentation")
+    return {"wide": wide.directory, "odd": odd.directory}
+
+
+def test_the_manifest_records_the_size_its_images_share(sets):
+    assert tfmem.read_manifest(sets["wide"]).image_size == (32, 48)
+
+
+def test_without_image_size_a_run_takes_the_size_of_its_set(sets):
+    spec = tfmem.models.spec("unet")
+    data = DataFacts.of(FinetuneConfig(model="unet", data=sets["wide"]), spec)
+    assert data.image_size == (32, 48)
+    # run.json records a pair for a non-square size, one number for a square one.
+    assert outputs.run_settings(FinetuneConfig(), spec, "float32", data)["image_size"] == [32, 48]
+    given = DataFacts.of(FinetuneConfig(model="unet", data=sets["wide"], image_size="64"), spec)
+    assert given.image_size == (64, 64)
+    assert outputs.run_settings(FinetuneConfig(), spec, "float32", given)["image_size"] == 64
+    # Through the supervisor's JSON (a list) the size is a pair again.
+    assert DataFacts(**json.loads(json.dumps(dataclasses.asdict(data)))) == data
+    assert FinetuneConfig(image_size=[360, 480]).image_size == (360, 480)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--image-size", "0"], r"--image-size '0' is not a size: pass one number for square "
+                            r"images \(--image-size 224\) or height,width \(--image-size "
+                            r"360,480\)"),
+    (["--image-size", "32,48,3"], r"--image-size '32,48,3' is not a size"),
+    (["--model", "unet", "--data", "{odd}"],
+     r"--image-size 32,40 \(the size of the images of --data .*odd, from its manifest; none "
+     r"given\): unet needs height and width divisible by 16 .* Try 32 or 48\. Pass "
+     r"--image-size HEIGHT,WIDTH that it takes"),
+    (["--model", "unet", "--data", "{wide}", "--image-size", "32,40"],
+     r"--image-size 32,40: unet needs height and width divisible by 16"),
+])
+def test_a_bad_image_size_is_one_line_naming_the_flag(finetune_cli, sets, tmp_path, args,
+                                                      message):
+    args = [arg.format(**sets) for arg in args]
+    status, _, stderr = finetune_cli("--output", str(tmp_path / "run"), *args)
+    assert status == 2, stderr
+    assert re.fullmatch(rf"error: {message}.*\n", stderr, flags=re.S), stderr
+    assert stderr.count("\n") == 1
+    assert not (tmp_path / "run").exists()
