@@ -58,6 +58,11 @@ flags.DEFINE_integer(
 flags.DEFINE_string(
     "accumulation_steps", "auto", "'auto' (the planner picks the largest micro-batch that "
     "fits) or a number k of micro-batches per global batch.")
+flags.DEFINE_enum(
+    "loss", "cross-entropy", list(finetune.LOSSES), "Segmentation: 'cross-entropy' (per "
+    "pixel, over the pixels that have a class), 'dice' (each image's Dice loss over the "
+    "classes, averaged over the images) or 'cross-entropy+dice' (each image's mean "
+    "cross-entropy plus its Dice loss, averaged over the images).")
 flags.DEFINE_integer("epochs", 2, "Training epochs.", lower_bound=1)
 flags.DEFINE_string(
     "image_size", None, "One number (square) or height,width, e.g. 360,480; default: the "

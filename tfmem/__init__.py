@@ -41,8 +41,9 @@ if TYPE_CHECKING:  # the same names for type checkers and the API reference, nev
 
 # -- accumulation: AccumModel --
 from tfmem.training.accumulation import AccumModel
+from tfmem.training.segmentation_losses import DiceLoss
 
-__all__ += ["AccumModel"]
+__all__ += ["AccumModel", "DiceLoss"]
 
 # -- distribute / precision: Runtime --
 from tfmem.runtime.current import detect
@@ -68,8 +69,10 @@ __all__ += ["MemoryPlan", "MemoryPlanError", "plan", "probe"]
 # -- models / metrics --
 from tfmem import models
 from tfmem.metrics.image import MAE, MSE, PSNR, SSIM, mae, mse, psnr, ssim
+from tfmem.metrics.segmentation import MultiLabelIoU
 
-__all__ += ["models", "MAE", "MSE", "PSNR", "SSIM", "mae", "mse", "psnr", "ssim"]
+__all__ += ["models", "MAE", "MSE", "PSNR", "SSIM", "mae", "mse", "psnr", "ssim",
+            "MultiLabelIoU"]
 
 
 # A TFRecord-pipeline name is imported on first use (`tfmem._tf` names the extra if missing).

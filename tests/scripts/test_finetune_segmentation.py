@@ -7,13 +7,18 @@ import json
 import pathlib
 import re
 
+import numpy as np
+import keras
 import pytest
+import tensorflow as tf
 from absl import flags
 
 import tfmem
-from tfmem.finetune import outputs
+from tfmem.finetune import attempt, outputs
 from tfmem.finetune.config import FinetuneConfig
 from tfmem.finetune.data_facts import DataFacts
+from tfmem.metrics.segmentation import MultiLabelIoU
+from tfmem.training.segmentation_losses import DiceLoss
 from native_logs import without_native_logs
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "finetune.py"
@@ -53,7 +58,17 @@ def sets(tmp_path_factory):
                                    task="segmentation")
     odd = tfmem.make_demo_dataset(directory / "odd", num_examples=4, image_size=(32, 40),
                                   task="segmentation")
-    return {"wide": wide.directory, "odd": odd.directory}
+    # Kaggle's cloud layout: run-length-encoded masks whose classes overlap (one channel each).
+    (directory / "images").mkdir()
+    for name in ("a.png", "b.png"):
+        (directory / "images" / name).write_bytes(
+            tf.io.encode_png(np.full((32, 32, 3), 99, np.uint8)).numpy())
+    (directory / "clouds.csv").write_text(
+        "Image_Label,EncodedPixels\na.png_Fish,1 40\na.png_Sugar,20 50\nb.png_Fish,\n"
+        "b.png_Sugar,3 9\nb.png_Gravel,100 7\n")
+    clouds = tfmem.write_image_tfrecords((directory / "images", directory / "clouds.csv"),
+                                         directory / "clouds")
+    return {"wide": wide.directory, "odd": odd.directory, "clouds": clouds.directory}
 
 
 def test_the_manifest_records_the_size_its_images_share(sets):
@@ -74,6 +89,31 @@ def test_without_image_size_a_run_takes_the_size_of_its_set(sets):
     assert FinetuneConfig(image_size=[360, 480]).image_size == (360, 480)
 
 
+def test_loss_picks_dice_with_the_ignore_value_of_the_set(sets):
+    data = DataFacts.of(FinetuneConfig(model="unet", data=sets["wide"]), tfmem.models.spec("unet"))
+    loss, (metric,) = attempt.loss_and_metrics(data, "cross-entropy+dice")
+    assert isinstance(loss, DiceLoss) and loss.cross_entropy and not loss.multi_label
+    assert loss.ignore_class == data.ignore_value == 255 and loss.num_classes == 5
+    assert isinstance(metric, keras.metrics.MeanIoU) and metric.ignore_class == 255
+    loss, _ = attempt.loss_and_metrics(data, "dice")
+    assert isinstance(loss, DiceLoss) and not loss.cross_entropy
+
+
+def test_a_multi_label_set_trains_a_sigmoid_per_class(sets):
+    spec = tfmem.models.spec("unet")
+    config = FinetuneConfig(model="unet", data=sets["clouds"])
+    data = DataFacts.of(config, spec)
+    assert data.multi_label and data.task == "segmentation" and data.num_classes == 3
+    loss, (metric,) = attempt.loss_and_metrics(data)
+    assert isinstance(loss, keras.losses.BinaryCrossentropy)
+    assert isinstance(metric, MultiLabelIoU) and metric.num_classes == 3
+    loss, _ = attempt.loss_and_metrics(data, "dice")
+    assert isinstance(loss, DiceLoss) and loss.multi_label and loss.ignore_class is None
+    model, _ = attempt._build(config, spec, tfmem.detect(), data)
+    assert model.output_shape == (None, 32, 32, 3)
+    assert model.layers[-1].activation is keras.activations.sigmoid
+
+
 @pytest.mark.parametrize("args, message", [
     (["--image-size", "0"], r"--image-size '0' is not a size: pass one number for square "
                             r"images \(--image-size 224\) or height,width \(--image-size "
@@ -85,8 +125,11 @@ def test_without_image_size_a_run_takes_the_size_of_its_set(sets):
      r"--image-size HEIGHT,WIDTH that it takes"),
     (["--model", "unet", "--data", "{wide}", "--image-size", "32,40"],
      r"--image-size 32,40: unet needs height and width divisible by 16"),
+    (["--loss", "dice"], r"--loss dice scores masks, and this run is classification \(a "
+                         r"label per image\); leave --loss out, or pass --task segmentation"),
+    (["--loss", "focal"], r"flag --loss=focal: value should be one of "),
 ])
-def test_a_bad_image_size_is_one_line_naming_the_flag(finetune_cli, sets, tmp_path, args,
+def test_a_bad_size_or_loss_is_one_line_naming_the_flag(finetune_cli, sets, tmp_path, args,
                                                       message):
     args = [arg.format(**sets) for arg in args]
     status, _, stderr = finetune_cli("--output", str(tmp_path / "run"), *args)

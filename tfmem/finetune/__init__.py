@@ -11,10 +11,11 @@ settings and their checks (config.py), the data's facts (data_facts.py), the run
     >>> finetune.run(finetune.FinetuneConfig(epochs=1, output="runs/demo"))  # doctest: +SKIP
 """
 
-from tfmem.finetune.config import OPTIMIZERS, TASKS, FinetuneConfig, memory_limit_bytes
+from tfmem.finetune.config import (LOSSES, OPTIMIZERS, TASKS, FinetuneConfig,
+                                   memory_limit_bytes)
 from tfmem.finetune.data_facts import DEMO_SPLITS
 from tfmem.finetune.main import run
 from tfmem.finetune.outputs import WRITES
 
-__all__ = ["DEMO_SPLITS", "OPTIMIZERS", "TASKS", "WRITES", "FinetuneConfig", "memory_limit_bytes",
+__all__ = ["DEMO_SPLITS", "LOSSES", "OPTIMIZERS", "TASKS", "WRITES", "FinetuneConfig", "memory_limit_bytes",
            "run"]

@@ -19,10 +19,11 @@ from tfmem import cli, models
 from tfmem.data import reader
 from tfmem.data.integrity import SkippedRecords
 from tfmem.finetune import messages, outputs
-from tfmem.finetune.config import FinetuneConfig, model_spec
+from tfmem.finetune.config import FinetuneConfig, check_loss, model_spec
 from tfmem.finetune.data_facts import DataFacts, check_sizes, demo_data
 from tfmem.memory import guard, levers, plan_report
 from tfmem.memory.memory_plan import MemoryPlanError
+from tfmem.metrics.segmentation import MultiLabelIoU
 from tfmem._sizes import format_bytes
 from tfmem.remat.spec import Ranges, RematSpec
 from tfmem.runtime import current, precision as precision_lib
@@ -32,6 +33,7 @@ from tfmem.training import recovery, run_directory
 from tfmem.training.accumulation import AccumModel
 from tfmem.training.progress import RunProgress
 from tfmem.training.resume import TrainingDivergedError, fit_resumable
+from tfmem.training.segmentation_losses import DiceLoss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +65,7 @@ def run_attempt(config: FinetuneConfig, attempt: Attempt) -> dict:
 
     output = outputs.output_directory(config, spec)
     data = DataFacts(**attempt.data) if attempt.data else DataFacts.of(config, spec)
+    check_loss(config, data.task)
     if not config.dry_run:  # nothing is written for a run these refuse
         check_sizes(config, spec, data)
     if config.dry_run:
@@ -119,7 +122,7 @@ def _train(config: FinetuneConfig, spec, runtime: Runtime, precision: str, outpu
     with runtime.scope():
         accum = AccumModel.wrap(model, accumulation_steps=run_plan.accumulation_steps,
                                 rematerialize=setting)
-        loss_function, metrics = _loss_and_metrics(data)
+        loss_function, metrics = loss_and_metrics(data, config.loss)
         accum.compile(optimizer, loss_function, metrics=metrics)
     skipped = SkippedRecords() if config.skip_corrupt else None
     options = dict(image_size=data.image_size, data_range=spec.data_range,
@@ -157,8 +160,9 @@ def _train(config: FinetuneConfig, spec, runtime: Runtime, precision: str, outpu
     }
     if validation is not None and data.task == "segmentation":
         loss, mean_iou = accum.evaluate(validation, verbose=0)
-        # The metric's state after evaluate: the validation pass's confusion matrix.
-        scores = segmentation_scores(metrics[0].total_cm)
+        # The metric's state after evaluate: the validation pass's counts.
+        scores = (metrics[0].scores() if data.multi_label
+                  else segmentation_scores(metrics[0].total_cm))
         results["validation"] = {"loss": loss, "mean_iou": mean_iou, **scores,
                                  "batch_size": validation_batch}
         print(messages.segmentation_line(mean_iou, scores["pixel_accuracy"], config.epochs))
@@ -173,16 +177,25 @@ def _train(config: FinetuneConfig, spec, runtime: Runtime, precision: str, outpu
     return results
 
 
-def _loss_and_metrics(data: DataFacts) -> tuple[keras.losses.Loss, list]:
-    """The task's loss and metrics on the model's probabilities: per image, accuracy; per
-    pixel, cross-entropy and mean IoU over the pixels that have a class (the ignore value
-    counts in neither)."""
+def loss_and_metrics(data: DataFacts, loss: str = "cross-entropy"
+                     ) -> tuple[keras.losses.Loss, list]:
+    """The task's loss (`--loss`) and metrics on the model's probabilities: per image,
+    accuracy; per pixel, mean IoU over the pixels that have a class (the ignore value counts
+    in neither), or for multi-label masks each class's IoU at the threshold 0.5."""
     if data.task != "segmentation":
         return keras.losses.SparseCategoricalCrossentropy(), ["accuracy"]
-    loss = keras.losses.SparseCategoricalCrossentropy(ignore_class=data.ignore_value)
-    mean_iou = keras.metrics.MeanIoU(data.num_classes, name="mean_iou",
-                                     ignore_class=data.ignore_value, sparse_y_pred=False)
-    return loss, [mean_iou]
+    if loss != "cross-entropy":  # each image's Dice (and cross-entropy), as a mean over images
+        function = DiceLoss(data.num_classes, ignore_class=data.ignore_value,
+                            multi_label=data.multi_label, cross_entropy=loss != "dice")
+    elif data.multi_label:  # a sigmoid per class and pixel
+        function = keras.losses.BinaryCrossentropy()
+    else:
+        function = keras.losses.SparseCategoricalCrossentropy(ignore_class=data.ignore_value)
+    if data.multi_label:
+        return function, [MultiLabelIoU(data.num_classes, name="mean_iou")]
+    return function, [keras.metrics.MeanIoU(data.num_classes, name="mean_iou",
+                                            ignore_class=data.ignore_value,
+                                            sparse_y_pred=False)]
 
 
 def segmentation_scores(confusion) -> dict:
@@ -262,9 +275,12 @@ def _build(config: FinetuneConfig, spec, runtime: Runtime,
         with models.shapes_only() if deferred else contextlib.nullcontext():
             if spec.task == "classification" or data.task == "segmentation":
                 # A segmentation network on masks: its own per-pixel head, no pooling.
+                # Multi-label masks: a sigmoid per class and pixel, else a softmax per pixel.
                 model = models.build(spec.name, num_classes=data.num_classes,
                                      image_size=data.image_size, weights=config.weights,
-                                     freeze_backbone=config.freeze_backbone)
+                                     freeze_backbone=config.freeze_backbone,
+                                     classifier_activation=("sigmoid" if data.multi_label
+                                                            else "softmax"))
             else:
                 model = _pooled_classifier(spec, data, config.freeze_backbone)
         optimizer = keras.optimizers.get({"class_name": config.optimizer,

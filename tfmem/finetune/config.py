@@ -16,6 +16,7 @@ from tfmem.runtime import devices, memory_cap
 
 OPTIMIZERS = ("adam", "adamw", "sgd", "rmsprop")
 TASKS = ("classification", "segmentation")
+LOSSES = ("cross-entropy", "dice", "cross-entropy+dice")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +34,8 @@ class FinetuneConfig:
         num_classes, num_examples: for data without a tfmem manifest.json.
         global_batch_size: samples per optimizer update, over all replicas.
         accumulation_steps: "auto" (the plan's choice) or k micro-batches per global batch.
+        loss: "cross-entropy", or for segmentation "dice" or "cross-entropy+dice" (each
+            image's Dice loss, and its cross-entropy, averaged over the images).
         epochs: training epochs.
         image_size: an int (square), `(height, width)` or "360,480"; default: the --data
             set's own size (its manifest), else the model's (the demo's 32 for "demo").
@@ -69,6 +72,7 @@ class FinetuneConfig:
     num_examples: int | None = None
     global_batch_size: int = 64
     accumulation_steps: int | str = "auto"
+    loss: str = "cross-entropy"
     epochs: int = 2
     image_size: int | tuple[int, int] | str | None = None
     precision: str = "auto"
@@ -109,6 +113,9 @@ class FinetuneConfig:
         if self.task is not None and self.task not in TASKS:
             raise cli.UsageError(f"--task {self.task!r} is not one of {', '.join(TASKS)}; "
                                  "pick one of them")
+        if self.loss not in LOSSES:
+            raise cli.UsageError(f"--loss {self.loss!r} is not one of {', '.join(LOSSES)}; "
+                                 "pick one of them")
         if self.optimizer not in OPTIMIZERS:
             raise cli.UsageError(f"--optimizer {self.optimizer!r} is not one of "
                                  f"{', '.join(OPTIMIZERS)}; pick one of them")
@@ -146,6 +153,14 @@ def model_spec(config: FinetuneConfig):
             "of its pooled last features from scratch; leave --weights out, or pass --task "
             "segmentation (its own weights, `model.save_weights`)")
     return spec
+
+
+def check_loss(config: FinetuneConfig, task: str) -> None:
+    """Dice scores masks: a classification run trains with cross-entropy only."""
+    if config.loss != "cross-entropy" and task != "segmentation":
+        raise cli.UsageError(f"--loss {config.loss} scores masks, and this run is "
+                             f"{task} (a label per image); leave --loss out, or pass "
+                             "--task segmentation with a segmentation --model and set")
 
 
 def check_task(task: str, spec, source: str) -> None:

@@ -30,6 +30,7 @@ class DataFacts:
     task: str = "classification"
     ignore_value: int | None = None
     size_source: str = "--image-size"  # where image_size came from, for messages
+    multi_label: bool = False  # masks of a 0/1 channel per class (classes may overlap)
 
     def __post_init__(self):  # read back from JSON (the supervisor's), a list
         object.__setattr__(self, "image_size", tuple(self.image_size))
@@ -53,8 +54,10 @@ class DataFacts:
                        "demo", "demo", task=task, ignore_value=ignore_value,
                        size_source="--image-size" if config.image_size else "the demo's size")
         num_classes, num_examples, identity, manifest = _dataset_facts(config)
+        multi_label = False
         if manifest is not None:
             task, ignore_value = _manifest_task(config, manifest), manifest.ignore_value
+            multi_label = manifest.schema.multi_label
             check_task(task, spec, f"the task of --data {config.data}")
             # Without --image-size, the size all the set's images have (where they have one).
             if not config.image_size and manifest.image_size:
@@ -64,7 +67,8 @@ class DataFacts:
         validation = config.validation_data
         validation_identity = validation and identity and _validation_identity(validation)
         return cls(False, image_size, num_classes, num_examples, identity,
-                   validation_identity, config.data, validation, task, ignore_value, source)
+                   validation_identity, config.data, validation, task, ignore_value, source,
+                   multi_label)
 
 
 def check_sizes(config: FinetuneConfig, spec, data: DataFacts) -> None:
@@ -119,11 +123,6 @@ def _manifest_task(config: FinetuneConfig, manifest) -> str:
         raise cli.UsageError(
             f"--task {config.task}, but {config.data} is a {manifest.task} set (its records "
             f"hold {held}, says its manifest); leave --task out (the manifest gives it)")
-    if manifest.schema.multi_label:
-        raise cli.UsageError(
-            f"--data {config.data} holds multi-label masks (a 0/1 channel per class), and "
-            "finetune trains masks of one class index per pixel; write the set with classes "
-            "that share no pixel, or train it with your own loss through tfmem.AccumModel")
     return manifest.task
 
 

@@ -51,6 +51,7 @@ def run(config: FinetuneConfig) -> dict:
         print(f"warning: {note}", file=sys.stderr)
     data = DataFacts.of(config, spec)  # a wrong model or data stops here, before any process
     check_sizes(config, spec, data)
+    config_lib.check_loss(config, data.task)
     # This process holds the run directory for its training processes, one after the other.
     with run_directory.lock(output, "--output"):
         return supervise(config, cap, data, output)

@@ -70,6 +70,8 @@ def run_settings(config: FinetuneConfig, spec, precision: str, data: DataFacts) 
         "seed": config.seed, "freeze_backbone": config.freeze_backbone,
         "weights": os.path.abspath(config.weights) if config.weights else None,
         "data": data.identity, "validation_data": data.validation_identity,
+        # Recorded where it is not the default, as runs recorded before it was a setting.
+        **({"loss": config.loss} if config.loss != "cross-entropy" else {}),
     }
 
 
