@@ -66,33 +66,27 @@ def test_dice_of_multi_label_masks_and_their_iou():
     assert float(iou.result()) == pytest.approx(np.mean(present), rel=1e-6)
 
 
-def _model(cls, multi_label, **kwargs):
+def _model(cls, **kwargs):
     inputs = keras.Input((4, 4, 2))
     hidden = keras.layers.Conv2D(4, 1, activation="tanh")(inputs)
-    outputs = keras.layers.Conv2D(3, 1, activation="sigmoid" if multi_label else "softmax")(
-        hidden)
-    return cls(inputs, outputs, **kwargs)
+    return cls(inputs, keras.layers.Conv2D(3, 1, activation="softmax")(hidden), **kwargs)
 
 
-@pytest.mark.parametrize("multi_label", [False], ids=["ignore_class"])
-def test_one_accumulated_step_is_the_whole_batch_step(multi_label):
-    # Class indices with the ignore value: micro-batches of 3, 0, 30 and 32 valid pixels (the
-    # multi-label loss has the same count in every micro-batch: pass True to run it too).
+def test_one_accumulated_step_is_the_whole_batch_step():
+    # Class indices with the ignore value: micro-batches of 3, 0, 30 and 32 valid pixels; each
+    # image's loss, averaged over the images, is the same mean in every micro-batch.
     x = np.random.default_rng(1).normal(size=(BATCH, 4, 4, 2)).astype("float32")
-    y = (np.random.default_rng(2).integers(0, 2, (BATCH, 4, 4, 3)) if multi_label
-         else pixel_labels())
+    y = pixel_labels()
     keras.utils.set_random_seed(1)
-    accum = _model(tfmem.AccumModel, multi_label, accumulation_steps=4)
-    plain = _model(keras.Model, multi_label)
+    accum = _model(tfmem.AccumModel, accumulation_steps=4)
+    plain = _model(keras.Model)
     plain.set_weights(accum.get_weights())
     initial = accum.get_weights()
     for model in (accum, plain):
-        metric = (MultiLabelIoU(3) if multi_label else
-                  keras.metrics.MeanIoU(3, name="mean_iou", ignore_class=IGNORE,
-                                        sparse_y_pred=False))
-        model.compile(keras.optimizers.SGD(0.5), metrics=[metric], loss=DiceLoss(
-            3, ignore_class=None if multi_label else IGNORE, multi_label=multi_label,
-            cross_entropy=True))
+        metric = keras.metrics.MeanIoU(3, name="mean_iou", ignore_class=IGNORE,
+                                       sparse_y_pred=False)
+        model.compile(keras.optimizers.SGD(0.5), metrics=[metric],
+                      loss=DiceLoss(3, ignore_class=IGNORE, cross_entropy=True))
     history = accum.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history
     plain_history = plain.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history
     for name in ("loss", "mean_iou"):
