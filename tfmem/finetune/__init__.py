@@ -17,5 +17,5 @@ from tfmem.finetune.data_facts import DEMO_SPLITS
 from tfmem.finetune.main import run
 from tfmem.finetune.outputs import WRITES
 
-__all__ = ["DEMO_SPLITS", "LOSSES", "OPTIMIZERS", "TASKS", "WRITES", "FinetuneConfig", "memory_limit_bytes",
-           "run"]
+__all__ = ["DEMO_SPLITS", "LOSSES", "OPTIMIZERS", "TASKS", "WRITES", "FinetuneConfig",
+           "memory_limit_bytes", "run"]

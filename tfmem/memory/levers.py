@@ -200,8 +200,8 @@ def _family(name: str) -> str:
     return re.sub(r"\d+", "#", name)
 
 
-def _deferred(name: str, image_size: int | tuple[int, int], build_kwargs: dict, setting: tuple[str, object]
-              ) -> Callable[[], keras.Model]:
+def _deferred(name: str, image_size: int | tuple[int, int], build_kwargs: dict,
+              setting: tuple[str, object]) -> Callable[[], keras.Model]:
     def build() -> keras.Model:
         from tfmem import models  # the registry, only when the variant is built
 
