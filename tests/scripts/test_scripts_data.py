@@ -107,6 +107,15 @@ def test_every_script_reports_a_bad_command_in_one_line_with_status_2(tmp_path):
                        r"e\.g\. --shard-size-mb=128; see --helpshort for the flags"),
         "plan model": (["scripts/plan.py", "--model=resnet5", "--global-batch-size=8"],
                        r"error: Unknown model 'resnet5'\. Did you mean .*"),
+        "plan size": (["scripts/plan.py", "--model=unet", "--global-batch-size=8",
+                       "--image-size=32,40"],
+                      r"error: --image-size 32,40: unet needs height and width divisible by 16 "
+                      r"\(it pools 16× and upsamples back\); got image_size=\(32, 40\)\. Try 32 "
+                      r"or 48\."),
+        "plan no size": (["scripts/plan.py", "--model=unet", "--global-batch-size=8",
+                          "--image-size=wide"],
+                         r"error: --image-size 'wide' is not a size: pass one number for square "
+                         r"images \(--image-size 224\) or height,width \(--image-size 360,480\)"),
         # Checked before the model is built (as an unknown --device is).
         "plot dir": (["scripts/plan.py", "--model=small-cnn", "--global-batch-size=8",
                       f"--plot={tmp_path}"],
