@@ -379,7 +379,6 @@ def written_sets(tmp_path_factory):
     (["--learning-rate", "nan"], r"flag --learning-rate=nan: the learning rate must be a finite "
                                  r"number > 0, e\.g\. --learning-rate=1e-3; see --helpshort"),
     (["--learning-rate=-1"], r"flag --learning-rate=-1.0: the learning rate must be"),
-    (["--image-size", "0"], r"flag --image-size=0: 0 is not a positive integer"),
     (["--save-every-steps", "0"], r"flag --save-every-steps=0: 0 is not a positive integer"),
     (["--num-examples", "0"], r"flag --num-examples=0: 0 is not a positive integer"),
     (["--accumulation-steps", "many"], r"--accumulation-steps must be 'auto' or a positive int"),
