@@ -113,9 +113,15 @@ def two_processes(tmp_path_factory, image_sets):
         "statuses": [status for status, _, _ in results], "backup": backup}
 
 
-def _images_of(path):
-    """The SHA-1 of each image of one shard, decoded as the training reader decodes it."""
-    read = tfmem.image_dataset(str(path), image_size=(16, 16), batch_size=1, training=False)
+def _images_of(shards, directory, manifest):
+    """The SHA-1 of each image of `shards` (linked into `directory`, one reader for them all),
+    decoded as the training reader decodes them."""
+    directory.mkdir()
+    for shard in shards:
+        (directory / shard.name).symlink_to(shard)
+    read = tfmem.image_dataset(str(directory / "*"), schema=manifest.schema,
+                               num_classes=manifest.num_classes, image_size=(16, 16),
+                               batch_size=64, training=False)
     return {hashlib.sha1(image.tobytes()).hexdigest() for batch, _ in read
             for image in batch.numpy()}
 
@@ -137,7 +143,8 @@ def test_two_processes_train_on_image_dataset_as_one(two_processes, plain):
     assert [a + b for a, b in zip(*parts, strict=True)] == reference["batches"]
 
 
-def test_with_enough_shards_each_process_reads_only_its_own(two_processes, image_sets):
+def test_with_enough_shards_each_process_reads_only_its_own(two_processes, image_sets,
+                                                           tmp_path):
     data = image_sets["eight"]
     parts = [outcome["read"] for _, outcome in two_processes[0]]
     assert [len(part) for part in parts] == [3, 3]  # the same steps in each process
@@ -145,10 +152,11 @@ def test_with_enough_shards_each_process_reads_only_its_own(two_processes, image
     # No image twice, all 48 read, and each process read the images of its own shards.
     seen = [image for part in parts for batch in part for image in batch]
     assert len(set(seen)) == len(seen) == 48
-    shards = [_images_of(data / shard.name) for shard in tfmem.read_manifest(data).shards]
+    manifest = tfmem.read_manifest(data)
+    shards = [data / shard.name for shard in manifest.shards]
     for index, part in enumerate(parts):
-        assert {image for batch in part for image in batch} == set().union(
-            *shards[index::2])
+        assert {image for batch in part for image in batch} == _images_of(
+            shards[index::2], tmp_path / str(index), manifest)
 
 
 def _assert_close(actual, expected):
