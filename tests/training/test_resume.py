@@ -112,7 +112,7 @@ def runs(tmp_path_factory):
     directory = tmp_path_factory.mktemp("runs")
     killed, _ = _run(directory, ("straight", 0), ("resumed", 18))
     left = {"status": killed.returncode, "points": _points(directory / "resumed"),
-            "files": sorted(os.listdir(directory))}
+            "files": sorted(os.listdir(directory)), "stderr": killed.stderr[-3000:]}
     for name in DAMAGES.values():
         shutil.copytree(directory / "resumed", directory / name)
     (directory / "empty" / "backup-4.json").write_text("")
@@ -127,7 +127,7 @@ def runs(tmp_path_factory):
 def straight(runs):
     """The weights and summary of the program run without a kill."""
     directory = runs[0]
-    assert (directory / "straight.npz").exists(), runs[1]
+    assert (directory / "straight.npz").exists(), runs[1]["stderr"]
     return np.load(directory / "straight.npz"), json.loads(
         (directory / "straight.npz.json").read_text())
 
