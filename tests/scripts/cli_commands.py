@@ -1,13 +1,16 @@
-"""Runs several command lines of one program in one process, as the program's own process runs
-each: `python cli_commands.py COMMANDS.json` with `[[program, argv], ...]`, where `program` is a
-script's path (an absl program ending in `tfmem.cli.run(main)`) or `-m module`. Prints one JSON
-line: each command's exit status and what it wrote to stderr. One process per absl program: two
-programs' flags would clash in one."""
+"""Runs command lines one after the other in one process, as the program's own process runs
+each: `python cli_commands.py` reads one JSON `[program, argv]` a line from stdin, where
+`program` is a script's path (an absl program ending in `tfmem.cli.run(main)`) or `-m module`,
+and answers each with one JSON line `[exit status, stdout, stderr]` (what the command wrote to
+sys.stdout and sys.stderr). At most one absl script per process: two programs' flags would
+clash in one. What is written to file descriptor 1 from below Python goes to stderr, so that
+the answers are the only lines on stdout."""
 
 import contextlib
 import importlib.util
 import io
 import json
+import os
 import runpy
 import sys
 
@@ -16,9 +19,9 @@ from absl import flags
 from tfmem import cli
 
 
-def _run(program: str, argv: list[str]) -> tuple[int, str]:
-    stderr = io.StringIO()
-    with contextlib.redirect_stderr(stderr):
+def _run(program: str, argv: list[str]) -> tuple[int, str, str]:
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         try:
             if program.startswith("-m "):
                 sys.argv = [program[3:], *argv]
@@ -29,7 +32,7 @@ def _run(program: str, argv: list[str]) -> tuple[int, str]:
             status = 0
         except SystemExit as exit_:
             status = exit_.code if isinstance(exit_.code, int) else 1
-    return status, stderr.getvalue()
+    return status, stdout.getvalue(), stderr.getvalue()
 
 
 _SCRIPTS = {}
@@ -45,6 +48,9 @@ def _script(path: str):
 
 
 if __name__ == "__main__":
-    with open(sys.argv[1]) as file:
-        commands = json.load(file)
-    print(json.dumps([_run(program, argv) for program, argv in commands]))
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    for line in sys.stdin:
+        program, argv = json.loads(line)
+        answers.write(json.dumps(_run(program, argv)) + "\n")
+        answers.flush()

@@ -1,12 +1,15 @@
-"""The data scripts, run as a user runs them: real subprocesses, outputs checked."""
+"""The data scripts, run as a user runs them: real subprocesses (one per program, running its
+command lines one after the other), outputs checked."""
 
 import json
 import os
 import re
 import subprocess
+import sys
+import threading
+import types
 
 import pytest
-import sys
 
 import numpy as np
 import tensorflow as tf
@@ -18,15 +21,64 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 RUNNER = os.path.join(ROOT, "tests", "scripts", "cli_commands.py")
 
 
-def _run(*args, timeout=240):
-    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
-    result = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
-                            text=True, timeout=timeout)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
+class _Programs:
+    """Runs command lines as `python PROGRAM ARGS` runs them, each program's in one process of
+    cli_commands.py (started on first use; a `-m` module's in whichever is running)."""
+
+    def __init__(self, directory):
+        self.directory, self.processes = directory, {}
+
+    def __call__(self, program, *args, timeout=240):
+        """The command's exit status, stdout and stderr."""
+        if program.startswith("-m ") and self.processes:
+            key = next(iter(self.processes))
+        else:
+            key = program
+        if key not in self.processes:
+            log = self.directory / f"{len(self.processes)}.log"
+            with open(log, "w") as errors:  # native log lines, for a process that ended
+                self.processes[key] = (subprocess.Popen(
+                    [sys.executable, RUNNER], cwd=ROOT, text=True, stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE, stderr=errors,
+                    env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")), log)
+        process, log = self.processes[key]
+        process.stdin.write(json.dumps([program, list(args)]) + "\n")
+        process.stdin.flush()
+        timer = threading.Timer(timeout, process.kill)  # a command that hangs ends its process
+        timer.start()
+        try:
+            answer = process.stdout.readline()
+        finally:
+            timer.cancel()
+        assert answer, f"{program} {args}: its process ended\n{log.read_text()[-3000:]}"
+        return tuple(json.loads(answer))
+
+    def close(self):
+        for process, _ in self.processes.values():
+            process.stdin.close()
+            process.wait(timeout=60)
 
 
-def test_make_tfrecords_writes_a_folder_and_inspects_the_result(tmp_path):
+@pytest.fixture(scope="module")
+def programs(tmp_path_factory):
+    runner = _Programs(tmp_path_factory.mktemp("programs"))
+    yield runner
+    runner.close()
+
+
+@pytest.fixture()
+def run(programs):
+    """`run(program, *args)`: the command's stdout and stderr, once it exited with status 0."""
+
+    def succeeded(program, *args):
+        status, stdout, stderr = programs(program, *args)
+        assert status == 0, stderr[-3000:]
+        return types.SimpleNamespace(stdout=stdout, stderr=stderr)
+
+    return succeeded
+
+
+def test_make_tfrecords_writes_a_folder_and_inspects_the_result(tmp_path, run):
     rng = np.random.default_rng(0)
     for index in range(12):
         path = tmp_path / "photos" / ("cats", "dogs", "owls")[index % 3] / f"{index}.png"
@@ -35,8 +87,8 @@ def test_make_tfrecords_writes_a_folder_and_inspects_the_result(tmp_path):
         path.write_bytes(tf.io.encode_png(image).numpy())
     (tmp_path / "photos" / "owls" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 truncated")
     (tmp_path / "photos" / "owls" / "moved.png").symlink_to(tmp_path / "elsewhere.png")
-    result = _run("scripts/make_tfrecords.py", f"--source={tmp_path / 'photos'}",
-                  f"--output={tmp_path / 'out'}", "--shard_size_mb=0.003", "--skip_unreadable")
+    result = run("scripts/make_tfrecords.py", f"--source={tmp_path / 'photos'}",
+                 f"--output={tmp_path / 'out'}", "--shard_size_mb=0.003", "--skip_unreadable")
     manifest = tfmem.read_manifest(tmp_path / "out")
     assert manifest.num_examples == 12 and manifest.class_names == ("cats", "dogs", "owls")
     assert manifest.skipped == ("owls/moved.png", "owls/broken.jpg")  # the link, when listed
@@ -47,7 +99,7 @@ def test_make_tfrecords_writes_a_folder_and_inspects_the_result(tmp_path):
         r"skipped 2 unreadable file\(s\)", summary), summary
     assert "12/14" in result.stderr  # the progress bar's last state: 12 of 14 files written
 
-    inspected = _run("scripts/make_tfrecords.py", f"--inspect={tmp_path / 'out' / '*.tfrecord'}")
+    inspected = run("scripts/make_tfrecords.py", f"--inspect={tmp_path / 'out' / '*.tfrecord'}")
     assert f"{len(manifest.shards)} file(s)" in inspected.stdout
     assert "'image': bytes[1] (png image" in inspected.stdout
     assert "'label': int64[1]" in inspected.stdout
@@ -55,8 +107,8 @@ def test_make_tfrecords_writes_a_folder_and_inspects_the_result(tmp_path):
     assert "Manifest: 12 examples, 3 classes" in inspected.stdout
 
 
-def test_every_script_reports_a_bad_command_in_one_line_with_status_2(tmp_path):
-    """make_tfrecords.py, plan.py and tfmem-env, started at once (each imports TensorFlow)."""
+def test_every_script_reports_a_bad_command_in_one_line_with_status_2(tmp_path, programs):
+    """make_tfrecords.py, plan.py and tfmem-env."""
     (tmp_path / "set").mkdir()
     (tmp_path / "set" / "manifest.json").write_text("{}")
     for folder in ("ants", "cats"):
@@ -125,39 +177,22 @@ def test_every_script_reports_a_bad_command_in_one_line_with_status_2(tmp_path):
                       r"error: argument --prefer: invalid choice: 'xpu' \(choose from 'tpu', "
                       r"'gpu', 'cpu'\); see tfmem-env --help"),
     }
-    # One process per program, running its commands one after the other as the program's
-    # own process would (each would import TensorFlow again).
-    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
-    groups = {}
-    for name, (args, _) in commands.items():
+    for name, (args, message) in commands.items():
         program, argv = (f"-m {args[1]}", args[2:]) if args[0] == "-m" else (args[0], args[1:])
-        groups.setdefault(program, []).append((name, [program, argv]))
-    running = {}
-    for number, (key, entries) in enumerate(groups.items()):
-        listing = tmp_path / f"commands-{number}.json"
-        listing.write_text(json.dumps([command for _, command in entries]))
-        running[key] = subprocess.Popen([sys.executable, str(RUNNER), str(listing)], cwd=ROOT,
-                                        env=env, text=True, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE)
-    for key, process in running.items():
-        stdout, stderr = process.communicate(timeout=240)
-        assert process.returncode == 0, stderr[-3000:]
-        results = json.loads(stdout.strip().splitlines()[-1])
-        for (name, _), (status, text) in zip(groups[key], results, strict=True):
-            # TensorFlow's C++ logging at import ("I0000 ...", absl's preamble) is not ours.
-            lines = [line.rstrip("\n")
-                     for line in without_native_logs(text, also="<frozen runpy>")]
-            assert status == 2, (name, text[-2000:])
-            assert len(lines) == 1 and re.fullmatch(commands[name][1], lines[0]), (name, text)
+        status, _, text = programs(program, *argv)
+        # TensorFlow's C++ logging at import ("I0000 ...", absl's preamble) is not ours.
+        lines = [line.rstrip("\n") for line in without_native_logs(text, also="<frozen runpy>")]
+        assert status == 2, (name, text[-2000:])
+        assert len(lines) == 1 and re.fullmatch(message, lines[0]), (name, text)
     assert not (tmp_path / "out").exists()
 
 
-def test_overwrite_replaces_a_set_and_keeps_no_old_shard(tmp_path):
-    _run("scripts/make_tfrecords.py", "--source=demo", "--num-examples=8", "--image-size=8",
-         f"--output={tmp_path}")
+def test_overwrite_replaces_a_set_and_keeps_no_old_shard(tmp_path, run):
+    run("scripts/make_tfrecords.py", "--source=demo", "--num-examples=8", "--image-size=8",
+        f"--output={tmp_path}")
     old = tfmem.read_manifest(tmp_path)
-    _run("scripts/make_tfrecords.py", "--source=demo", "--num-examples=12", "--image-size=8",
-         "--seed=1", "--overwrite", f"--output={tmp_path}")
+    run("scripts/make_tfrecords.py", "--source=demo", "--num-examples=12", "--image-size=8",
+        "--seed=1", "--overwrite", f"--output={tmp_path}")
     new = tfmem.read_manifest(tmp_path)
     assert new.num_examples == 12 and not {s.name for s in old.shards} & {s.name for s in
                                                                            new.shards}
@@ -165,10 +200,10 @@ def test_overwrite_replaces_a_set_and_keeps_no_old_shard(tmp_path):
                                                    *(s.name for s in new.shards)])
 
 
-def test_plan_plots_where_it_says(tmp_path):
+def test_plan_plots_where_it_says(tmp_path, run):
     # A name without an extension: matplotlib adds ".png", and the line names that file.
-    result = _run("scripts/plan.py", "--model=small-cnn", "--image-size=32,48",
-                  "--global-batch-size=8", f"--plot={tmp_path / 'memory'}")
+    result = run("scripts/plan.py", "--model=small-cnn", "--image-size=32,48",
+                 "--global-batch-size=8", f"--plot={tmp_path / 'memory'}")
     assert result.stdout.splitlines()[-1] == f"wrote {tmp_path / 'memory.png'}"
     # A non-square size, and the finetune.py command of the planned run with it.
     assert "next: python scripts/finetune.py --model small-cnn --data PATH --image-size 32,48 " \

@@ -6,12 +6,11 @@ own `train_step` run through `strategy.run` (Keras 3.15's `fit` cannot run a
 plain model under multi-worker: tensorflow/tensorflow#72388). Worker 0 writes
 both models' weights and the all-reduce ops of each step to OUTPUT.
 
-With `synchronized` for DATA and ACCUMULATION_STEPS, it trains `remat_cases.normalized`'s
-model instead (synchronized BatchNormalization, rematerialized) on `remat_cases.data()`, and
-worker 0 writes its weights.
+Given SYNCHRONIZED.npz, it then trains `remat_cases.normalized`'s model (synchronized
+BatchNormalization, rematerialized) on `remat_cases.data()` under the same strategy, and
+worker 0 writes its weights there.
 
-Usage: python accumulation_worker.py DATA.npz OUTPUT.npz ACCUMULATION_STEPS
-       python accumulation_worker.py synchronized OUTPUT.npz synchronized
+Usage: python accumulation_worker.py DATA.npz OUTPUT.npz ACCUMULATION_STEPS [SYNCHRONIZED.npz]
 """
 
 import os
@@ -51,8 +50,7 @@ def _all_reduces(concrete_function):
     return count(nodes), sum(count(library[name].node_def) for name in bodies)
 
 
-def main(data_path, output_path, accumulation_steps):
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+def main(strategy, data_path, output_path, accumulation_steps):
     data = np.load(data_path)
     initial = [data[f"w{i}"] for i in range(4)]
     # Every worker reads the whole dataset; tf.distribute rebatches each global
@@ -84,10 +82,9 @@ def main(data_path, output_path, accumulation_steps):
         np.savez(output_path, **results)
 
 
-def synchronized(output_path):
+def synchronized(strategy, output_path):
     from tests.training import remat_cases
 
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()
     x, y = remat_cases.data()
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16, drop_remainder=True)
     options = tf.data.Options()
@@ -101,7 +98,8 @@ def synchronized(output_path):
 
 
 if __name__ == "__main__":
-    if sys.argv[3] == "synchronized":
-        synchronized(sys.argv[2])
-    else:
-        main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    # One strategy per process: a second one would hand out colliding collective keys.
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    main(strategy, sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    if len(sys.argv) > 4:
+        synchronized(strategy, sys.argv[4])

@@ -1,26 +1,39 @@
 """AccumModel under a real two-process MultiWorkerMirroredStrategy on localhost.
 
-Two worker processes (tests/accumulation_worker.py) train on the same global
-batches; the reference is a single-device plain Keras model in this process.
+Two worker processes (tests/training/accumulation_worker.py), started once for both cases,
+train on the same global batches; the reference is a single-device plain Keras model in this
+process.
 """
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import keras
 import numpy as np
+import pytest
 
 import tfmem  # noqa: F401  (the reference below runs in this process)
 
 WORKER = Path(__file__).with_name("accumulation_worker.py")
 
 
-def _two_workers(free_ports, *arguments):
+def _free_ports(count):
+    sockets = [socket.socket() for _ in range(count)]
+    for sock in sockets:
+        sock.bind(("localhost", 0))
+    numbers = [sock.getsockname()[1] for sock in sockets]
+    for sock in sockets:
+        sock.close()
+    return numbers
+
+
+def _two_workers(*arguments):
     """Runs `accumulation_worker.py` with `arguments` as two workers of one cluster."""
-    workers = [f"localhost:{port}" for port in free_ports(2)]
+    workers = [f"localhost:{port}" for port in _free_ports(2)]
     processes = []
     for index in range(2):
         env = dict(os.environ)
@@ -43,31 +56,41 @@ def _two_workers(free_ports, *arguments):
     assert [p.returncode for p in processes] == [0, 0], "\n".join(l[-3000:] for l in logs)
 
 
-def test_two_workers_match_one_device_with_one_all_reduce_per_update(tmp_path, free_ports):
-    global_batch, num_updates, k = 16, 3, 2
+GLOBAL_BATCH, NUM_UPDATES, K = 16, 3, 2
+
+
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory):
+    """One cluster of two workers for both cases: the data and initial weights of the first
+    (its reference model, untrained), and what worker 0 wrote for each."""
+    directory = tmp_path_factory.mktemp("workers")
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(global_batch * num_updates, 6)).astype("float32")
-    y = rng.normal(size=(global_batch * num_updates, 3)).astype("float32")
-    sw = rng.uniform(0.0, 2.0, size=(global_batch * num_updates,)).astype("float32")
+    x = rng.normal(size=(GLOBAL_BATCH * NUM_UPDATES, 6)).astype("float32")
+    y = rng.normal(size=(GLOBAL_BATCH * NUM_UPDATES, 3)).astype("float32")
+    sw = rng.uniform(0.0, 2.0, size=(GLOBAL_BATCH * NUM_UPDATES,)).astype("float32")
     keras.utils.set_random_seed(6)
     inputs = keras.Input((6,))
     hidden = keras.layers.Dense(8, activation="tanh")(inputs)
     reference = keras.Model(inputs, keras.layers.Dense(3)(hidden))
     initial = reference.get_weights()
-    data = tmp_path / "data.npz"
-    np.savez(data, x=x, y=y, sw=sw, global_batch=global_batch,
+    data = directory / "data.npz"
+    np.savez(data, x=x, y=y, sw=sw, global_batch=GLOBAL_BATCH,
              **{f"w{i}": w for i, w in enumerate(initial)})
+    output, synchronized = directory / "out.npz", directory / "synchronized.npz"
+    _two_workers(str(data), str(output), str(K), str(synchronized))
+    return {"reference": reference, "data": (x, y, sw), "accumulation": np.load(output),
+            "synchronized": np.load(synchronized)}
 
-    output = tmp_path / "out.npz"
-    _two_workers(free_ports, str(data), str(output), str(k))
 
+def test_two_workers_match_one_device_with_one_all_reduce_per_update(two_workers):
+    reference, (x, y, sw) = two_workers["reference"], two_workers["data"]
     reference.compile("adam", "mse")
     history = reference.fit(
-        x, y, sample_weight=sw, batch_size=global_batch, shuffle=False, verbose=0
+        x, y, sample_weight=sw, batch_size=GLOBAL_BATCH, shuffle=False, verbose=0
     ).history
-    results = np.load(output)
+    results = two_workers["accumulation"]
     for name in ("plain", "accum"):
-        assert results[f"{name}_iterations"] == num_updates
+        assert results[f"{name}_iterations"] == NUM_UPDATES
         for i, expected in enumerate(reference.get_weights()):
             np.testing.assert_allclose(results[f"{name}_w{i}"], expected, rtol=1e-5, atol=1e-6)
     # The logged loss is the global-batch loss, averaged over both workers.
@@ -79,21 +102,18 @@ def test_two_workers_match_one_device_with_one_all_reduce_per_update(tmp_path, f
     assert accum_in_loop == 0
 
 
-def test_a_synchronized_batch_norm_across_two_workers_steps_on_its_micro_batches(tmp_path,
-                                                                                 free_ports):
+def test_a_synchronized_batch_norm_across_two_workers_steps_on_its_micro_batches(two_workers):
     # Rematerialized too. Each worker takes 8 rows of a batch of 16 and micro-batches of 4:
     # micro-batch 0 normalizes rows 0-3 and 8-11 together, as one device's micro-batch of
     # those 8 rows does (tests/training/test_accumulation.py: the same on two CPUs of one
     # process).
     from tests.training import remat_cases
 
-    output = tmp_path / "out.npz"
-    _two_workers(free_ports, "synchronized", str(output), "synchronized")
     x, y = remat_cases.data()
     rows = remat_cases.by_replica_micro_batches(len(x))
     one_device = remat_cases.normalized(False)
     one_device.fit(x[rows], y[rows], batch_size=16, shuffle=False, verbose=0)
-    results = np.load(output)
+    results = two_workers["synchronized"]
     assert int(results["segments"]) == 1
     expected = one_device.get_weights()
     differences = remat_cases._differences(

@@ -19,16 +19,17 @@ import tfmem
 from tfmem.training import run_directory
 
 # A deterministic little training program, run as a real child process so it can be killed
-# with SIGKILL (what a notebook disconnect or a preempted VM does).
+# with SIGKILL (what a notebook disconnect or a preempted VM does). One process trains the runs
+# it is given one after the other, each from the start of the program's model: RUN is NAME:KILL_AT,
+# its backups in DIRECTORY/NAME and its outcome in DIRECTORY/NAME.npz(.json); before each run it
+# writes "run NAME" to stderr, and one run's error does not stop the next.
 PROGRAM = textwrap.dedent(
     """
-    import json, os, signal, sys
+    import json, os, signal, sys, traceback
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
     import keras, numpy as np, tensorflow as tf
     import tfmem
 
-    backup_dir, out_path, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    keras.utils.set_random_seed(0)
     tf.config.experimental.enable_op_determinism()
     rng = np.random.default_rng(0)
     x = rng.normal(size=(96, 5)).astype("float32")
@@ -39,35 +40,56 @@ PROGRAM = textwrap.dedent(
         return (tf.data.Dataset.from_tensor_slices((x, y))
                 .shuffle(96, seed=100 + epoch, reshuffle_each_iteration=False).batch(8))
 
-    inputs = keras.Input((5,))
-    outputs = keras.layers.Dense(1)(keras.layers.Dense(4, activation="tanh")(inputs))
-    model = tfmem.AccumModel(inputs, outputs, accumulation_steps=2)
-    model.compile(keras.optimizers.Adam(0.05), "mse")
-
     class Kill(keras.callbacks.Callback):
-        updates = 0
+        def __init__(self, kill_at):
+            super().__init__()
+            self.kill_at, self.updates = kill_at, 0
+
         def on_train_batch_end(self, batch, logs=None):
-            Kill.updates += 1
-            if Kill.updates == kill_at:
+            self.updates += 1
+            if self.updates == self.kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    history = tfmem.fit_resumable(model, make_dataset, epochs=3, steps_per_epoch=12,
-                                  backup_dir=backup_dir, save_every_steps=5,
-                                  callbacks=[Kill()], verbose=0)
-    np.savez(out_path, *model.get_weights())
-    with open(out_path + ".json", "w") as f:
-        json.dump({"history": history, "iterations": int(model.optimizer.iterations)}, f)
+    def train(backup_dir, out_path, kill_at):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((5,))
+        outputs = keras.layers.Dense(1)(keras.layers.Dense(4, activation="tanh")(inputs))
+        model = tfmem.AccumModel(inputs, outputs, accumulation_steps=2)
+        model.compile(keras.optimizers.Adam(0.05), "mse")
+        history = tfmem.fit_resumable(model, make_dataset, epochs=3, steps_per_epoch=12,
+                                      backup_dir=backup_dir, save_every_steps=5,
+                                      callbacks=[Kill(kill_at)], verbose=0)
+        np.savez(out_path, *model.get_weights())
+        with open(out_path + ".json", "w") as f:
+            json.dump({"history": history, "iterations": int(model.optimizer.iterations)}, f)
+
+    failed = False
+    for run in sys.argv[2:]:
+        name, kill_at = run.split(":")
+        print(f"run {name}", file=sys.stderr, flush=True)
+        path = os.path.join(sys.argv[1], name)
+        try:
+            train(path, path + ".npz", int(kill_at))
+        except Exception:
+            traceback.print_exc()
+            failed = True
+    sys.exit(1 if failed else 0)
     """
 )
 
 
-def _run(tmp_path, name, kill_at):
+def _run(directory, *runs):
+    """Runs PROGRAM once for `runs`, each `(name, kill_at)`; the result and each run's stderr."""
     result = subprocess.run(
-        [sys.executable, "-c", PROGRAM, str(tmp_path / name), str(tmp_path / f"{name}.npz"),
-         str(kill_at)],
+        [sys.executable, "-c", PROGRAM, str(directory),
+         *(f"{name}:{kill_at}" for name, kill_at in runs)],
         capture_output=True, text=True, timeout=300,
     )
-    return result
+    stderr = {}
+    for part in ("\n" + result.stderr).split("\nrun ")[1:]:
+        name, _, text = part.partition("\n")
+        stderr[name] = text
+    return result, stderr
 
 
 def _points(directory):
@@ -77,22 +99,45 @@ def _points(directory):
             name.startswith("backup-")}
 
 
+DAMAGES = {"truncated weights": "truncated", "empty record": "empty"}
+
+
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
+def runs(tmp_path_factory):
+    """One process runs the program without a kill, then again killed at update 18 of 36
+    (epoch 2, step 6): its newest resume point is epoch 2, step 5 (4), the one before it the end
+    of epoch 1 (3). Copies of its backup directory are damaged (`DAMAGES`), and a second process
+    resumes the killed run, then each damaged copy. The directory, the kill's exit status, the
+    points and files it left, and each resumed run's stderr."""
+    directory = tmp_path_factory.mktemp("runs")
+    killed, _ = _run(directory, ("straight", 0), ("resumed", 18))
+    left = {"status": killed.returncode, "points": _points(directory / "resumed"),
+            "files": sorted(os.listdir(directory)), "stderr": killed.stderr[-3000:]}
+    for name in DAMAGES.values():
+        shutil.copytree(directory / "resumed", directory / name)
+    (directory / "empty" / "backup-4.json").write_text("")
+    weights = directory / "truncated" / "backup-4.weights.h5"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    resumed, stderr = _run(directory, ("resumed", 0), *((name, 0) for name in DAMAGES.values()))
+    assert sorted(stderr) == sorted(["resumed", *DAMAGES.values()]), resumed.stderr[-3000:]
+    return directory, left, stderr
+
+
+@pytest.fixture(scope="module")
+def straight(runs):
     """The weights and summary of the program run without a kill."""
-    directory = tmp_path_factory.mktemp("straight")
-    result = _run(directory, "straight", kill_at=0)
-    assert result.returncode == 0, result.stderr[-2000:]
+    directory = runs[0]
+    assert (directory / "straight.npz").exists(), runs[1]["stderr"]
     return np.load(directory / "straight.npz"), json.loads(
         (directory / "straight.npz.json").read_text())
 
 
-def _assert_same_run(tmp_path, name, straight):
+def _assert_same_run(directory, name, straight):
     expected, expected_summary = straight
-    actual = np.load(tmp_path / f"{name}.npz")
+    actual = np.load(directory / f"{name}.npz")
     for key in expected.files:
         np.testing.assert_array_equal(actual[key], expected[key])
-    summary = json.loads((tmp_path / f"{name}.npz.json").read_text())
+    summary = json.loads((directory / f"{name}.npz.json").read_text())
     # 3 epochs × 12 updates, counted once each although the run was cut in two.
     assert summary["iterations"] == expected_summary["iterations"] == 36
     # One loss per epoch; the resumed epoch's is the mean over its updates after the restart.
@@ -100,57 +145,37 @@ def _assert_same_run(tmp_path, name, straight):
     assert summary["history"]["loss"][-1] == expected_summary["history"]["loss"][-1]
 
 
-def test_run_killed_mid_epoch_resumes_to_the_uninterrupted_weights(tmp_path, straight):
-    # Killed at update 18 of 36: epoch 2, step 6; the last resume point is epoch 2, step 5.
-    killed = _run(tmp_path, "resumed", kill_at=18)
-    assert killed.returncode == -signal.SIGKILL
-    points = _points(tmp_path / "resumed")
-    newest = points[max(points)]
+def test_run_killed_mid_epoch_resumes_to_the_uninterrupted_weights(runs, straight):
+    directory, killed, stderr = runs
+    assert killed["status"] == -signal.SIGKILL
+    newest = killed["points"][max(killed["points"])]
     assert (newest["epoch"], newest["step"]) == (1, 5)
-    assert not (tmp_path / "resumed.npz").exists()
+    assert "resumed.npz" not in killed["files"]
 
-    resumed = _run(tmp_path, "resumed", kill_at=0)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "tfmem: warning" not in resumed.stderr
-    _assert_same_run(tmp_path, "resumed", straight)
+    assert "Traceback" not in stderr["resumed"], stderr["resumed"][-2000:]
+    assert "tfmem: warning" not in stderr["resumed"]
+    _assert_same_run(directory, "resumed", straight)
     # The newest point and the one before it are kept. Saves: the start (generation 0, the
     # point a step that runs out of memory goes back to), epoch 1 at steps 5, 10 and its end
     # (1-3), epoch 2 at step 5 (4), killed; resumed: epoch 2 at step 10 and its end (5, 6),
     # epoch 3 at steps 5, 10 and its end (7-9).
-    assert sorted(os.listdir(tmp_path / "resumed")) == [
+    assert sorted(os.listdir(directory / "resumed")) == [
         ".lock", "backup-8.json", "backup-8.weights.h5", "backup-9.json",
         "backup-9.weights.h5"]
 
 
-@pytest.fixture(scope="module")
-def killed_late(tmp_path_factory):
-    """The backup directory of the program killed at update 30 (epoch 3, step 6): points 7
-    (step 5) and 6 (the end of epoch 2). Each test damages a copy of it."""
-    directory = tmp_path_factory.mktemp("killed")
-    killed = _run(directory, "resumed", kill_at=30)
-    assert killed.returncode == -signal.SIGKILL
-    assert sorted(_points(directory / "resumed")) == [6, 7]
-    return directory / "resumed"
-
-
-@pytest.mark.parametrize("damage", ["truncated weights", "empty record"])
-def test_a_damaged_newest_point_falls_back_to_the_one_before(tmp_path, straight, killed_late,
-                                                             damage):
-    directory = tmp_path / "resumed"
-    shutil.copytree(killed_late, directory)
-    if damage == "truncated weights":
-        weights = directory / "backup-7.weights.h5"
-        weights.write_bytes(weights.read_bytes()[:-100])
-        reason = "backup-7.weights.h5 has"
-    else:
-        (directory / "backup-7.json").write_text("")
-        reason = "backup-7.json is damaged (JSONDecodeError"
-    resumed = _run(tmp_path, "resumed", kill_at=0)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    warning = [line for line in resumed.stderr.splitlines() if "tfmem: warning" in line]
-    assert len(warning) == 1 and reason in warning[0], resumed.stderr[-2000:]
-    assert warning[0].endswith("resuming from the one before it (epoch 3, step 0)")
-    _assert_same_run(tmp_path, "resumed", straight)
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_a_damaged_newest_point_falls_back_to_the_one_before(runs, straight, damage):
+    # The killed run's newest point (4: epoch 2, step 5), damaged in a copy of its directory.
+    directory, _, stderr = runs
+    name = DAMAGES[damage]
+    reason = {"truncated weights": "backup-4.weights.h5 has",
+              "empty record": "backup-4.json is damaged (JSONDecodeError"}[damage]
+    assert "Traceback" not in stderr[name], stderr[name][-2000:]
+    warning = [line for line in stderr[name].splitlines() if "tfmem: warning" in line]
+    assert len(warning) == 1 and reason in warning[0], stderr[name][-2000:]
+    assert warning[0].endswith("resuming from the one before it (epoch 2, step 0)")
+    _assert_same_run(directory, name, straight)
 
 
 def _small_model():
