@@ -214,32 +214,60 @@ def test_clone_model_replays_the_graph_through_the_hook():
     assert replays[0] is model and clone.name == "recorded"
 
 
-def test_jax_stateless_metrics_update_counts_the_rows():
-    program = textwrap.dedent(
-        """
-        import keras, numpy as np
-        from tfmem import _keras_internals as internals
-        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-        model.compile("sgd", "mse", metrics=["mae"])
-        model.train_on_batch(np.zeros((2, 2)), np.zeros((2, 1)))  # builds the metrics
-        before = [v.value for v in model.metrics_variables]
-        x, y = np.ones((3, 2), "float32"), np.ones((3, 1), "float32")
-        _, after = internals.update_metrics_variables(
-            model, before, np.float32(2.0), x, y, np.zeros((3, 1), "float32"), None)
-        counts = [float(b) for b, a, v in zip(before, after, model.metrics_variables)
-                  if v.path.endswith("count")]
-        updated = [float(a) for b, a, v in zip(before, after, model.metrics_variables)
-                   if v.path.endswith("count")]
-        print([u - c for c, u in zip(counts, updated)])
-        """
-    )
+# The JAX internals, in one process on the Keras JAX backend (this session runs on TensorFlow):
+# each check prints one line.
+_JAX_PROGRAM = textwrap.dedent(
+    """
+    import keras, numpy as np
+    from tfmem import _keras_internals as internals
+
+    # update_metrics_variables: the loss tracker's and the MAE metric's row counts.
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse", metrics=["mae"])
+    model.train_on_batch(np.zeros((2, 2)), np.zeros((2, 1)))  # builds the metrics
+    before = [v.value for v in model.metrics_variables]
+    x, y = np.ones((3, 2), "float32"), np.ones((3, 1), "float32")
+    _, after = internals.update_metrics_variables(
+        model, before, np.float32(2.0), x, y, np.zeros((3, 1), "float32"), None)
+    counts = [float(b) for b, a, v in zip(before, after, model.metrics_variables)
+              if v.path.endswith("count")]
+    updated = [float(a) for b, a, v in zip(before, after, model.metrics_variables)
+               if v.path.endswith("count")]
+    print("metrics", [u - c for c, u in zip(counts, updated)])
+
+    # jax_state_shardings and jax_train_function.
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    model.train_on_batch(np.zeros((2, 2)), np.zeros((2, 1)))
+    shardings = internals.jax_state_shardings(model)
+    print("shardings", len(shardings), len(shardings[0]) == len(model.trainable_variables))
+    calls = []
+    def step(state, data):
+        calls.append(data)
+        return {"loss": 0.0}, state
+    model.steps_per_execution = 3
+    function = internals.jax_train_function(model, step)
+    logs, state = function("state", iter([1, 2, 3, 4]))
+    print("train_function", calls, state)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def jax_internals():
+    """The lines `_JAX_PROGRAM` printed, by their first word."""
     result = subprocess.run(
-        [sys.executable, "-c", program], capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", _JAX_PROGRAM], capture_output=True, text=True, timeout=300,
         env=dict(os.environ, PYTHONPATH=str(ROOT), KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="2"),
     )
     assert result.returncode == 0, result.stderr[-2000:]
+    return dict(line.split(" ", 1) for line in result.stdout.splitlines()
+                if line.startswith(("metrics ", "shardings ", "train_function ")))
+
+
+def test_jax_stateless_metrics_update_counts_the_rows(jax_internals):
     # the loss tracker and the MAE metric each counted the 3 rows of the batch
-    assert result.stdout.split("\n")[-2] == "[3.0, 3.0]"
+    assert jax_internals["metrics"] == "[3.0, 3.0]"
 
 
 def test_a_missing_internal_raises_naming_it_and_the_tested_versions():
@@ -250,34 +278,11 @@ def test_a_missing_internal_raises_naming_it_and_the_tested_versions():
         internals.loss_tracker(NotAModel())
 
 
-def test_jax_train_function_and_state_shardings():
-    program = textwrap.dedent(
-        """
-        import keras, numpy as np
-        from tfmem import _keras_internals as internals
-        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-        model.compile("sgd", "mse")
-        model.train_on_batch(np.zeros((2, 2)), np.zeros((2, 1)))
-        shardings = internals.jax_state_shardings(model)
-        print(len(shardings), len(shardings[0]) == len(model.trainable_variables))
-        calls = []
-        def step(state, data):
-            calls.append(data)
-            return {"loss": 0.0}, state
-        model.steps_per_execution = 3
-        function = internals.jax_train_function(model, step)
-        logs, state = function("state", iter([1, 2, 3, 4]))
-        print(calls, state)
-        """
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", program], capture_output=True, text=True, timeout=300,
-        env=dict(os.environ, PYTHONPATH=str(ROOT), KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="2"),
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
+def test_jax_train_function_and_state_shardings(jax_internals):
     # four state parts (trainable, non-trainable, optimizer, metrics); one step per batch of
     # a steps_per_execution window, the state threaded through
-    assert result.stdout.split("\n")[-3:-1] == ["4 True", "[1, 2, 3] state"]
+    assert jax_internals["shardings"] == "4 True"
+    assert jax_internals["train_function"] == "[1, 2, 3] state"
 
 
 def _pending():

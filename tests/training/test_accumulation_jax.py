@@ -3,11 +3,10 @@
 The Keras backend is fixed when Keras is first imported, and this test session runs on
 TensorFlow (tests/conftest.py), so the JAX cases are real subprocesses
 (tests/jax_cases/*.py, KERAS_BACKEND=jax) that print their numbers as JSON; the tests here
-assert on those numbers. Two programs start together at module set-up (they are mostly
-compilation, and two cores run them side by side) and each test waits for the one it needs;
-the third starts after them.
-`data_parallel_cases.py` runs on 8 host devices (XLA_FLAGS), the shape of a TPU v3-8;
-`accumulation_cases.py` also runs loss cases of `loss_cases.py` (loss_normalisation_cases.py).
+assert on those numbers. One program, `accumulation_cases.py`, starts at module set-up on 8 host
+devices (XLA_FLAGS), the shape of a TPU v3-8: its single-device cases first, the loss cases of
+`loss_cases.py` (loss_normalisation_cases.py) among them, then `data_parallel_cases.py`'s under
+a distribution over the 8 devices.
 """
 
 import json
@@ -20,7 +19,7 @@ import pytest
 
 CASES = pathlib.Path(__file__).parent / "jax_cases"
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-TIMEOUT_S = 300
+TIMEOUT_S = 600  # a guard against a hung program; a loaded machine takes minutes
 
 
 class _Case:
@@ -66,24 +65,17 @@ class _Case:
 
 
 @pytest.fixture(scope="module")
-def cases():
-    started = {
-        "accumulation": _Case("accumulation_cases", num_devices=1),
-        "data_parallel": _Case("data_parallel_cases", num_devices=8),
-    }
-    yield started
-    for case in started.values():
+def accumulation():
+    case = _Case("accumulation_cases", num_devices=8)
+    try:
+        yield case.results()
+    finally:
         case.stop()
 
 
 @pytest.fixture(scope="module")
-def accumulation(cases):
-    return cases["accumulation"].results()
-
-
-@pytest.fixture(scope="module")
-def data_parallel(cases):
-    return cases["data_parallel"].results()
+def data_parallel(accumulation):
+    return accumulation["data_parallel"]
 
 
 @pytest.fixture(scope="module")

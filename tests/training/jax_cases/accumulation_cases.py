@@ -1,12 +1,14 @@
-"""AccumModel's train step on the JAX backend, one device: prints the numbers the tests assert.
+"""AccumModel's train step on the JAX backend: prints the numbers the tests assert.
 
 Run by tests/test_accumulation_jax.py as `python tests/jax_cases/accumulation_cases.py`
-with KERAS_BACKEND=jax (set by `common`).
+with KERAS_BACKEND=jax (set by `common`) and 8 host devices. The cases here run on one device
+with no distribution; data_parallel_cases.py's, which install one, run last.
 """
 
 import common  # noqa: F401  (fixes the backend first)
 import keras
 import numpy as np
+import data_parallel_cases
 import loss_normalisation_cases
 import tfmem
 from common import compile_model, conv_model, data, dense_model, emit, relative_difference
@@ -337,5 +339,6 @@ emit(
                 32, keras.optimizers.SGD(0.1, gradient_accumulation_steps=2)
             ),
         },
+        "data_parallel": data_parallel_cases.results(),  # last: it installs a distribution
     }
 )

@@ -5,12 +5,33 @@ the small models and the comparison helpers the cases share. The programs print 
 object; the pytest side asserts on its numbers.
 """
 
+import atexit
 import json
 import os
+import shutil
 import sys
+import tempfile
 
 os.environ["KERAS_BACKEND"] = "jax"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# The cases compile many small programs and run each a few times: LLVM's optimisations of the
+# machine code cost more than they save. XLA's programs, their buffers and their memory
+# analysis are the same at every level; only the last bits of float results may differ, alike
+# for an AccumModel and its reference.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_backend_optimization_level=0")
+
+import jax  # noqa: E402
+
+# The cases build many models of the same architectures (a plain reference next to each
+# AccumModel, the same model at several `k`), whose steps are the same XLA programs: a
+# compilation cache keyed by the program compiles each once. It lives and dies with the process,
+# so no run reads another's.
+_CACHE = tempfile.mkdtemp(prefix="tfmem-jax-cases-")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", _CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
