@@ -18,8 +18,8 @@ runs out:
   2 MB at 32 rows, 128 GiB at 64, which the kernel refuses (more than the machine has), and
   TensorFlow raises its own out-of-memory error, as it does on a GPU;
 * "none": neither (the model of "machine", without its ask);
-* "allocator": a residual chain of 32 `Dense` layers over 4096 positions (about 70 MiB per
-  sample in a step, 20 with `rematerialize="full"`) and a global batch of 4; the memory limit is the
+* "allocator": a residual chain of 16 `Dense` layers over 4096 positions (about 38 MiB per
+  sample in a step, 16 with `rematerialize="full"`) and a global batch of 4; the memory limit is the
   environment's: TensorFlow's GPU allocator (BFC) on the CPU with a limit
   (`TF_CPU_ALLOCATOR_USE_BFC=true TF_CPU_BFC_MEM_LIMIT_IN_MB=...`, and
   `TF_ENABLE_ONEDNN_OPTS=0`: oneDNN's kernels crash where that allocator refuses), which
@@ -60,7 +60,7 @@ def build(limit, accumulation_steps):
         global_batch = 4
         inputs = keras.Input((4096, 16))
         hidden = keras.layers.Dense(64)(inputs)
-        for _ in range(32):
+        for _ in range(16):
             hidden = keras.layers.Add()([hidden, keras.layers.Dense(
                 64, activation="relu", kernel_initializer=keras.initializers.RandomNormal(
                     stddev=0.005))(hidden)])

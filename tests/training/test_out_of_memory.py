@@ -96,10 +96,10 @@ def test_tensorflow_out_of_memory_error_goes_on_and_a_restart_keeps_the_micro_ba
 
 
 def test_out_of_memory_at_micro_batch_one_goes_on_rematerialized(tmp_path):
-    # TensorFlow's GPU allocator on the CPU, limited to 40 MB (oneDNN off: its kernels crash
-    # where that allocator refuses): one sample of the model needs about 70 MiB in a step,
-    # 20 with rematerialize="full". It starts at micro-batch 1 × 4, so only recomputing helps.
-    limited = {"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": "40",
+    # TensorFlow's GPU allocator on the CPU, limited to 28 MB (oneDNN off: its kernels crash
+    # where that allocator refuses): one sample of the model needs about 38 MiB in a step,
+    # 16 with rematerialize="full". It starts at micro-batch 1 × 4, so only recomputing helps.
+    limited = {"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": "28",
                "TF_ENABLE_ONEDNN_OPTS": "0"}
     recovered, stderr = _run(tmp_path, "run", "tensorflow", 4, "allocator", env=limited)
     (entry,) = recovered["recoveries"]
