@@ -3,7 +3,8 @@
 Real out-of-memory errors in real processes (`out_of_memory_run.py`): on JAX under an address
 space cap, on TensorFlow from an allocation the kernel refuses (TensorFlow on a CPU crashes
 under a cap instead of raising). Each recovered run is compared with a run that used the
-final micro-batch from its start.
+final micro-batch from its start: on JAX in the same process after it, under the same cap; on
+TensorFlow in this process (the same program's `build` and `train`).
 """
 
 import json
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.training import out_of_memory_run
 from tfmem import AccumModel
 from tfmem.training import recovery
 
@@ -23,14 +25,22 @@ PROGRAM = os.path.join(os.path.dirname(__file__), "out_of_memory_run.py")
 GLOBAL_BATCH = 64
 
 
-def _run(tmp_path, name, backend, accumulation_steps, limit, epochs=1, env=None):
+def _run(tmp_path, name, backend, accumulation_steps, limit, epochs=1, env=None,
+         reference=None):
     env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3", **(env or {}))
     result = subprocess.run(
         [sys.executable, PROGRAM, str(tmp_path / name), str(tmp_path / f"{name}.json"),
-         str(accumulation_steps), str(limit), str(epochs)],
+         str(accumulation_steps), str(limit), str(epochs),
+         *([] if reference is None else [str(tmp_path / reference)])],
         capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads((tmp_path / f"{name}.json").read_text()), result.stderr
+
+
+def _straight(tmp_path, limit, accumulation_steps, epochs):
+    """The program's run in this process (TensorFlow), with no limit: the reference."""
+    model, make_dataset = out_of_memory_run.build(limit, accumulation_steps)
+    return out_of_memory_run.train(model, make_dataset, tmp_path / "straight", epochs)
 
 
 def _assert_same_weights(actual, expected):
@@ -59,10 +69,14 @@ def _assert_recoveries(outcome, stderr):
 
 def test_jax_step_over_an_address_space_cap_goes_on_with_a_smaller_micro_batch(tmp_path):
     # Micro-batch 64 needs ~1.6 GB of activations and their gradients; 700 MB are allowed.
-    recovered, stderr = _run(tmp_path, "recovered", "jax", 1, 700_000_000)
+    # Then, in the same process, a run at the final micro-batch from its start.
+    recovered, stderr = _run(tmp_path, "recovered", "jax", 1, 700_000_000,
+                             reference="straight")
+    straight = recovered.pop("reference")
     _assert_recoveries(recovered, stderr)
     assert "Out of memory allocating" in recovered["recoveries"][0]["error"]
-    straight, _ = _run(tmp_path, "straight", "jax", recovered["accumulation_steps"], "none")
+    assert straight["recoveries"] == []
+    assert straight["accumulation_steps"] == recovered["accumulation_steps"]
     _assert_same_weights(recovered, straight)
     assert recovered["loss"] == pytest.approx(straight["loss"], rel=1e-6)
 
@@ -77,15 +91,15 @@ def test_tensorflow_out_of_memory_error_goes_on_and_a_restart_keeps_the_micro_ba
     assert "tfmem: resuming with accumulation_steps=2 (instead of 1)" in stderr
     assert "ran out of memory" not in stderr
     assert again["recoveries"] == recovered["recoveries"]
-    straight, _ = _run(tmp_path, "straight", "tensorflow", 2, "none", epochs=2)
+    straight = _straight(tmp_path, "none", 2, epochs=2)
     _assert_same_weights(again, straight)
 
 
 def test_out_of_memory_at_micro_batch_one_goes_on_rematerialized(tmp_path):
-    # TensorFlow's GPU allocator on the CPU, limited to 40 MB (oneDNN off: its kernels crash
-    # where that allocator refuses): one sample of the model needs about 70 MiB in a step,
-    # 20 with rematerialize="full". It starts at micro-batch 1 × 4, so only recomputing helps.
-    limited = {"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": "40",
+    # TensorFlow's GPU allocator on the CPU, limited to 28 MB (oneDNN off: its kernels crash
+    # where that allocator refuses): one sample of the model needs about 38 MiB in a step,
+    # 16 with rematerialize="full". It starts at micro-batch 1 × 4, so only recomputing helps.
+    limited = {"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": "28",
                "TF_ENABLE_ONEDNN_OPTS": "0"}
     recovered, stderr = _run(tmp_path, "run", "tensorflow", 4, "allocator", env=limited)
     (entry,) = recovered["recoveries"]
@@ -107,8 +121,7 @@ def test_out_of_memory_at_micro_batch_one_goes_on_rematerialized(tmp_path):
             "out of memory at micro-batch 1") in stderr
     assert "ran out of memory" not in stderr and again["rematerialize"] == "full"
     # The weights of the same run without a limit and without rematerialization.
-    straight, _ = _run(tmp_path, "straight", "tensorflow", 4, "allocator", epochs=2,
-                       env={"TF_ENABLE_ONEDNN_OPTS": "0"})
+    straight = _straight(tmp_path, "allocator", 4, epochs=2)
     assert straight["recoveries"] == [] and straight["rematerialize"] is None
     assert np.all(np.isfinite(straight["loss"]))
     _assert_same_weights(again, straight)
