@@ -209,22 +209,27 @@ def _fitted_against_plain(rematerialize, build, **options):
     return _fitted_with_losses(rematerialize, build, **options)[:2]
 
 
-def _fitted_with_losses(rematerialize, build, **options):
-    """`_fitted_against_plain`'s, and the epoch's loss without and with."""
-    x, y = data()
-    runs, losses = [], []
-    for setting in (None, rematerialize):
-        accum = build(setting, **options)
-        history = accum.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
-        runs.append(accum)
-        losses.append(history.history["loss"][-1])
-    return _differences(runs[0].get_weights(), runs[1].get_weights()), runs[1], losses
+def fitted(build, rematerialize=None, **options):
+    """`build(rematerialize)`'s model after one epoch of `data()` in batches of 16 (3 steps),
+    and the epoch's loss."""
+    accum = build(rematerialize, **options)
+    history = accum.fit(*data(), batch_size=16, epochs=1, shuffle=False, verbose=0)
+    return accum, history.history["loss"][-1]
 
 
-def regularized_differences(rematerialize):
+def _fitted_with_losses(rematerialize, build, plain=None, **options):
+    """`_fitted_against_plain`'s, and the epoch's loss without and with (`plain`: the model
+    without and its loss, if fitted)."""
+    plain, plain_loss = fitted(build, None, **options) if plain is None else plain
+    accum, loss = fitted(build, rematerialize, **options)
+    return (_differences(plain.get_weights(), accum.get_weights()), accum,
+            [plain_loss, loss])
+
+
+def regularized_differences(rematerialize, plain=None):
     """`regularized`'s weights' relative differences after 3 steps with and without, and the
-    epoch's loss without and with."""
-    differences, _, losses = _fitted_with_losses(rematerialize, regularized)
+    epoch's loss without and with (`plain`: `fitted(regularized)`, if fitted)."""
+    differences, _, losses = _fitted_with_losses(rematerialize, regularized, plain)
     return differences, losses
 
 
@@ -283,8 +288,9 @@ if __name__ == "__main__":
             found["checkpoints"][name] = [
                 jax_step_checkpoints(accum),
                 sum(len(ranges) for _, ranges in accum.rematerialized_segments)]
+    plain_regularized = fitted(regularized)
     for setting in (["block"], "full"):  # the losses layers add inside a segment
-        differences, losses = regularized_differences(setting)
+        differences, losses = regularized_differences(setting, plain_regularized)
         found[f"regularized {setting}"] = {"differences": differences, "losses": losses}
     if keras.backend.backend() == "jax":  # planned: no saving on a CPU, one on a GPU
         from tfmem.memory.levers import levers_for
