@@ -197,18 +197,6 @@ def _headed(inputs, x, rematerialize, accumulation_steps, jit_compile):
     return accum
 
 
-def chain_differences(rematerialize, build=chain, **options):
-    """Relative differences of the weights of `build`'s model after 3 steps with and
-    without, and the segments the rematerialized one cut."""
-    differences, accum = _fitted_against_plain(rematerialize, build, **options)
-    return differences, accum.rematerialized_segments
-
-
-def _fitted_against_plain(rematerialize, build, **options):
-    """`chain_differences`'s differences, and its rematerialized model, fitted."""
-    return _fitted_with_losses(rematerialize, build, **options)[:2]
-
-
 def fitted(build, rematerialize=None, **options):
     """`build(rematerialize)`'s model after one epoch of `data()` in batches of 16 (3 steps),
     and the epoch's loss."""
@@ -217,20 +205,12 @@ def fitted(build, rematerialize=None, **options):
     return accum, history.history["loss"][-1]
 
 
-def _fitted_with_losses(rematerialize, build, plain=None, **options):
-    """`_fitted_against_plain`'s, and the epoch's loss without and with (`plain`: the model
-    without and its loss, if fitted)."""
-    plain, plain_loss = fitted(build, None, **options) if plain is None else plain
-    accum, loss = fitted(build, rematerialize, **options)
-    return (_differences(plain.get_weights(), accum.get_weights()), accum,
-            [plain_loss, loss])
-
-
 def regularized_differences(rematerialize, plain=None):
     """`regularized`'s weights' relative differences after 3 steps with and without, and the
     epoch's loss without and with (`plain`: `fitted(regularized)`, if fitted)."""
-    differences, _, losses = _fitted_with_losses(rematerialize, regularized, plain)
-    return differences, losses
+    plain, plain_loss = fitted(regularized) if plain is None else plain
+    accum, loss = fitted(regularized, rematerialize)
+    return _differences(plain.get_weights(), accum.get_weights()), [plain_loss, loss]
 
 
 def _differences(plain, recomputed):
@@ -280,8 +260,11 @@ if __name__ == "__main__":
         "changed": [bool(np.any(a != b)) for a, b in zip(initial, plain)],
         "checkpoints": {},
     }
+    plains = {}
     for name, build in (("chain", chain), ("dense", dense)):
-        differences, accum = _fitted_against_plain("full", build)
+        plains[name] = fitted(build)[0].get_weights()
+        accum, _ = fitted(build, "full")
+        differences = _differences(plains[name], accum.get_weights())
         found[f"{name} full"] = {"differences": differences,
                                  "segments": accum.rematerialized_segments}
         if keras.backend.backend() == "jax":  # each segment is one jax.checkpoint in the step
@@ -295,21 +278,22 @@ if __name__ == "__main__":
     if keras.backend.backend() == "jax":  # planned: no saving on a CPU, one on a GPU
         from tfmem.memory.levers import levers_for
 
-        planned = {}
+        planned, unfitted = {}, {setting: chain(setting) for setting in (None, "full")}
         for device, where in (("cpu", dict(memory_budget=2**30)), ("gpu", dict(device="T4"))):
-            plain_plan = tfmem.plan(chain(None), global_batch_size=16, **where)
-            full_plan = tfmem.plan(chain("full"), global_batch_size=16, **where)
+            plain_plan = tfmem.plan(unfitted[None], global_batch_size=16, **where)
+            full_plan = tfmem.plan(unfitted["full"], global_batch_size=16, **where)
             planned[device] = {
                 "kind": plain_plan.device_kind,
                 "activations": [plain_plan.activation_bytes_per_sample,
                                 full_plan.activation_bytes_per_sample],
                 "segments": sum(len(ranges) for _, ranges in full_plan.rematerialized),
                 "notes": list(full_plan.notes),
-                "levers": [lever.group for lever in levers_for(chain(None), plain_plan)]}
+                "levers": [lever.group for lever in levers_for(unfitted[None], plain_plan)]}
         found["planned"] = planned
     if keras.backend.backend() == "jax":  # then over every device (XLA_FLAGS may add some)
         found["replicas"] = tfmem.detect().num_replicas
         found["data_parallel"] = relative_differences(["block"])
-        found["data_parallel full"] = chain_differences("full")[0]
+        found["data_parallel full"] = _differences(
+            *(fitted(chain, setting)[0].get_weights() for setting in (None, "full")))
     print(json.dumps(found))
     sys.exit(0)
