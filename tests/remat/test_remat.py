@@ -123,6 +123,8 @@ def test_on_the_jax_backend_too():
     # They are recomputed: the JAX step traces one jax.checkpoint per segment (k = 2: the
     # micro-step is traced once per step function).
     assert set(found["checkpoints"]) == {"chain", "dense"}
+    # Each step after the first runs what the first compiled (the micro-step and the update).
+    assert found["compiles after the first step"] == [0, 0], found
     for name, (checkpoints, cut) in found["checkpoints"].items():
         assert cut >= 2 and checkpoints >= cut, (name, checkpoints, cut)
     # Losses the layers add inside a segment (regularizers, add_loss) count, and train.
@@ -299,9 +301,9 @@ def test_losses_the_layers_add_inside_a_segment_count_once(setting, plain_regula
 
 @pytest.mark.parametrize("jit_compile, rows", [("auto", 40), (True, 48)])
 def test_full_cuts_inside_a_subclassed_block_and_trains_to_the_same_weights(jit_compile, rows):
-    # 40 samples in batches of 16: the last is 8, so the step is traced for any batch size,
-    # and each dropout of the dense block reads its input's shape, which the recomputation
-    # reads from the forward pass's tensor.
+    # Without XLA, 40 samples in batches of 16: the last is 8, so the step is traced for any
+    # batch size, and each dropout of the dense block reads its input's shape, which the
+    # recomputation reads from the forward pass's tensor.
     x, y = remat_cases.data()
     runs = []
     for setting in (None, "full"):

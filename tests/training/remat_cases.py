@@ -197,12 +197,39 @@ def _headed(inputs, x, rematerialize, accumulation_steps, jit_compile):
     return accum
 
 
-def fitted(build, rematerialize=None, **options):
+def fitted(build, rematerialize=None, callbacks=(), **options):
     """`build(rematerialize)`'s model after one epoch of `data()` in batches of 16 (3 steps),
     and the epoch's loss."""
     accum = build(rematerialize, **options)
-    history = accum.fit(*data(), batch_size=16, epochs=1, shuffle=False, verbose=0)
+    history = accum.fit(*data(), batch_size=16, epochs=1, shuffle=False, verbose=0,
+                        callbacks=list(callbacks))
     return accum, history.history["loss"][-1]
+
+
+class CompilesAfterTheFirstStep(keras.callbacks.Callback):
+    """Counts the XLA compilations JAX makes in a fit's steps after its first (`count`; not
+    those of the epoch's logs at its end)."""
+
+    def __init__(self):
+        import jax
+
+        super().__init__()
+        self.compiles, self.count = [], None
+        jax.monitoring.register_event_duration_secs_listener(self._heard)
+
+    def _heard(self, event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            self.compiles.append(duration)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 0:
+            self.compiles.clear()
+        self.count = len(self.compiles)
+
+    def on_train_end(self, logs=None):
+        import jax
+
+        jax.monitoring.unregister_event_duration_listener(self._heard)
 
 
 def regularized_differences(rematerialize, plain=None):
@@ -260,10 +287,12 @@ if __name__ == "__main__":
         "changed": [bool(np.any(a != b)) for a, b in zip(initial, plain)],
         "checkpoints": {},
     }
-    plains = {}
+    plains, compiles = {}, []
     for name, build in (("chain", chain), ("dense", dense)):
         plains[name] = fitted(build)[0].get_weights()
-        accum, _ = fitted(build, "full")
+        if keras.backend.backend() == "jax":
+            compiles.append(CompilesAfterTheFirstStep())
+        accum, _ = fitted(build, "full", callbacks=compiles[-1:])
         differences = _differences(plains[name], accum.get_weights())
         found[f"{name} full"] = {"differences": differences,
                                  "segments": accum.rematerialized_segments}
@@ -295,5 +324,6 @@ if __name__ == "__main__":
         found["data_parallel"] = relative_differences(["block"])
         found["data_parallel full"] = _differences(
             *(fitted(chain, setting)[0].get_weights() for setting in (None, "full")))
+    found["compiles after the first step"] = [callback.count for callback in compiles]
     print(json.dumps(found))
     sys.exit(0)
