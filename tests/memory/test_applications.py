@@ -5,6 +5,7 @@ never initialised, which the planner does not need (it reads shapes), and which 
 builds at about a minute on 2 cores.
 """
 
+import functools
 import math
 
 import keras
@@ -20,6 +21,7 @@ NAMES = sorted(name for name in dir(keras.applications) if name[0].isupper())
 SMALLEST = {"InceptionV3": 75, "InceptionResNetV2": 75, "Xception": 71}
 
 
+@functools.cache
 def _build(name):
     size = SMALLEST.get(name, 32)
     with tfmem.models.shapes_only():

@@ -116,6 +116,8 @@ def test_on_the_jax_backend_too():
     # They are recomputed: the JAX step traces one jax.checkpoint per segment (k = 2: the
     # micro-step is traced once per step function).
     assert set(found["checkpoints"]) == {"chain", "dense"}
+    # Each step after the first runs what the first compiled (the micro-step and the update).
+    assert found["compiles after the first step"] == [0, 0], found
     for name, (checkpoints, cut) in found["checkpoints"].items():
         assert cut >= 2 and checkpoints >= cut, (name, checkpoints, cut)
     # Losses the layers add inside a segment (regularizers, add_loss) count, and train.
@@ -236,11 +238,33 @@ def test_a_layer_block_is_planned_by_what_its_call_keeps():
 
 # -- Segments cut in the graph itself: "full", "auto", (first, last) pairs ----------------------
 
+def _chain_runs(setting, jit_compile):
+    """`remat_cases.chain` fitted without and with `setting`: the weights' relative
+    differences, the segments cut, and how often each run traced Counted's forward."""
+    runs, counts = [], []
+    for rematerialize in (None, setting):
+        remat_cases.Counted.calls = 0
+        runs.append(remat_cases.fitted(remat_cases.chain, rematerialize,
+                                       jit_compile=jit_compile)[0])
+        counts.append(remat_cases.Counted.calls)
+    plain, accum = runs
+    return (remat_cases._differences(plain.get_weights(), accum.get_weights()),
+            accum.rematerialized_segments, counts)
+
+
+@pytest.fixture(scope="module")
+def chain_full():
+    """`_chain_runs` of "full" without XLA (what `jit_compile="auto"` is on a CPU)."""
+    return _chain_runs("full", False)
+
+
 @pytest.mark.parametrize("setting, jit_compile", [("full", False), ("full", True),
                                                   ([("conv1a", "add2")], "auto")])
-def test_segments_of_the_graph_train_to_the_same_weights_and_statistics(setting, jit_compile):
-    remat_cases.Counted.calls = 0
-    differences, cut = remat_cases.chain_differences(setting, jit_compile=jit_compile)
+def test_segments_of_the_graph_train_to_the_same_weights_and_statistics(setting, jit_compile,
+                                                                        request):
+    differences, cut, _ = (request.getfixturevalue("chain_full")
+                           if (setting, jit_compile) == ("full", False)
+                           else _chain_runs(setting, jit_compile))
     # 7 convolution weights (the 3 before a BatchNorm have no bias), 3 BatchNorms × 4, the
     # head's 2: all after 3 steps of k = 2, under XLA too (jit_compile=True compiles the
     # micro-step).
@@ -251,20 +275,35 @@ def test_segments_of_the_graph_train_to_the_same_weights_and_statistics(setting,
         assert ranges == ((7, 18),)
 
 
+@pytest.fixture(scope="module")
+def plain_regularized():
+    """`remat_cases.regularized`'s model fitted without rematerialization, and its loss."""
+    return remat_cases.fitted(remat_cases.regularized)
+
+
 @pytest.mark.parametrize("setting", [["block"], "full"])
-def test_losses_the_layers_add_inside_a_segment_count_once(setting):
+def test_losses_the_layers_add_inside_a_segment_count_once(setting, plain_regularized):
     # Activity and kernel regularizers and an `add_loss` inside the block, one after it
     # (11 weights: 3 convolutions, BatchNorm, the head):
     # the loss fit reports, and the weights after 3 steps, are those without.
-    differences, (plain, recomputed) = remat_cases.regularized_differences(setting)
+    differences, (plain, recomputed) = remat_cases.regularized_differences(
+        setting, plain_regularized)
     assert len(differences) == 11 and max(differences) <= 1e-6, differences
     assert recomputed == pytest.approx(plain, rel=1e-6)
 
 
-@pytest.mark.parametrize("jit_compile", ["auto", True])
-def test_full_cuts_inside_a_subclassed_block_and_trains_to_the_same_weights(jit_compile):
-    differences, cut = remat_cases.chain_differences("full", remat_cases.dense,
-                                                     jit_compile=jit_compile)
+@pytest.mark.parametrize("jit_compile, rows", [("auto", 40), (True, 48)])
+def test_full_cuts_inside_a_subclassed_block_and_trains_to_the_same_weights(jit_compile, rows):
+    # Without XLA, 40 samples in batches of 16: the last is 8, so the step is traced for any
+    # batch size, and each dropout of the dense block reads its input's shape, which the
+    # recomputation reads from the forward pass's tensor.
+    x, y = remat_cases.data()
+    runs = []
+    for setting in (None, "full"):
+        runs.append(remat_cases.dense(setting, jit_compile=jit_compile))
+        runs[-1].fit(x[:rows], y[:rows], batch_size=16, epochs=1, shuffle=False, verbose=0)
+    differences = remat_cases._differences(*(run.get_weights() for run in runs))
+    cut = runs[1].rematerialized_segments
     # The stem's 2, 4 × (BatchNorm's 4, the conv's 2), the head's 2.
     assert len(differences) == 28 and max(differences) <= 1e-6, differences
     # The block holds almost every activation: cut inside it, in the backbone, between its
@@ -272,27 +311,11 @@ def test_full_cuts_inside_a_subclassed_block_and_trains_to_the_same_weights(jit_
     # again from the pieces; the tiny top and stem are left whole.
     (path, ranges), = cut
     assert path == "backbone/dense" and len(ranges) >= 2
-    backbone = _inner_graph(remat_cases.dense("full"), "backbone")
+    backbone = _inner_graph(runs[1], "backbone")
     graph = _inner_graph(backbone, "dense")
     assert sum(1 for layer in graph.layers if isinstance(layer, keras.layers.Conv2D)) == 4
     taken = range_inputs(node_order(graph), ranges)
     assert sum(len(joins) for _, joins in taken.values()) >= len(ranges) - 1
-
-
-def test_full_trains_to_the_same_weights_with_a_batch_size_unknown_when_traced():
-    # 40 samples in batches of 16: the last is 8, so the step is traced for any batch size,
-    # and each dropout of the dense block reads its input's shape, which the recomputation
-    # reads from the forward pass's tensor.
-    x, y = remat_cases.data()
-    weights = []
-    for setting in (None, "full"):
-        accum = remat_cases.dense(setting)
-        accum.fit(x[:40], y[:40], batch_size=16, epochs=1, shuffle=False, verbose=0)
-        weights.append(accum.get_weights())
-    assert accum.rematerialized_segments[0][0] == "backbone/dense"
-    differences = [np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-12)
-                   for a, b in zip(*weights, strict=True)]
-    assert len(differences) == 28 and max(differences) <= 1e-6, differences
 
 
 def _inner_graph(model, name):
@@ -300,13 +323,8 @@ def _inner_graph(model, name):
     return segments.inner_graph(node.operation, node)
 
 
-def test_segments_run_forward_again_in_the_backward_pass():
-    counts = []
-    for setting in (None, "full"):
-        remat_cases.Counted.calls = 0
-        remat_cases.chain(setting).fit(*remat_cases.data(), batch_size=16, epochs=1,
-                                       shuffle=False, verbose=0)
-        counts.append(remat_cases.Counted.calls)
+def test_segments_run_forward_again_in_the_backward_pass(chain_full):
+    *_, counts = chain_full
     # TensorFlow traces each ReLU once more, for the gradient of its segment.
     assert counts[1] == counts[0] + 3, counts
 

@@ -144,24 +144,21 @@ def run(name: str, accumulation_steps: int = 4, strategy=None, keras_accumulatio
     (`history`, `plain_history`), `finite` and the AccumModel warnings (`warnings`).
     """
     spec = case(name)
-    scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
-    with scope:
+    def scope():
+        return strategy.scope() if strategy is not None else contextlib.nullcontext()
+
+    with scope():
         keras.utils.set_random_seed(1)
         if keras_accumulation:
             accum = spec["build"](keras.Model)
         else:
             accum = spec["build"](tfmem.AccumModel, accumulation_steps=accumulation_steps,
                                   rematerialize=rematerialize)
-        plain = spec["build"](keras.Model)
-        plain.set_weights(accum.get_weights())
         initial = accum.get_weights()
-        for model in (accum, plain):
-            optimizer = keras.optimizers.SGD(
-                0.5, gradient_accumulation_steps=accumulation_steps
-                if keras_accumulation and model is accum else None)
-            model.compile(optimizer=optimizer, loss=spec["loss"](),
-                          loss_weights=spec.get("loss_weights"),
-                          metrics=spec.get("metrics", lambda: None)(), **compile_kwargs)
+        accum.compile(optimizer=keras.optimizers.SGD(
+            0.5, gradient_accumulation_steps=accumulation_steps if keras_accumulation else None),
+            **_compiled(spec), **compile_kwargs)
+
     def tiled(value):
         return keras.tree.map_structure(
             lambda array: np.concatenate([array] * repeat), value)
@@ -173,10 +170,22 @@ def run(name: str, accumulation_steps: int = 4, strategy=None, keras_accumulatio
         warnings.simplefilter("always")
         batch = BATCH * repeat // (accumulation_steps if keras_accumulation else 1)
         history = accum.fit(x, y, batch_size=batch, shuffle=False, verbose=0, **fit).history
-    plain_history = plain.fit(x, y, batch_size=BATCH * repeat, shuffle=False, verbose=0,
-                              **fit).history
+    # The whole-batch step depends on the case, the batch, the strategy and how it compiles
+    # only: each is run once.
+    key = (name, repeat, id(strategy), tuple(sorted(compile_kwargs.items())))
+    if key not in _PLAIN:
+        with scope():
+            plain = spec["build"](keras.Model)
+            plain.set_weights(initial)
+            plain.compile(optimizer=keras.optimizers.SGD(0.5), **_compiled(spec),
+                          **compile_kwargs)
+        plain_history = plain.fit(x, y, batch_size=BATCH * repeat, shuffle=False, verbose=0,
+                                  **fit).history
+        _PLAIN[key] = initial, plain.get_weights(), plain_history, strategy
+    plain_initial, plain_weights, plain_history, _ = _PLAIN[key]
+    assert all(np.array_equal(a, b) for a, b in zip(initial, plain_initial, strict=True))
     accum_update = _flat(accum.get_weights()) - _flat(initial)
-    plain_update = _flat(plain.get_weights()) - _flat(initial)
+    plain_update = _flat(plain_weights) - _flat(initial)
     return {
         "update": float(np.max(np.abs(accum_update - plain_update))
                         / np.max(np.abs(plain_update))),
@@ -186,6 +195,17 @@ def run(name: str, accumulation_steps: int = 4, strategy=None, keras_accumulatio
                           for key, values in plain_history.items()},
         "warnings": [str(w.message) for w in caught if "AccumModel:" in str(w.message)],
     }
+
+
+# The whole-batch runs `run` made, by what they ran: the initial weights, the weights after,
+# the history (and the strategy, kept so that its id names no other).
+_PLAIN = {}
+
+
+def _compiled(spec) -> dict:
+    """A case's `compile` arguments besides the optimizer, made anew for each model."""
+    return dict(loss=spec["loss"](), loss_weights=spec.get("loss_weights"),
+                metrics=spec.get("metrics", lambda: None)())
 
 
 def _flat(weights) -> np.ndarray:

@@ -197,35 +197,47 @@ def _headed(inputs, x, rematerialize, accumulation_steps, jit_compile):
     return accum
 
 
-def chain_differences(rematerialize, build=chain, **options):
-    """Relative differences of the weights of `build`'s model after 3 steps with and
-    without, and the segments the rematerialized one cut."""
-    differences, accum = _fitted_against_plain(rematerialize, build, **options)
-    return differences, accum.rematerialized_segments
+def fitted(build, rematerialize=None, callbacks=(), **options):
+    """`build(rematerialize)`'s model after one epoch of `data()` in batches of 16 (3 steps),
+    and the epoch's loss."""
+    accum = build(rematerialize, **options)
+    history = accum.fit(*data(), batch_size=16, epochs=1, shuffle=False, verbose=0,
+                        callbacks=list(callbacks))
+    return accum, history.history["loss"][-1]
 
 
-def _fitted_against_plain(rematerialize, build, **options):
-    """`chain_differences`'s differences, and its rematerialized model, fitted."""
-    return _fitted_with_losses(rematerialize, build, **options)[:2]
+class CompilesAfterTheFirstStep(keras.callbacks.Callback):
+    """Counts the XLA compilations JAX makes in a fit's steps after its first (`count`; not
+    those of the epoch's logs at its end)."""
+
+    def __init__(self):
+        import jax
+
+        super().__init__()
+        self.compiles, self.count = [], None
+        jax.monitoring.register_event_duration_secs_listener(self._heard)
+
+    def _heard(self, event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            self.compiles.append(duration)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 0:
+            self.compiles.clear()
+        self.count = len(self.compiles)
+
+    def on_train_end(self, logs=None):
+        import jax
+
+        jax.monitoring.unregister_event_duration_listener(self._heard)
 
 
-def _fitted_with_losses(rematerialize, build, **options):
-    """`_fitted_against_plain`'s, and the epoch's loss without and with."""
-    x, y = data()
-    runs, losses = [], []
-    for setting in (None, rematerialize):
-        accum = build(setting, **options)
-        history = accum.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
-        runs.append(accum)
-        losses.append(history.history["loss"][-1])
-    return _differences(runs[0].get_weights(), runs[1].get_weights()), runs[1], losses
-
-
-def regularized_differences(rematerialize):
+def regularized_differences(rematerialize, plain=None):
     """`regularized`'s weights' relative differences after 3 steps with and without, and the
-    epoch's loss without and with."""
-    differences, _, losses = _fitted_with_losses(rematerialize, regularized)
-    return differences, losses
+    epoch's loss without and with (`plain`: `fitted(regularized)`, if fitted)."""
+    plain, plain_loss = fitted(regularized) if plain is None else plain
+    accum, loss = fitted(regularized, rematerialize)
+    return _differences(plain.get_weights(), accum.get_weights()), [plain_loss, loss]
 
 
 def _differences(plain, recomputed):
@@ -275,35 +287,43 @@ if __name__ == "__main__":
         "changed": [bool(np.any(a != b)) for a, b in zip(initial, plain)],
         "checkpoints": {},
     }
+    plains, compiles = {}, []
     for name, build in (("chain", chain), ("dense", dense)):
-        differences, accum = _fitted_against_plain("full", build)
+        plains[name] = fitted(build)[0].get_weights()
+        if keras.backend.backend() == "jax":
+            compiles.append(CompilesAfterTheFirstStep())
+        accum, _ = fitted(build, "full", callbacks=compiles[-1:])
+        differences = _differences(plains[name], accum.get_weights())
         found[f"{name} full"] = {"differences": differences,
                                  "segments": accum.rematerialized_segments}
         if keras.backend.backend() == "jax":  # each segment is one jax.checkpoint in the step
             found["checkpoints"][name] = [
                 jax_step_checkpoints(accum),
                 sum(len(ranges) for _, ranges in accum.rematerialized_segments)]
+    plain_regularized = fitted(regularized)
     for setting in (["block"], "full"):  # the losses layers add inside a segment
-        differences, losses = regularized_differences(setting)
+        differences, losses = regularized_differences(setting, plain_regularized)
         found[f"regularized {setting}"] = {"differences": differences, "losses": losses}
     if keras.backend.backend() == "jax":  # planned: no saving on a CPU, one on a GPU
         from tfmem.memory.levers import levers_for
 
-        planned = {}
+        planned, unfitted = {}, {setting: chain(setting) for setting in (None, "full")}
         for device, where in (("cpu", dict(memory_budget=2**30)), ("gpu", dict(device="T4"))):
-            plain_plan = tfmem.plan(chain(None), global_batch_size=16, **where)
-            full_plan = tfmem.plan(chain("full"), global_batch_size=16, **where)
+            plain_plan = tfmem.plan(unfitted[None], global_batch_size=16, **where)
+            full_plan = tfmem.plan(unfitted["full"], global_batch_size=16, **where)
             planned[device] = {
                 "kind": plain_plan.device_kind,
                 "activations": [plain_plan.activation_bytes_per_sample,
                                 full_plan.activation_bytes_per_sample],
                 "segments": sum(len(ranges) for _, ranges in full_plan.rematerialized),
                 "notes": list(full_plan.notes),
-                "levers": [lever.group for lever in levers_for(chain(None), plain_plan)]}
+                "levers": [lever.group for lever in levers_for(unfitted[None], plain_plan)]}
         found["planned"] = planned
     if keras.backend.backend() == "jax":  # then over every device (XLA_FLAGS may add some)
         found["replicas"] = tfmem.detect().num_replicas
         found["data_parallel"] = relative_differences(["block"])
-        found["data_parallel full"] = chain_differences("full")[0]
+        found["data_parallel full"] = _differences(
+            *(fitted(chain, setting)[0].get_weights() for setting in (None, "full")))
+    found["compiles after the first step"] = [callback.count for callback in compiles]
     print(json.dumps(found))
     sys.exit(0)

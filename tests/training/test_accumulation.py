@@ -5,6 +5,7 @@ same initial weights, and hand-computed formulas (BatchNorm statistics, SGD
 updates under a learning-rate schedule).
 """
 
+import functools
 import re
 
 import numpy as np
@@ -258,6 +259,7 @@ def test_jit_compile_matches_plain_big_batch():
     assert _rel_diff(accum.get_weights(), plain.get_weights()) <= RTOL
 
 
+@functools.cache
 def _traced_step(k):
     """The graph of a dense AccumModel's train_step with `k` steps, for a batch of 16."""
     model = _dense(tfmem.AccumModel, accumulation_steps=k)
@@ -374,18 +376,27 @@ def test_rejects_double_accumulation():
         model.train_on_batch(x, y)
 
 
+@pytest.fixture(scope="module")
+def one_device_normalized():
+    """`remat_cases.normalized`'s model (not synchronized) trained on one device on the rows
+    of `remat_cases.data()` in the order of two replicas' micro-batches."""
+    x, y = remat_cases.data()
+    rows = remat_cases.by_replica_micro_batches(len(x))
+    one_device = remat_cases.normalized(False)
+    one_device.fit(x[rows], y[rows], batch_size=16, shuffle=False, verbose=0)
+    return one_device
+
+
 @pytest.mark.parametrize("rematerialize", [None, "full"])
 def test_a_synchronized_batch_norm_under_mirrored_strategy_steps_on_its_micro_batches(
-        two_cpu_strategy, rematerialize):
+        two_cpu_strategy, one_device_normalized, rematerialize):
     # A synchronized BatchNormalization all-reduces its moments across the replicas: under
     # MirroredStrategy a merge call, which TensorFlow cannot make inside the micro-step loop.
     # The step then holds its micro-steps one after another. Each replica takes 8 rows of a
     # batch of 16 and micro-batches of 4: micro-batch 0 normalizes rows 0-3 and 8-11 together,
     # as one device's micro-batch of those 8 rows does.
     x, y = remat_cases.data()
-    rows = remat_cases.by_replica_micro_batches(len(x))
-    one_device = remat_cases.normalized(False)
-    one_device.fit(x[rows], y[rows], batch_size=16, shuffle=False, verbose=0)
+    one_device = one_device_normalized
     with two_cpu_strategy.scope():
         mirrored = remat_cases.normalized(True, rematerialize)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)

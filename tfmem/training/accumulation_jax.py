@@ -236,7 +236,7 @@ class HostLoopStep:
         # Every argument committed to its device, as the micro-step's outputs are: JAX compiles
         # a function again for arguments that differ only in being committed.
         # The loss metrics' values before the window (copies: the carry's are donated).
-        starts = [jnp.copy(v) for v in _loss_metric_starts(model, metrics_variables)]
+        starts = [jnp.copy(v) for v in _committed(_loss_metric_starts(model, metrics_variables))]
         carry = AccumulationState(
             gradient_sums=_zeros_like(trainable),
             statistic_deltas=_zeros_like(statistics),
