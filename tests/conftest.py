@@ -9,12 +9,12 @@ affected: it places everything on CPU:0 as usual.
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-# XLA's CPU code generation at LLVM's -O1 rather than its default: the same buffers (a step's
-# memory analysis is the same), rounding that may differ in the last bits, and about a tenth
-# of the compile time. The tests' models are tiny: they compile far more
-# than they run. Every process the tests start (JAX programs, TensorFlow's jit_compile,
-# notebooks' kernels) inherits it.
-XLA_COMPILE_FLAG = "--xla_backend_optimization_level=1"
+# XLA's CPU code generation without LLVM's optimisations of the machine code: the same XLA
+# programs and buffers (a step's memory analysis is the same), rounding that may differ in the
+# last bits (alike for a model and its reference), and a fraction of the compile time. The
+# tests' models are tiny: they compile far more than they run. Every process the tests start
+# (JAX programs, TensorFlow's jit_compile, notebooks' kernels) inherits it.
+XLA_COMPILE_FLAG = "--xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), XLA_COMPILE_FLAG]))
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 

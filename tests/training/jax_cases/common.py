@@ -14,12 +14,6 @@ import tempfile
 
 os.environ["KERAS_BACKEND"] = "jax"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-# The cases compile many small programs and run each a few times: LLVM's optimisations of the
-# machine code cost more than they save. XLA's programs, their buffers and their memory
-# analysis are the same at every level; only the last bits of float results may differ, alike
-# for an AccumModel and its reference.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_backend_optimization_level=0")
 
 import jax  # noqa: E402
 
