@@ -248,14 +248,20 @@ def finetune_cli(finetune_module, capfd):
     return run
 
 
-def test_dry_run_prints_parameters_and_plan_and_trains_nothing(finetune_main, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def efficientnet_backbone_parameters():
+    """Parameters of Keras's own EfficientNetV2-B0 backbone at 64×64, the reference."""
+    return keras.applications.EfficientNetV2B0(include_top=False, weights=None,
+                                               input_shape=(64, 64, 3)).count_params()
+
+
+def test_dry_run_prints_parameters_and_plan_and_trains_nothing(finetune_main, tmp_path, capsys,
+                                                               efficientnet_backbone_parameters):
     finetune_main("--model", "efficientnetv2-b0", "--image-size", "64", "--dry-run",
                   "--device", "t4", "--global-batch-size", "256", "--output", str(tmp_path))
     out = capsys.readouterr().out
-    reference = keras.applications.EfficientNetV2B0(include_top=False, weights=None,
-                                                    input_shape=(64, 64, 3))
     # Backbone + a 4-class Dense head on its 1280 pooled features.
-    expected = reference.count_params() + 1280 * 4 + 4
+    expected = efficientnet_backbone_parameters + 1280 * 4 + 4
     assert f"efficientnetv2-b0: {expected:,} parameters" in out
     assert "budget 12.00 GiB = 80% of 15.00 GiB" in out
     assert "global batch 256 = micro-batch" in out
@@ -307,7 +313,8 @@ def test_a_dry_run_of_a_segmentation_network_plans_auto_rematerialization(finetu
 
 @pytest.mark.parametrize("data", [None, "{missing}/train-*.tfrec", "gs://a-bucket/train-*.tfrec"])
 def test_a_dry_run_for_another_device_plans_without_the_data(finetune_main, tmp_path, capsys,
-                                                            data):
+                                                            data,
+                                                            efficientnet_backbone_parameters):
     # The data lives on the machine planned for (a TPU VM, a bucket), not on this one.
     data_flags = [] if data is None else ["--data", data.format(missing=tmp_path / "absent")]
     finetune_main("--model", "efficientnetv2-b0", "--image-size", "64", "--dry-run", "--device",
@@ -324,9 +331,8 @@ def test_a_dry_run_for_another_device_plans_without_the_data(finetune_main, tmp_
                         "checks it before it starts"]
     header = next(line for line in out.splitlines() if line.startswith("efficientnetv2-b0: "))
     # A 104-class head on the backbone's 1280 features, bfloat16 on the TPU's 8 replicas.
-    reference = keras.applications.EfficientNetV2B0(include_top=False, weights=None,
-                                                    input_shape=(64, 64, 3))
-    assert header == (f"efficientnetv2-b0: {reference.count_params() + 1280 * 104 + 104:,} "
+    parameters = efficientnet_backbone_parameters + 1280 * 104 + 104
+    assert header == (f"efficientnetv2-b0: {parameters:,} "
                       "parameters, Adam, mixed_bfloat16 on tpu-v3-8, global batch 64 = "
                       "micro-batch 8 × 1 accumulation step × 8 replicas")
     assert "environment" not in out  # this machine's table: not the machine planned for
