@@ -197,8 +197,10 @@ def test_killed_run_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path, fin
     killed_at = _newest_point(output / "backup")
     assert killed_at["step"] > 0 and not (output / "metrics.json").exists()
 
-    # The killed run's lock is gone; started again (in this process: the same command line).
-    status, out, stderr = finetune_cli("--output", str(output), *common)
+    # The killed run's lock is gone; started again, in this process, training here too (a
+    # training process that resumes from a resume point: the memory-limit test below).
+    status, out, stderr = finetune_cli("--output", str(output), *common, "--memory-limit",
+                                       "none")
     assert status == 0, stderr[-3000:]
     assert f"Resuming from {output / 'backup'}: epoch {killed_at['epoch'] + 1}" in out
     expected = keras.models.load_model(tmp_path / "straight" / "model.keras")
