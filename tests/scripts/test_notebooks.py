@@ -33,10 +33,10 @@ def _text(notebook) -> str:
 @pytest.mark.parametrize("backend", ["tensorflow", "jax"])
 def test_finetune_notebook_trains_the_demo_above_chance(tmp_path, monkeypatch, backend):
     notebook = _execute("finetune_tpu.ipynb", tmp_path, monkeypatch, KERAS_BACKEND=backend,
-                        OUTPUT=str(tmp_path / "run"), EPOCHS=2)
+                        OUTPUT=str(tmp_path / "run"), EPOCHS=1)
     text = _text(notebook)
     accuracy = float(re.search(r"validation accuracy ([\d.]+) \(chance 0\.250\)", text).group(1))
-    assert accuracy > 0.6
+    assert accuracy > 0.6  # chance is 0.25: one epoch of the demo learns it well above
     assert "total (peak per replica)" in text
     assert re.search(r"global batch 64 = micro-batch \d+ × \d+ accumulation steps? × 1 replica\n",
                      text)

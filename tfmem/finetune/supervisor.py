@@ -109,10 +109,15 @@ def _resuming(before: recovery.Split, after: recovery.Split, cap: int, held: int
 
 
 def _plan_under(config: FinetuneConfig, attempt: Attempt, cap: int, workdir: str) -> str:
-    """What the plan for a budget of `cap` says fits (made in a dry-run process)."""
-    planned = dataclasses.replace(config, dry_run=True, allow_over_budget=True)
-    _, _, _, split = _attempt(planned, dataclasses.replace(
-        attempt, accumulation_steps="auto", plan_budget=cap), None, workdir)
+    """What the plan for a budget of `cap` says fits: a dry run in this process (no training
+    process runs any more, and this one has the framework imported already)."""
+    path = os.path.join(workdir, "split.json")
+    with contextlib.suppress(FileNotFoundError):  # the last training process's
+        os.remove(path)
+    run_attempt(dataclasses.replace(config, dry_run=True, allow_over_budget=True),
+                dataclasses.replace(attempt, accumulation_steps="auto", plan_budget=cap,
+                                    split_file=path))
+    split = _read_json(path)
     if split and split["nothing_fits"]:
         # The plan's reasons (its terms, the changes it tried) make a paragraph: the error
         # keeps their first clause, a few lines in all.

@@ -1,7 +1,7 @@
 """A memory cap on a child process, enforced from outside it: the machine never swaps to a halt.
 
 `MemoryWatch` polls a process's memory through psutil (Linux, macOS, Windows: its resident set
-every 20 ms, plus what it has in swap where psutil reads that) and kills it at the cap. It runs in the parent, so a child busy in native code, holding
+every 20 ms, plus what it has in swap: Linux's VmSwap, elsewhere where psutil reads it) and kills it at the cap. It runs in the parent, so a child busy in native code, holding
 its GIL or swapping cannot delay it, and it needs no privilege (cgroups are often read-only in
 containers and notebooks). It guarantees the child never holds more than the cap plus what it
 can allocate in one poll (a few hundred MiB at memory bandwidth), and nothing about other
@@ -20,8 +20,8 @@ import psutil
 from tfmem.runtime import devices
 
 POLL_SECONDS = 0.02
-# Reading a process's swap walks its memory map (tens of ms for a TensorFlow process): read
-# less often than its resident set, which is one system call.
+# psutil reads a process's swap by walking its memory map (about 20 ms of CPU for a TensorFlow
+# process; Linux's VmSwap is one small read): read less often than its resident set.
 SWAP_POLL_SECONDS = 0.5
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
@@ -78,6 +78,15 @@ def _full_reading(process: psutil.Process):
         return None
 
 
+def _swap_bytes(process: psutil.Process) -> int:
+    """The swap `process` holds: Linux's VmSwap, else the `swap` of psutil's full reading where
+    it has one (0 where it has none)."""
+    status = status_bytes(process.pid)
+    if status is not None and "VmSwap" in status:
+        return status["VmSwap"]
+    return getattr(_full_reading(process), "swap", 0)
+
+
 def held_bytes(reading, full_reading=None) -> int:
     """Resident set (`reading.rss`) plus swap, where `full_reading` has a `swap` field."""
     return reading.rss + getattr(full_reading, "swap", 0)
@@ -132,7 +141,7 @@ class MemoryWatch(threading.Thread):
         while not self._done.is_set():
             try:
                 if time.monotonic() - swap_read >= SWAP_POLL_SECONDS:
-                    swap = getattr(_full_reading(process), "swap", 0)
+                    swap = _swap_bytes(process)
                     swap_read = time.monotonic()
                 held = process.memory_info().rss + swap
             except psutil.Error:  # it ended
