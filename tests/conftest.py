@@ -48,7 +48,7 @@ def _op_determinism_does_not_leak():
         config.disable_op_determinism()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def free_ports():
     """`free_ports(n)`: n localhost ports free right now, for multi-worker `TF_CONFIG`s."""
 

@@ -1,6 +1,5 @@
 """scripts/finetune.py as users run it: the demo end to end, dry runs, resume after kill -9, errors."""
 
-import importlib.util
 import json
 import os
 import re
@@ -17,7 +16,6 @@ import tensorflow as tf
 from absl import flags
 
 import tfmem
-from native_logs import without_native_logs
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "finetune.py"
@@ -208,46 +206,6 @@ def test_killed_run_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path, fin
     for want, got in zip(expected.get_weights(), actual.get_weights()):
         np.testing.assert_array_equal(got, want)
     assert int(actual.optimizer.iterations) == int(expected.optimizer.iterations) == 2 * 16
-
-
-@pytest.fixture(scope="module")
-def finetune_module():
-    """The script as a module, loaded once (its flags are defined once per process)."""
-    spec = importlib.util.spec_from_file_location("finetune_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    yield module
-    flags.FLAGS.unparse_flags()
-
-
-@pytest.fixture()
-def finetune_main(finetune_module):
-    """The script's `main`, run in this process with parsed flags (no TensorFlow re-import)."""
-
-    def run(*args):
-        flags.FLAGS.unparse_flags()
-        flags.FLAGS(["finetune.py", *tfmem.cli.underscore_flags(args)])
-        return finetune_module.main([])
-
-    return run
-
-
-@pytest.fixture()
-def finetune_cli(finetune_module, capfd):
-    """The script as its command line runs it (`cli.run`), in this process: returns the exit
-    status, stdout and stderr (the file descriptors': what TensorFlow prints is in them)."""
-
-    def run(*args):
-        flags.FLAGS.unparse_flags()
-        capfd.readouterr()
-        with pytest.raises(SystemExit) as exit_:
-            tfmem.cli.run(finetune_module.main, ["finetune.py", *args])
-        out, err = capfd.readouterr()
-        # In this process TensorFlow's log lines can come from whatever ran before (a tf.data
-        # thread of an earlier test); they are not the script's, whose own lines are checked.
-        return exit_.value.code, out, "".join(without_native_logs(err))
-
-    return run
 
 
 @pytest.fixture(scope="module")

@@ -2,16 +2,13 @@
 the set by default, the per-pixel losses."""
 
 import dataclasses
-import importlib.util
 import json
-import pathlib
 import re
 
 import numpy as np
 import keras
 import pytest
 import tensorflow as tf
-from absl import flags
 
 import tfmem
 from tfmem.finetune import attempt, outputs
@@ -19,35 +16,6 @@ from tfmem.finetune.config import FinetuneConfig
 from tfmem.finetune.data_facts import DataFacts
 from tfmem.metrics.segmentation import MultiLabelIoU
 from tfmem.training.segmentation_losses import DiceLoss
-from native_logs import without_native_logs
-
-SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "finetune.py"
-
-
-@pytest.fixture(scope="module")
-def finetune_module():
-    """The script as a module, loaded once (its flags are defined once per process)."""
-    spec = importlib.util.spec_from_file_location("finetune_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    yield module
-    flags.FLAGS.unparse_flags()
-
-
-@pytest.fixture()
-def finetune_cli(finetune_module, capfd):
-    """The script as its command line runs it (`cli.run`), in this process: exit status,
-    stdout and stderr."""
-
-    def run(*args):
-        flags.FLAGS.unparse_flags()
-        capfd.readouterr()
-        with pytest.raises(SystemExit) as exit_:
-            tfmem.cli.run(finetune_module.main, ["finetune.py", *args])
-        out, err = capfd.readouterr()
-        return exit_.value.code, out, "".join(without_native_logs(err))
-
-    return run
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ process.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,19 +20,9 @@ import tfmem  # noqa: F401  (the reference below runs in this process)
 WORKER = Path(__file__).with_name("accumulation_worker.py")
 
 
-def _free_ports(count):
-    sockets = [socket.socket() for _ in range(count)]
-    for sock in sockets:
-        sock.bind(("localhost", 0))
-    numbers = [sock.getsockname()[1] for sock in sockets]
-    for sock in sockets:
-        sock.close()
-    return numbers
-
-
-def _two_workers(*arguments):
+def _two_workers(ports, *arguments):
     """Runs `accumulation_worker.py` with `arguments` as two workers of one cluster."""
-    workers = [f"localhost:{port}" for port in _free_ports(2)]
+    workers = [f"localhost:{port}" for port in ports]
     processes = []
     for index in range(2):
         env = dict(os.environ)
@@ -60,7 +49,7 @@ GLOBAL_BATCH, NUM_UPDATES, K = 16, 3, 2
 
 
 @pytest.fixture(scope="module")
-def two_workers(tmp_path_factory):
+def two_workers(tmp_path_factory, free_ports):
     """One cluster of two workers for both cases: the data and initial weights of the first
     (its reference model, untrained), and what worker 0 wrote for each."""
     directory = tmp_path_factory.mktemp("workers")
@@ -77,7 +66,7 @@ def two_workers(tmp_path_factory):
     np.savez(data, x=x, y=y, sw=sw, global_batch=GLOBAL_BATCH,
              **{f"w{i}": w for i, w in enumerate(initial)})
     output, synchronized = directory / "out.npz", directory / "synchronized.npz"
-    _two_workers(str(data), str(output), str(K), str(synchronized))
+    _two_workers(free_ports(2), str(data), str(output), str(K), str(synchronized))
     return {"reference": reference, "data": (x, y, sw), "accumulation": np.load(output),
             "synchronized": np.load(synchronized)}
 
