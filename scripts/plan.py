@@ -97,9 +97,8 @@ def draw(plan, path: str) -> None:
 
 def finetune_switches(image_size: tuple[int, int]) -> plan_report.Switches:
     """The plan's next step spelled as the scripts/finetune.py command of the planned run."""
-    height, width = image_size
     settings = [("model", FLAGS.model), ("data", "PATH"),
-                ("image_size", height if height == width else f"{height},{width}"),
+                ("image_size", cli.image_size_text(image_size)),
                 ("global_batch_size", FLAGS.global_batch_size)]
     for name, default in (("optimizer", "adam"), ("precision", "auto"),
                           ("rematerialize", None)):

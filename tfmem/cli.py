@@ -123,6 +123,12 @@ def image_size(text, flag: str = "--image-size") -> tuple[int, int]:
                      f"({flag} 224) or height,width ({flag} 360,480)")
 
 
+def image_size_text(size: tuple[int, int]) -> str:
+    """`image_size`'s input for `(height, width)`: `"224"` for a square, else `"360,480"`."""
+    height, width = size
+    return str(height) if height == width else f"{height},{width}"
+
+
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
