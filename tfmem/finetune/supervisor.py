@@ -135,9 +135,9 @@ def _plan_under(config: FinetuneConfig, attempt: Attempt, cap: int, workdir: str
             "model, or raise --memory-limit (scripts/plan.py shows what fits)")
 
 
-def _attempt(config: FinetuneConfig, attempt: Attempt, cap: int | None, workdir: str):
-    """Runs one training process under `cap` (None: watched, not limited); returns its exit
-    status, its watch, its outcome and the split it took (each None when it wrote none)."""
+def _attempt(config: FinetuneConfig, attempt: Attempt, cap: int, workdir: str):
+    """Runs one training process under `cap`; returns its exit status, its watch, its outcome
+    and the split it took (each None when it wrote none)."""
     paths = {name.removesuffix(".json"): os.path.join(workdir, name) for name in ATTEMPT_FILES}
     for path in paths.values():  # nothing of an earlier attempt is read as this one's
         if os.path.exists(path):
