@@ -3,7 +3,7 @@
 Real out-of-memory errors in real processes (`out_of_memory_run.py`): on JAX under an address
 space cap, on TensorFlow from an allocation the kernel refuses (TensorFlow on a CPU crashes
 under a cap instead of raising). Each recovered run is compared with a run that used the
-final micro-batch from its start: on JAX in the same process after it, under the same cap; on
+final micro-batch from its start: on JAX in the same process after it, its cap lifted; on
 TensorFlow in this process (the same program's `build` and `train`).
 """
 
@@ -69,7 +69,7 @@ def _assert_recoveries(outcome, stderr):
 
 def test_jax_step_over_an_address_space_cap_goes_on_with_a_smaller_micro_batch(tmp_path):
     # Micro-batch 64 needs ~1.6 GB of activations and their gradients; 700 MB are allowed.
-    # Then, in the same process, a run at the final micro-batch from its start.
+    # Then, in the same process without the cap, a run at the final micro-batch from its start.
     recovered, stderr = _run(tmp_path, "recovered", "jax", 1, 700_000_000,
                              reference="straight")
     straight = recovered.pop("reference")
