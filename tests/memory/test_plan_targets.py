@@ -1,5 +1,5 @@
 """Plans for a named device (its precision and replicas), golden EfficientNetV2-XL plans,
-"nothing fits" naming a change checked to fit, and every tfmem.models name planned."""
+"nothing fits" naming a change checked to fit, and every tfmem.models family planned."""
 
 import json
 import math
@@ -16,6 +16,7 @@ import pytest
 import tfmem
 from tfmem import _keras_internals as internals
 from tfmem import models
+from tfmem.models import applications
 from tfmem._sizes import format_bytes
 from tfmem.memory import levers, plan_report, planner
 from tfmem.memory.memory_plan import Term
@@ -237,8 +238,38 @@ for name in sys.argv[3:]:
 """
 
 
-def test_every_tfmem_model_plans_through_finetune_dry_run():
-    names = [name for name, spec in models.MODELS.items() if spec.task == "classification"]
+def _family(name):
+    """The code that builds `name`: its Keras module (and input scaling) for a
+    `keras.applications` backbone, else its name's stem ("tiramisu-67" → "tiramisu")."""
+    family = applications.FAMILIES.get(name)
+    return ((family.constructor.__module__, family.preprocessing) if family
+            else name.split("-")[0])
+
+
+def _one_per_family(task):
+    """The first registered model of each family (its smallest): the others are the same code
+    with other depths and widths, the same layer kinds in other numbers, planned the same way.
+    """
+    first = {}
+    for name, spec in models.MODELS.items():
+        if spec.task == task:
+            first.setdefault(_family(name), name)
+    return list(first.values())
+
+
+def test_one_model_of_each_family_is_planned():
+    assert _one_per_family("classification") == [
+        "efficientnetv2-b0", "resnet50", "resnet50v2", "densenet121", "convnext-tiny",
+        "mobilenetv2", "small-cnn", "efficientnetv2-xl"]
+    assert _one_per_family("segmentation") == ["tiramisu-56", "unet"]
+    # Every other name takes the image size its family was planned at (spec checked, no build).
+    for name, spec in models.MODELS.items():
+        size = 32 if spec.task == "classification" else 64
+        assert models.input_shape(name, size) == (size, size, 3), name
+
+
+def test_every_tfmem_model_family_plans_through_finetune_dry_run():
+    names = _one_per_family("classification")
     result = subprocess.run(
         [sys.executable, "-c", _DRIVER, str(ROOT / "scripts" / "finetune.py"), "tpu-v3-8",
          *names], capture_output=True, text=True, timeout=900, cwd=ROOT,
@@ -255,9 +286,8 @@ def test_every_tfmem_model_plans_through_finetune_dry_run():
         assert split and int(split[1]) * int(split[2]) == 8, (name, out)
 
 
-@pytest.mark.parametrize("name", [n for n, s in models.MODELS.items()
-                                  if s.task == "segmentation"])
-def test_every_segmentation_model_plans(name):
+@pytest.mark.parametrize("name", _one_per_family("segmentation"))
+def test_every_segmentation_model_family_plans(name):
     with tfmem.models.shapes_only():
         model = models.build(name, num_classes=3, image_size=64)
     p = tfmem.plan(model, global_batch_size=4, device="t4", precision="auto")
