@@ -358,35 +358,6 @@ def test_custom_block_is_traced_not_guessed():
     assert any("Residual" in note and "tracing" in note for note in p.notes)
 
 
-def test_plan_script_prints_the_plan_and_draws_it(tmp_path):
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    png = tmp_path / "plan.png"
-    result = subprocess.run(
-        [sys.executable, os.path.join(root, "scripts", "plan.py"), "--model", "mobilenetv2",
-         "--global-batch-size", "48", "--device", "t4", "--image-size", "32",
-         "--num-classes", "10", "--optimizer", "sgd", f"--plot={png}"],
-        capture_output=True, text=True, timeout=300,
-        env=dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", "")))
-    assert result.returncode == 0, result.stderr[-2000:]
-    reference = tfmem.plan(tfmem.models.build("mobilenetv2", num_classes=10, image_size=32),
-                           global_batch_size=48, optimizer="sgd", device="t4",
-                           precision="mixed_float16")  # what --precision auto means on a T4
-    total = format_bytes(reference.peak_bytes(reference.micro_batch_size))
-    assert "total (peak per replica)" in result.stdout and total in result.stdout
-    assert "SGD, mixed_float16" in result.stdout
-    assert reference.split() in result.stdout.splitlines()[0]  # the table's header
-    assert result.stdout.splitlines()[-3:] == [
-        plan_report.format_choice(reference).splitlines()[0],
-        "next: python scripts/finetune.py --model mobilenetv2 --data PATH --image-size 32 "
-        f"--global-batch-size 48 --optimizer sgd --accumulation-steps "
-        f"{reference.accumulation_steps}", f"wrote {png}"]
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
 def _accum_data(global_batch=64):
     import tensorflow as tf
 

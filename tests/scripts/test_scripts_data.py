@@ -15,6 +15,8 @@ import numpy as np
 import tensorflow as tf
 
 import tfmem
+from tfmem._sizes import format_bytes
+from tfmem.memory import plan_report
 from native_logs import without_native_logs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -210,3 +212,24 @@ def test_plan_plots_where_it_says(tmp_path, run):
         in result.stdout
     assert (tmp_path / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert os.listdir(tmp_path) == ["memory.png"]
+
+
+def test_plan_script_prints_the_plan_and_draws_it(tmp_path, run):
+    png = tmp_path / "plan.png"
+    result = run("scripts/plan.py", "--model", "mobilenetv2", "--global-batch-size", "48",
+                 "--device", "t4", "--image-size", "32", "--num-classes", "10", "--optimizer",
+                 "sgd", f"--plot={png}")
+    with tfmem.models.shapes_only():  # the planner reads shapes only
+        model = tfmem.models.build("mobilenetv2", num_classes=10, image_size=32)
+    reference = tfmem.plan(model, global_batch_size=48, optimizer="sgd", device="t4",
+                           precision="mixed_float16")  # what --precision auto means on a T4
+    total = format_bytes(reference.peak_bytes(reference.micro_batch_size))
+    assert "total (peak per replica)" in result.stdout and total in result.stdout
+    assert "SGD, mixed_float16" in result.stdout
+    assert reference.split() in result.stdout.splitlines()[0]  # the table's header
+    assert result.stdout.splitlines()[-3:] == [
+        plan_report.format_choice(reference).splitlines()[0],
+        "next: python scripts/finetune.py --model mobilenetv2 --data PATH --image-size 32 "
+        f"--global-batch-size 48 --optimizer sgd --accumulation-steps "
+        f"{reference.accumulation_steps}", f"wrote {png}"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
