@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import keras
 import numpy as np
@@ -18,11 +19,15 @@ import tensorflow as tf
 import tfmem
 from tfmem.training import run_directory
 
-# A deterministic little training program, run as a real child process so it can be killed
-# with SIGKILL (what a notebook disconnect or a preempted VM does). One process trains the runs
-# it is given one after the other, each from the start of the program's model: RUN is NAME:KILL_AT,
-# its backups in DIRECTORY/NAME and its outcome in DIRECTORY/NAME.npz(.json); before each run it
-# writes "run NAME" to stderr, and one run's error does not stop the next.
+# A deterministic little training program, its killed runs in real child processes killed with
+# SIGKILL (what a notebook disconnect or a preempted VM does). RUN is NAME:KILL_AT, each from the
+# start of the program's model, its backups in DIRECTORY/NAME and its outcome in
+# DIRECTORY/NAME.npz(.json). First each run with a KILL_AT trains in a child forked from this
+# process (which has imported TensorFlow but run no op: the child's starts fresh); the program
+# prints `killed {NAME: exit status, -signal if killed}` and waits for a line on stdin (the
+# caller's go, after damaging copies of what the kills left). Then this process trains the runs
+# without a kill one after the other. Before each run it writes "run NAME" to stderr ("run NAME
+# killed" for a killed one), and one run's error does not stop the next.
 PROGRAM = textwrap.dedent(
     """
     import json, os, signal, sys, traceback
@@ -63,33 +68,50 @@ PROGRAM = textwrap.dedent(
         with open(out_path + ".json", "w") as f:
             json.dump({"history": history, "iterations": int(model.optimizer.iterations)}, f)
 
-    failed = False
-    for run in sys.argv[2:]:
-        name, kill_at = run.split(":")
-        print(f"run {name}", file=sys.stderr, flush=True)
+    def run(name, kill_at):
+        print(f"run {name}" + (" killed" if kill_at else ""), file=sys.stderr, flush=True)
         path = os.path.join(sys.argv[1], name)
         try:
-            train(path, path + ".npz", int(kill_at))
+            train(path, path + ".npz", kill_at)
         except Exception:
             traceback.print_exc()
-            failed = True
+            return False
+        return True
+
+    runs = [(name, int(kill_at)) for name, kill_at in map(lambda r: r.split(":"), sys.argv[2:])]
+    statuses = {}
+    for name, kill_at in runs:
+        if kill_at:
+            pid = os.fork()
+            if pid == 0:
+                run(name, kill_at)
+                os._exit(3)  # it ended without the kill
+            _, status = os.waitpid(pid, 0)
+            statuses[name] = (-os.WTERMSIG(status) if os.WIFSIGNALED(status)
+                              else os.WEXITSTATUS(status))
+    print("killed " + json.dumps(statuses), flush=True)
+    sys.stdin.readline()
+    failed = [name for name, kill_at in runs if not kill_at and not run(name, 0)]
     sys.exit(1 if failed else 0)
     """
 )
 
 
-def _run(directory, *runs):
-    """Runs PROGRAM once for `runs`, each `(name, kill_at)`; the result and each run's stderr."""
-    result = subprocess.run(
-        [sys.executable, "-c", PROGRAM, str(directory),
-         *(f"{name}:{kill_at}" for name, kill_at in runs)],
-        capture_output=True, text=True, timeout=300,
-    )
+def _start(directory, *runs):
+    """Starts PROGRAM for `runs`, each `(name, kill_at)`; its stderr goes to DIRECTORY/stderr."""
+    with open(directory / "stderr", "w") as stderr:
+        return subprocess.Popen(
+            [sys.executable, "-c", PROGRAM, str(directory),
+             *(f"{name}:{kill_at}" for name, kill_at in runs)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True)
+
+
+def _stderr_of_each_run(text):
     stderr = {}
-    for part in ("\n" + result.stderr).split("\nrun ")[1:]:
+    for part in ("\n" + text).split("\nrun ")[1:]:
         name, _, text = part.partition("\n")
         stderr[name] = text
-    return result, stderr
+    return stderr
 
 
 def _points(directory):
@@ -104,22 +126,36 @@ DAMAGES = {"truncated weights": "truncated", "empty record": "empty"}
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One process runs the program without a kill, then again killed at update 18 of 36
-    (epoch 2, step 6): its newest resume point is epoch 2, step 5 (4), the one before it the end
-    of epoch 1 (3). Copies of its backup directory are damaged (`DAMAGES`), and a second process
-    resumes the killed run, then each damaged copy. The directory, the kill's exit status, the
-    points and files it left, and each resumed run's stderr."""
+    """One process: its child killed at update 18 of 36 (epoch 2, step 6) leaves a newest
+    resume point at epoch 2, step 5 (4), the one before it at the end of epoch 1 (3). Copies of
+    that backup directory are damaged (`DAMAGES`); then the process runs the program without a
+    kill, resumes the killed run, then each damaged copy. The directory, the kill's exit status,
+    the points and files it left, and each run's stderr."""
     directory = tmp_path_factory.mktemp("runs")
-    killed, _ = _run(directory, ("straight", 0), ("resumed", 18))
-    left = {"status": killed.returncode, "points": _points(directory / "resumed"),
-            "files": sorted(os.listdir(directory)), "stderr": killed.stderr[-3000:]}
-    for name in DAMAGES.values():
-        shutil.copytree(directory / "resumed", directory / name)
-    (directory / "empty" / "backup-4.json").write_text("")
-    weights = directory / "truncated" / "backup-4.weights.h5"
-    weights.write_bytes(weights.read_bytes()[:-100])
-    resumed, stderr = _run(directory, ("resumed", 0), *((name, 0) for name in DAMAGES.values()))
-    assert sorted(stderr) == sorted(["resumed", *DAMAGES.values()]), resumed.stderr[-3000:]
+    process = _start(directory, ("resumed", 18), ("straight", 0), ("resumed", 0),
+                     *((name, 0) for name in DAMAGES.values()))
+    timer = threading.Timer(300, process.kill)  # a run that hangs ends the program
+    timer.start()
+    try:
+        line = process.stdout.readline()
+        assert line.startswith("killed "), (directory / "stderr").read_text()[-3000:]
+        left = {"status": json.loads(line[len("killed "):])["resumed"],
+                "points": _points(directory / "resumed"), "files": sorted(os.listdir(directory))}
+        for name in DAMAGES.values():
+            shutil.copytree(directory / "resumed", directory / name)
+        (directory / "empty" / "backup-4.json").write_text("")
+        weights = directory / "truncated" / "backup-4.weights.h5"
+        weights.write_bytes(weights.read_bytes()[:-100])
+        process.communicate("go\n", timeout=300)
+    finally:
+        timer.cancel()
+        if process.poll() is None:
+            process.kill()
+    text = (directory / "stderr").read_text()
+    left["stderr"] = text[-3000:]
+    stderr = _stderr_of_each_run(text)
+    assert sorted(stderr) == sorted(["resumed killed", "straight", "resumed",
+                                     *DAMAGES.values()]), text[-3000:]
     return directory, left, stderr
 
 
