@@ -18,7 +18,7 @@ import tfmem
 # TensorFlow starts fresh). Prints {point: the child's exit status, -signal if killed}.
 PROGRAM = textwrap.dedent(
     """
-    import json, os, signal, sys
+    import json, os, signal, sys, traceback
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
     import numpy as np
     import tfmem
@@ -49,14 +49,16 @@ PROGRAM = textwrap.dedent(
         if pid == 0:
             try:
                 replace(directory, point)
-            finally:
-                os._exit(3)  # it ended without the kill
+            except BaseException:
+                traceback.print_exc()
+            os._exit(3)  # it ended without the kill
         _, status = os.waitpid(pid, 0)
         statuses[point] = (-os.WTERMSIG(status) if os.WIFSIGNALED(status)
                            else os.WEXITSTATUS(status))
     print(json.dumps(statuses))
     """
 )
+
 
 def _images(seed):
     return np.random.default_rng(seed).integers(0, 256, size=(12, 6, 5, 3), dtype=np.uint8)
