@@ -102,12 +102,13 @@ def test_demo_trains_clearly_above_chance_and_writes_its_outputs(tmp_path, finet
     assert run["config"]["model"] == "small-cnn" and run["config"]["learning_rate"] == 1e-3
     assert run["complete"]["epochs"] == 2
 
-    # Started again (in this process: the same command line), the finished run is left as it
-    # is, run.json untouched, in one line.
+    # Started again (in this process, training here too: no memory limit), the finished run
+    # is left as it is, run.json untouched, in one line. (A training process decides it the
+    # same way: it runs the same code.)
     written = {name: (output / name).read_bytes() for name in ("metrics.json", "model.keras")}
     recorded = (output / "run.json").stat().st_mtime_ns
     monkeypatch.chdir(tmp_path)
-    status, out, stderr = finetune_cli("--epochs", "2")
+    status, out, stderr = finetune_cli("--epochs", "2", "--memory-limit", "none")
     assert status == 0, stderr[-3000:]
     assert out == (
         "finetune: the run in runs/small-cnn is complete (2 epochs); its results are "
@@ -129,6 +130,9 @@ def test_demo_trains_clearly_above_chance_and_writes_its_outputs(tmp_path, finet
 
 
 def test_demo_trains_on_the_jax_backend(tmp_path, written_sets):
+    """The library calls of colab/finetune_tpu.ipynb (detect, plan, AccumModel.wrap,
+    image_dataset, fit_resumable) on JAX: the notebook itself runs on its default backend,
+    TensorFlow (tests/scripts/test_notebooks.py)."""
     # Today's TPU VMs train Keras on JAX; the same script, tf.data feeding it, KERAS_BACKEND=jax;
     # rematerialized in the segments the plan cuts (exact: it trains as well). Trained in the
     # script's process (no memory limit): the memory-limit runs below start JAX training
@@ -162,16 +166,12 @@ def test_an_error_on_the_jax_backend_is_one_line_without_tensorflows_banner(tmp_
                              "--dry-run (training always runs on the detected runtime)\n")
 
 
-def test_killed_run_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path, finetune_cli,
-                                                                   written_sets):
-    # 512 demo records: 16 updates an epoch, a resume point every 4.
-    common = ["--data", written_sets["demo512"], "--epochs", "2", "--global-batch-size", "32",
-              "--accumulation-steps", "2", "--save-every-steps", "4", "--deterministic"]
-    # The run it must equal, made in this process (no memory limit: no training process).
-    status, _, stderr = finetune_cli("--output", str(tmp_path / "straight"), *common,
-                                     "--memory-limit", "none")
-    assert status == 0, stderr[-3000:]
-
+def test_killed_run_resumes_and_ends_with_every_update_once(tmp_path, finetune_cli,
+                                                            written_sets):
+    # 512 demo records: 16 updates, a resume point every 2. (That a run killed mid-epoch
+    # resumes to the weights of an uninterrupted one: tests/training/test_resume.py.)
+    common = ["--data", written_sets["demo512"], "--epochs", "1", "--global-batch-size", "32",
+              "--accumulation-steps", "2", "--save-every-steps", "2"]
     output = tmp_path / "killed"
     process = subprocess.Popen([sys.executable, str(SCRIPT), "--output", str(output), *common],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
@@ -201,11 +201,8 @@ def test_killed_run_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path, fin
                                        "none")
     assert status == 0, stderr[-3000:]
     assert f"Resuming from {output / 'backup'}: epoch {killed_at['epoch'] + 1}" in out
-    expected = keras.models.load_model(tmp_path / "straight" / "model.keras")
     actual = keras.models.load_model(output / "model.keras")
-    for want, got in zip(expected.get_weights(), actual.get_weights()):
-        np.testing.assert_array_equal(got, want)
-    assert int(actual.optimizer.iterations) == int(expected.optimizer.iterations) == 2 * 16
+    assert int(actual.optimizer.iterations) == 16
 
 
 @pytest.fixture(scope="module")
@@ -258,11 +255,12 @@ def test_a_dry_run_plans_the_rematerialized_layers(finetune_main, tmp_path, caps
 
 def test_a_dry_run_of_a_segmentation_network_plans_auto_rematerialization(finetune_main,
                                                                          tmp_path, capsys):
-    finetune_main("--model", "tiramisu-103", "--image-size", "224", "--dry-run", "--device",
+    # FC-DenseNet-56: the smallest of the family (its planner walks fewer calls than 103's).
+    finetune_main("--model", "tiramisu-56", "--image-size", "224", "--dry-run", "--device",
                   "t4", "--precision", "float32", "--rematerialize", "auto",
                   "--output", str(tmp_path))
     out = capsys.readouterr().out
-    assert ("tiramisu-103 is a segmentation network: its last feature maps are averaged into a "
+    assert ("tiramisu-56 is a segmentation network: its last feature maps are averaged into a "
             "4-class classifier") in out
     note = next(line.strip() for line in out.splitlines() if "rematerialize auto" in line)
     # 64 = 16 × 4 is the target; without rematerialization only a smaller micro-batch fits.
@@ -548,16 +546,14 @@ def _command(finetune_cli, backend, *args):
 # micro-batch. The supervisor is the same code on both backends; a JAX training process that
 # runs out of memory and goes on with a smaller micro-batch is tested in
 # tests/training/test_out_of_memory.py and tests/test_without_tensorflow.py.
-@pytest.mark.parametrize("backend, limit, compare", [("tensorflow", 1.45, True)])
+@pytest.mark.parametrize("backend, limit", [("tensorflow", 1.45)])
 def test_a_run_over_its_memory_limit_resumes_with_a_smaller_micro_batch(tmp_path, backend,
-                                                                        limit, compare,
-                                                                        finetune_cli):
+                                                                        limit, finetune_cli):
     data = _foreign(tmp_path / "train.tfrec", [0, 1, 2, 3] * 32)  # 128 records: 2 updates
-    # SGD: its update is linear in the gradient, so summing 1 or k micro-batches differs only by
-    # the order of float32 sums (Adam's normalisation can magnify that on tiny gradients).
     # No resume point before the end: the watch samples every 20 ms and may miss the first
-    # step's peak on a loaded machine, and an update saved at micro-batch 64 would differ from
-    # 2 × 32 (BatchNorm's statistics are the micro-batch's); so it resumes from the start.
+    # step's peak on a loaded machine; so it resumes from the start. (That the run then ends
+    # with the weights of a run at the smaller micro-batch from its start, AccumModel and
+    # resuming being exact: tests/training/test_out_of_memory.py and test_resume.py.)
     common = ["--data", data, "--num-classes", "4", "--image-size", "128", "--epochs", "1",
               "--global-batch-size", "64", "--deterministic", "--optimizer", "sgd",
               "--save-every-steps", "8"]
@@ -585,19 +581,6 @@ def test_a_run_over_its_memory_limit_resumes_with_a_smaller_micro_batch(tmp_path
     assert k == recoveries[-1]["to_accumulation_steps"] >= 2
     actual = keras.models.load_model(tmp_path / "limited" / "model.keras")
     assert int(actual.optimizer.iterations) == 2  # every update of the epoch, none twice
-    if not compare:
-        return
-    # The same run with that k from the start and no limit: the same weights.
-    status, _, stderr = _command(finetune_cli, backend, *common, "--accumulation-steps", str(k),
-                                 "--memory-limit", "none", "--output", str(tmp_path / "straight"))
-    assert status == 0, stderr[-3000:]
-    expected = keras.models.load_model(tmp_path / "straight" / "model.keras")
-    # Updates made before the stop summed 1 micro-batch, the others k: the same numbers up to
-    # the order of float32 sums, over the model's weights as one vector (a conv bias before
-    # BatchNorm has a zero gradient in exact arithmetic, so on its own it is rounding noise).
-    want = np.concatenate([w.ravel() for w in expected.get_weights()])
-    got = np.concatenate([w.ravel() for w in actual.get_weights()])
-    assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
 
 
 def test_a_memory_limit_below_the_framework_stops_with_one_line(finetune_cli, tmp_path):
@@ -640,25 +623,26 @@ def test_a_memory_limit_below_the_planned_model_state_stops_before_training(tmp_
 
 def test_when_micro_batch_one_reaches_the_limit_the_plan_for_it_is_the_answer(tmp_path,
                                                                              finetune_cli):
-    data = _foreign(tmp_path / "train.tfrec", [0, 1, 2, 3] * 2)
+    data = _foreign(tmp_path / "train.tfrec", [0, 1, 2, 3])
     # At 1024 px one image's activations take about 0.5 GB: TensorFlow's 0.65 GB and the model
     # stay under 1 GiB, a step of micro-batch 1 does not. (The command runs in this process,
-    # its training processes under the limit.)
+    # its training processes under the limit.) A global batch of 1: the micro-batch halving
+    # before it is test_a_run_over_its_memory_limit_resumes_with_a_smaller_micro_batch's.
     status, out, stderr = finetune_cli(
         "--data", data, "--num-classes", "4", "--image-size", "1024", "--global-batch-size",
-        "2", "--accumulation-steps", "1", "--epochs", "1", "--memory-limit", "1GiB",
+        "1", "--accumulation-steps", "1", "--epochs", "1", "--memory-limit", "1GiB",
         "--output", str(tmp_path / "run"))
     assert status == 2
-    assert "finetune: memory limit 1.00 GiB reached at micro-batch 2 × 1 accumulation step" in out
     # At micro-batch 1 it tries recomputing: planned, 332 MiB of activations instead of 476,
     # but the largest call's backward workspace (512 MiB) stays, and it is not enough here.
-    assert re.search(r"finetune: memory limit 1\.00 GiB reached at micro-batch 1 × 2 "
-                     r"accumulation steps \([\d.]+ GiB held\); resuming from the last resume "
+    assert re.search(r"finetune: memory limit 1\.00 GiB reached at micro-batch 1 × 1 "
+                     r"accumulation step \([\d.]+ GiB held\); resuming from the last resume "
                      r"point with --rematerialize full \(activations recomputed in the backward "
-                     r"pass: the same training, more time\), micro-batch 1 × 2", out), out
+                     r"pass: the same training, more time\), micro-batch 1 × 1", out), out
+    assert out.count("finetune: memory limit") == 1  # the one try left at micro-batch 1
     error = _error_line(stderr)
     assert re.fullmatch(
-        r"error: micro-batch 1 × 2 accumulation steps with --rematerialize full still reached "
+        r"error: micro-batch 1 × 1 accumulation steps with --rematerialize full still reached "
         r"--memory-limit 1\.00 GiB "
         r"\([\d.]+ GiB held\), and nothing smaller can be tried; the plan for that budget: "
         r"nothing fits, not even micro-batch 1, nor any change it checked: raise "
@@ -739,12 +723,14 @@ def test_an_output_that_cannot_be_written_is_one_line_before_any_work(finetune_c
 
 def test_a_diverging_run_is_one_line_with_status_1_and_keeps_the_last_finite_point(
         finetune_cli, written_sets, tmp_path):
-    # In a training process (the default memory limit): its error comes back as one line.
+    # Trained in this process (no memory limit: no training process). That a training
+    # process's error comes back as one line: test_a_memory_limit_below_the_planned_model_state_
+    # stops_before_training; with --debug, its traceback above it: test_a_failure_while_training.
     output = tmp_path / "run"
     status, _, stderr = finetune_cli(
         "--data", written_sets["demo"], "--global-batch-size", "16", "--epochs", "2",
         "--optimizer", "sgd", "--learning-rate", "1e30", "--save-every-steps", "1",
-        "--output", str(output))
+        "--output", str(output), "--memory-limit", "none")
     assert status == 1
     # The first update makes the weights huge, the second the loss (or the weights) not finite.
     assert re.fullmatch(
@@ -828,10 +814,11 @@ def test_sigterm_says_how_to_resume_and_fewer_epochs_than_begun_are_refused(
         finetune_cli, written_sets, tmp_path):
     output, scratch = tmp_path / "run", tmp_path / "tmp"
     scratch.mkdir()
-    common = ["--data", written_sets["demo512"], "--global-batch-size", "32",
+    # 64 records: 4 updates an epoch; stopped long before its 8 epochs end.
+    common = ["--data", written_sets["demo"], "--global-batch-size", "16",
               "--save-every-steps", "2", "--output", str(output)]
     process = subprocess.Popen(
-        [sys.executable, str(SCRIPT), *common, "--epochs", "4"], stdout=subprocess.DEVNULL,
+        [sys.executable, str(SCRIPT), *common, "--epochs", "8"], stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE, text=True, cwd=ROOT,
         env=dict(os.environ, TMPDIR=str(scratch), PYTHONPATH=str(ROOT)))
     deadline = time.monotonic() + 400
@@ -891,14 +878,13 @@ def test_unet_trains_on_masks_above_the_all_background_baseline(finetune_cli,
         "--model", "unet", "--task", "segmentation", "--data", train.directory,
         "--validation-data", held_out.directory, "--global-batch-size", "4", "--epochs", "1",
         "--image-size", "32", "--learning-rate", "3e-3", "--memory-limit", "none",
-        "--output", str(tmp_path))
+        "--save-every-steps", "32", "--output", str(tmp_path))  # one resume point: the end
     assert status == 0, stderr[-3000:]
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     validation = metrics["validation"]
-    masks = np.concatenate([m for _, m in tfmem.image_dataset(
-        held_out.directory, image_size=(32, 32), batch_size=32, training=False).as_numpy_iterator()])
-    images = np.concatenate([i for i, _ in tfmem.image_dataset(
-        held_out.directory, image_size=(32, 32), batch_size=32, training=False).as_numpy_iterator()])
+    # The 32 held-out images and their masks: one batch.
+    images, masks = next(tfmem.image_dataset(held_out.directory, image_size=(32, 32),
+                                             batch_size=32, training=False).as_numpy_iterator())
     # Every pixel called background: its IoU is the background's share, the shapes' 0.
     background = _iou(_confusion(masks, np.zeros_like(masks), 5))
     baseline = np.mean([iou for iou in background if iou is not None])

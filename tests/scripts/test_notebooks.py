@@ -5,7 +5,6 @@ import pathlib
 import re
 
 import nbformat
-import pytest
 from nbclient import NotebookClient
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -30,13 +29,16 @@ def _text(notebook) -> str:
                      for output in cell.get("outputs", []))
 
 
-@pytest.mark.parametrize("backend", ["tensorflow", "jax"])
-def test_finetune_notebook_trains_the_demo_above_chance(tmp_path, monkeypatch, backend):
-    notebook = _execute("finetune_tpu.ipynb", tmp_path, monkeypatch, KERAS_BACKEND=backend,
-                        OUTPUT=str(tmp_path / "run"), EPOCHS=1)
+def test_finetune_notebook_trains_the_demo_above_chance(tmp_path, monkeypatch):
+    # On its default backend, TensorFlow: the same calls on JAX (detect, plan, AccumModel.wrap,
+    # image_dataset, fit_resumable) train the demo in tests/scripts/test_finetune.py's
+    # test_demo_trains_on_the_jax_backend.
+    notebook = _execute("finetune_tpu.ipynb", tmp_path, monkeypatch,
+                        OUTPUT=str(tmp_path / "run"), EPOCHS=1, NUM_EXAMPLES=1024)
     text = _text(notebook)
+    assert "1024 training images, 4 classes" in text
     accuracy = float(re.search(r"validation accuracy ([\d.]+) \(chance 0\.250\)", text).group(1))
-    assert accuracy > 0.6  # chance is 0.25: one epoch of the demo learns it well above
+    assert accuracy > 0.6  # chance is 0.25: 16 updates on the demo learn it well above
     assert "total (peak per replica)" in text
     assert re.search(r"global batch 64 = micro-batch \d+ × \d+ accumulation steps? × 1 replica\n",
                      text)
