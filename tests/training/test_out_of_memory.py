@@ -75,7 +75,7 @@ def _assert_recoveries(outcome, stderr):
 
 
 def test_jax_step_over_an_address_space_cap_goes_on_with_a_smaller_micro_batch(tmp_path):
-    # Micro-batch 64 needs ~1.6 GB of activations and their gradients; 700 MB are allowed.
+    # Micro-batch 64 needs ~0.9 GB of activations and their gradients; 700 MB are allowed.
     # Then, in the same process without the cap, a run at the final micro-batch from its start.
     recovered, stderr = _run(tmp_path, "recovered", "jax", 1, 700_000_000,
                              reference="straight")
