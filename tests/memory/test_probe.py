@@ -33,9 +33,11 @@ def conv_model():
 
 
 def test_probe_line_predicts_a_separate_run():
+    # One training step per run (the first, which traces the graph), in the probe's runs and
+    # in the separate run alike.
     model = conv_model()
     calibrated = tfmem.probe(model, global_batch_size=128, optimizer="adam",
-                             memory_budget=6 * GIB, micro_batch_sizes=(16, 64))
+                             memory_budget=6 * GIB, micro_batch_sizes=(16, 64), num_steps=1)
     line = calibrated.measured
     assert line.micro_batch_sizes == (16, 64)
     # The per-sample slope is real and of the size the graph predicts: measured 17% under it
@@ -49,7 +51,7 @@ def test_probe_line_predicts_a_separate_run():
     # growth above TensorFlow's import baseline is within 30% of the measured growth (within
     # 10% on a quiet machine; the shared 2-core machine's load moves it further).
     separate = measure(model, micro_batch_size=128, input_shape=(64, 64, 3),
-                       memory_limit=6 * GIB, optimizer="adam")
+                       memory_limit=6 * GIB, optimizer="adam", num_steps=1)
     assert not separate.stopped, separate.reason
     predicted = line.fixed_bytes + line.per_sample_bytes * 128
     growth, predicted_growth = (separate.peak_bytes - separate.baseline_bytes,

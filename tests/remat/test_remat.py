@@ -434,7 +434,7 @@ def test_a_pieces_gradients_are_added_range_by_range_after_grapplers_rewrites():
     accum = _stacked([(f"d{i}", f"cat{i}") for i in range(layers)], layers=layers)
     x, y = tf.ones((8, 64)), tf.range(8) % 3
     accum.train_on_batch(x, y)  # builds the optimizer's variables
-    optimized = _after_grappler(tf.function(accum.train_step).get_concrete_function((x, y)).graph)
+    optimized = _after_grappler(_traced(accum.train_step).get_concrete_function((x, y)).graph)
     types = {node.name: node.op for node in optimized.node}
     additions = [[types.get(name.split(":")[0]) for name in node.input
                   if not name.startswith("^")]
@@ -471,7 +471,7 @@ def test_the_plan_counts_as_run_again_what_the_step_runs_again(build, setting, a
     accum.train_on_batch(x, y)  # cuts the segments
     specs = (tf.TensorSpec((batch, 64)), tf.TensorSpec((batch,), tf.int32))
     optimized = _after_grappler(
-        tf.function(accum.train_step).get_concrete_function(specs).graph)
+        _traced(accum.train_step).get_concrete_function(specs).graph)
     products = [node for node in optimized.node if "MatMul" in node.op
                 and not node.attr["transpose_a"].b and not node.attr["transpose_b"].b]
     dense = [layer for layer in accum.layers if isinstance(layer, keras.layers.Dense)]
@@ -480,6 +480,12 @@ def test_the_plan_counts_as_run_again_what_the_step_runs_again(build, setting, a
     facts = remat_search.facts(accum, None, frozenset())
     assert {facts.names[p] for p in facts.recomputed_calls(ranges)} & {
         layer.name for layer in dense} == again
+
+
+def _traced(function):
+    """`function` as a `tf.function` traced as Keras traces its steps: without AutoGraph (which
+    would convert every function the step calls, seconds for AccumModel's)."""
+    return tf.function(function, autograph=False)
 
 
 def _after_grappler(graph):
@@ -521,7 +527,7 @@ def test_inside_a_segment_a_layers_input_gradient_waits_for_its_weights_gradient
     accum.train_on_batch(x, y)  # cuts the segment
     index = {id(v): i for i, v in enumerate(accum.trainable_variables)}
 
-    @tf.function
+    @_traced
     def gradients(x, y):
         with tf.GradientTape() as tape:
             loss = accum.compute_loss(x=x, y=y, y_pred=accum(x, training=True))
@@ -573,7 +579,7 @@ def test_draws_of_stateful_random_ops_are_the_forward_passes_in_the_recomputatio
         return
     x, y = remat_cases.data()
 
-    @tf.function
+    @_traced
     def gradients(x, y):
         with tf.GradientTape() as tape:
             loss = accum.compute_loss(x=x, y=y, y_pred=accum(x, training=True))

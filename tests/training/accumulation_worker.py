@@ -65,9 +65,10 @@ def main(strategy, data_path, output_path, accumulation_steps):
         accum = _build(tfmem.AccumModel, initial, accumulation_steps=accumulation_steps)
     history = accum.fit(dataset, verbose=0).history
 
-    steps = {}
+    steps = {}  # traced as Keras traces its steps: without AutoGraph
     for name, model in (("plain", plain), ("accum", accum)):
-        steps[name] = tf.function(lambda batch, m=model: strategy.run(m.train_step, args=(batch,)))
+        steps[name] = tf.function(lambda batch, m=model: strategy.run(m.train_step, args=(batch,)),
+                                  autograph=False)
     for batch in strategy.experimental_distribute_dataset(dataset):
         steps["plain"](batch)
     spec = strategy.experimental_distribute_dataset(dataset).element_spec

@@ -4,10 +4,13 @@ Usage: python out_of_memory_run.py BACKUP_DIR OUT_JSON ACCUMULATION_STEPS LIMIT 
 [REFERENCE_DIR]]
 
 The backend is KERAS_BACKEND's. The run is `fit_resumable` over EPOCHS (default 1) epochs of 2
-steps of a global batch of 64; the weights and what happened are written to OUT_JSON. With
-REFERENCE_DIR, the same process then lifts its cap and trains the same model again from its
-start at the accumulation steps the run ended with, backed up there, and writes what happened
-under OUT_JSON's "reference". LIMIT says how memory runs out:
+steps of a global batch of 64; the weights and what happened are written to OUT_JSON. EPOCHS may
+be two counts, `1,2`: the run over the first, then the run started again over the second, as a
+new process would start it (the model built again from ACCUMULATION_STEPS, `fit_resumable`
+resuming from BACKUP_DIR), written under OUT_JSON's "again"; the line `AGAIN` (below) on stderr
+separates what each run printed. With REFERENCE_DIR, the same process then lifts its cap and
+trains the same model again from its start at the accumulation steps the run ended with, backed
+up there, and writes what happened under OUT_JSON's "reference". LIMIT says how memory runs out:
 
 * a number of bytes: after the framework has started (before the first train step), the
   address space of this process is capped at what it maps now plus that many bytes
@@ -39,6 +42,7 @@ import tensorflow as tf
 import tfmem
 
 STEPS = 2
+AGAIN = "out_of_memory_run: started again"
 
 
 class AsksForMemory(keras.layers.Layer):
@@ -65,10 +69,10 @@ def build(limit, accumulation_steps):
                     stddev=0.005))(hidden)])
         outputs = keras.layers.Dense(3)(keras.layers.GlobalAveragePooling1D()(hidden))
     else:
-        # A wide pointwise expansion: 8 MB of activation per sample at 64 × 64 (512 MB at
-        # micro-batch 64), what runs out under a cap on bytes; where the model asks for its
-        # memory itself (or nothing limits it), 8 × 8 images.
-        side = 8 if limit in ("machine", "none") else 64
+        # A wide pointwise expansion: 4.5 MiB of activation per sample at 48 × 48 (288 MiB at
+        # micro-batch 64; the step holds it about three times), what runs out under a cap on
+        # bytes; where the model asks for its memory itself (or nothing limits it), 8 × 8 images.
+        side = 8 if limit in ("machine", "none") else 48
         inputs = keras.Input((side, side, 4))
         hidden = AsksForMemory()(inputs) if limit == "machine" else inputs
         hidden = keras.layers.Conv2D(512, 1, activation="relu")(hidden)
@@ -108,7 +112,7 @@ def train(model, make_dataset, backup_dir, epochs):
 def main(argv):
     backup_dir, out_path = argv[1], argv[2]
     accumulation_steps, limit = int(argv[3]), argv[4]
-    epochs = int(argv[5]) if len(argv) > 5 else 1
+    epochs, *again = (int(count) for count in (argv[5] if len(argv) > 5 else "1").split(","))
     reference_dir = argv[6] if len(argv) > 6 else None
     model, make_dataset = build(limit, accumulation_steps)
     if limit not in ("machine", "none", "allocator"):
@@ -121,6 +125,9 @@ def main(argv):
                           if line.startswith("VmSize:"))
         resource.setrlimit(resource.RLIMIT_AS, (mapped + int(limit), resource.RLIM_INFINITY))
     outcome = train(model, make_dataset, backup_dir, epochs)
+    for count in again:
+        print(AGAIN, file=sys.stderr, flush=True)
+        outcome["again"] = train(*build(limit, accumulation_steps), backup_dir, count)
     if reference_dir is not None:
         # The run left its memory mapped (compiled programs, freed buffers kept by the
         # allocator): under the same cap the reference could run out where a new process

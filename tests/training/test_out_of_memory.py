@@ -27,14 +27,21 @@ GLOBAL_BATCH = 64
 
 def _run(tmp_path, name, backend, accumulation_steps, limit, epochs=1, env=None,
          reference=None):
+    """The program's outcome and stderr; with `epochs` a pair, the run and then the run started
+    again in the same process (`out_of_memory_run.py`): each one's outcome and stderr."""
     env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3", **(env or {}))
+    counts = epochs if isinstance(epochs, tuple) else (epochs,)
     result = subprocess.run(
         [sys.executable, PROGRAM, str(tmp_path / name), str(tmp_path / f"{name}.json"),
-         str(accumulation_steps), str(limit), str(epochs),
+         str(accumulation_steps), str(limit), ",".join(map(str, counts)),
          *([] if reference is None else [str(tmp_path / reference)])],
         capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads((tmp_path / f"{name}.json").read_text()), result.stderr
+    outcome = json.loads((tmp_path / f"{name}.json").read_text())
+    if len(counts) == 1:
+        return outcome, result.stderr
+    stderr, again_stderr = result.stderr.split(out_of_memory_run.AGAIN + "\n")
+    return outcome, stderr, outcome.pop("again"), again_stderr
 
 
 def _straight(tmp_path, limit, accumulation_steps, epochs):
@@ -68,7 +75,7 @@ def _assert_recoveries(outcome, stderr):
 
 
 def test_jax_step_over_an_address_space_cap_goes_on_with_a_smaller_micro_batch(tmp_path):
-    # Micro-batch 64 needs ~1.6 GB of activations and their gradients; 700 MB are allowed.
+    # Micro-batch 64 needs ~0.9 GB of activations and their gradients; 700 MB are allowed.
     # Then, in the same process without the cap, a run at the final micro-batch from its start.
     recovered, stderr = _run(tmp_path, "recovered", "jax", 1, 700_000_000,
                              reference="straight")
@@ -82,12 +89,15 @@ def test_jax_step_over_an_address_space_cap_goes_on_with_a_smaller_micro_batch(t
 
 
 def test_tensorflow_out_of_memory_error_goes_on_and_a_restart_keeps_the_micro_batch(tmp_path):
-    recovered, stderr = _run(tmp_path, "run", "tensorflow", 1, "machine")
+    # Then started again for a second epoch with the same k=1 (the model built again and
+    # `fit_resumable` called again, in the same process).
+    recovered, stderr, again, again_stderr = _run(tmp_path, "run", "tensorflow", 1, "machine",
+                                                  epochs=(1, 2))
     _assert_recoveries(recovered, stderr)
     assert recovered["accumulation_steps"] == 2
     assert recovered["recoveries"][0]["error"].startswith("OOM when allocating tensor")
-    # Started again for a second epoch with the same k=1: the run keeps micro-batch 32.
-    again, stderr = _run(tmp_path, "run", "tensorflow", 1, "machine", epochs=2)
+    # Started again: the run keeps micro-batch 32.
+    stderr = again_stderr
     assert "tfmem: resuming with accumulation_steps=2 (instead of 1)" in stderr
     assert "ran out of memory" not in stderr
     assert again["recoveries"] == recovered["recoveries"]
@@ -101,7 +111,10 @@ def test_out_of_memory_at_micro_batch_one_goes_on_rematerialized(tmp_path):
     # 16 with rematerialize="full". It starts at micro-batch 1 × 4, so only recomputing helps.
     limited = {"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": "28",
                "TF_ENABLE_ONEDNN_OPTS": "0"}
-    recovered, stderr = _run(tmp_path, "run", "tensorflow", 4, "allocator", env=limited)
+    # Then started again for a second epoch, as written (no rematerialization), in the same
+    # process (the model built again, `fit_resumable` called again).
+    recovered, stderr, again, again_stderr = _run(tmp_path, "run", "tensorflow", 4, "allocator",
+                                                  epochs=(1, 2), env=limited)
     (entry,) = recovered["recoveries"]
     assert entry["error"].startswith("OOM when allocating tensor")
     assert (entry["micro_batch_size"], entry["to_micro_batch_size"],
@@ -115,8 +128,8 @@ def test_out_of_memory_at_micro_batch_one_goes_on_rematerialized(tmp_path):
     assert line.endswith('with micro-batch 1 × 4 and rematerialize="full" (activations '
                          "recomputed in the backward pass: the same training, more time), "
                          "the same global batch")
-    # Started again for a second epoch, as written (no rematerialization): it keeps it.
-    again, stderr = _run(tmp_path, "run", "tensorflow", 4, "allocator", epochs=2, env=limited)
+    # Started again: it keeps the rematerialization.
+    stderr = again_stderr
     assert ('tfmem: resuming with rematerialize="full", which this run took after running '
             "out of memory at micro-batch 1") in stderr
     assert "ran out of memory" not in stderr and again["rematerialize"] == "full"
