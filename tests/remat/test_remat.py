@@ -49,8 +49,8 @@ def test_under_mirrored_strategy_on_two_cpus(two_cpu_strategy, build, setting):
 
 
 def test_the_block_runs_forward_again_in_the_backward_pass():
-    # TensorFlow traces the train step's micro-step once (the plan traces the model too);
-    # rematerialized, the block's forward is traced once more, for the gradient.
+    # TensorFlow traces the train step's micro-step once; rematerialized, the block's forward
+    # is traced once more, for the gradient.
     _, plain = remat_cases.trained(None)
     _, recomputed = remat_cases.trained(["block"])
     assert recomputed == plain + 1
