@@ -177,7 +177,7 @@ def test_the_tfrecord_pipeline_names_the_extra_to_install(results):
         assert "pip install -e '.[cpu]'" in message and "No module named 'tensorflow'" in message
 
 
-def test_tfmem_env_runs_without_tensorflow(python):
-    completed = _run(python, "-m", "tfmem.runtime.report")
-    assert completed.returncode == 0, completed.stderr[-2000:]
-    assert "device kind" in completed.stdout and "backend jax" in completed.stdout
+def test_tfmem_env_runs_without_tensorflow(results, completed):
+    status, output = results["tfmem_env"]  # `python -m tfmem.runtime.report`, in the program
+    assert status == 0, completed.stderr[-2000:]
+    assert "device kind" in output and "backend jax" in output

@@ -147,6 +147,22 @@ def out_of_memory(limit, accumulation_steps):
             "iterations": int(model.optimizer.iterations)}
 
 
+def tfmem_env():
+    """`tfmem-env` run as `python -m tfmem.runtime.report` runs it: [exit status, output]."""
+    import contextlib
+    import io
+    import runpy
+
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output):
+        try:
+            runpy.run_module("tfmem.runtime.report", run_name="__main__", alter_sys=True)
+            status = 0
+        except SystemExit as exit:
+            status = exit.code
+    return [status, output.getvalue()]
+
+
 def main():
     os.environ["KERAS_BACKEND"] = "jax"
     import importlib.util
@@ -215,6 +231,7 @@ def main():
         except ImportError as error:
             errors[name] = str(error)
     results["errors"] = errors
+    results["tfmem_env"] = tfmem_env()
     if sys.platform.startswith("linux"):  # RLIMIT_AS as Linux enforces it
         # Last: the address space cap stays with the process.
         results["out_of_memory"] = out_of_memory(OUT_OF_MEMORY_LIMIT, 1)
