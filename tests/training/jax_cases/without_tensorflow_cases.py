@@ -129,7 +129,6 @@ def out_of_memory(limit, accumulation_steps):
 
     inputs = keras.Input((64, 64, 4))
     hidden = keras.layers.Conv2D(512, 1, activation="relu")(inputs)
-    hidden = keras.layers.Conv2D(4, 1)(hidden)
     outputs = keras.layers.Dense(2)(keras.layers.GlobalAveragePooling2D()(hidden))
     model = tfmem.AccumModel(inputs, outputs, accumulation_steps=accumulation_steps)
     model.compile(keras.optimizers.SGD(0.1),
