@@ -129,7 +129,6 @@ def out_of_memory(limit, accumulation_steps):
 
     inputs = keras.Input((64, 64, 4))
     hidden = keras.layers.Conv2D(512, 1, activation="relu")(inputs)
-    hidden = keras.layers.Conv2D(4, 1)(hidden)
     outputs = keras.layers.Dense(2)(keras.layers.GlobalAveragePooling2D()(hidden))
     model = tfmem.AccumModel(inputs, outputs, accumulation_steps=accumulation_steps)
     model.compile(keras.optimizers.SGD(0.1),
@@ -145,6 +144,22 @@ def out_of_memory(limit, accumulation_steps):
     return {"weights": [w.tolist() for w in model.get_weights()],
             "accumulation_steps": model.accumulation_steps, "recoveries": recoveries,
             "iterations": int(model.optimizer.iterations)}
+
+
+def tfmem_env():
+    """`tfmem-env` run as `python -m tfmem.runtime.report` runs it: [exit status, output]."""
+    import contextlib
+    import io
+    import runpy
+
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output):
+        try:
+            runpy.run_module("tfmem.runtime.report", run_name="__main__", alter_sys=True)
+            status = 0
+        except SystemExit as exit:
+            status = exit.code
+    return [status, output.getvalue()]
 
 
 def main():
@@ -215,6 +230,7 @@ def main():
         except ImportError as error:
             errors[name] = str(error)
     results["errors"] = errors
+    results["tfmem_env"] = tfmem_env()
     if sys.platform.startswith("linux"):  # RLIMIT_AS as Linux enforces it
         # Last: the address space cap stays with the process.
         results["out_of_memory"] = out_of_memory(OUT_OF_MEMORY_LIMIT, 1)
