@@ -240,12 +240,11 @@ def test_a_layer_block_is_planned_by_what_its_call_keeps():
 
 def _chain_runs(setting, jit_compile):
     """`remat_cases.chain` fitted without and with `setting`: the weights' relative
-    differences, the segments cut, and how often each run traced Counted's forward."""
+    differences, the segments cut, and how often each run's steps traced Counted's forward."""
     runs, counts = [], []
     for rematerialize in (None, setting):
-        remat_cases.Counted.calls = 0
-        runs.append(remat_cases.fitted(remat_cases.chain, rematerialize,
-                                       jit_compile=jit_compile)[0])
+        runs.append(remat_cases.fitted(remat_cases.chain, rematerialize, jit_compile=jit_compile,
+                                       callbacks=[remat_cases.CountsFromTrainBegin()])[0])
         counts.append(remat_cases.Counted.calls)
     plain, accum = runs
     return (remat_cases._differences(plain.get_weights(), accum.get_weights()),

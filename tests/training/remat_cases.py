@@ -206,6 +206,15 @@ def fitted(build, rematerialize=None, callbacks=(), **options):
     return accum, history.history["loss"][-1]
 
 
+class CountsFromTrainBegin(keras.callbacks.Callback):
+    """Sets `Counted.calls` to 0 when the training begins: what the steps trace is counted, not
+    the traces before them (the memory check's, which a process reuses for a model built
+    alike)."""
+
+    def on_train_begin(self, logs=None):
+        Counted.calls = 0
+
+
 class CompilesAfterTheFirstStep(keras.callbacks.Callback):
     """Counts the XLA compilations JAX makes in a fit's steps after its first (`count`; not
     those of the epoch's logs at its end)."""
