@@ -9,14 +9,13 @@ affected: it places everything on CPU:0 as usual.
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-# XLA's CPU code generation without LLVM's optimisations of the machine code, its fusions
-# emitted by the older emitters: the same XLA programs and buffers (a step's memory analysis is
-# the same), rounding that may differ in the last bits (alike for a model and its reference),
-# and a fraction of the compile time. The tests' models are tiny: they compile far more than
-# they run. Every process the tests start (JAX programs, TensorFlow's jit_compile, notebooks'
-# kernels) inherits them.
-XLA_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
-os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), XLA_COMPILE_FLAGS]))
+# XLA's CPU code generation without LLVM's optimisations of the machine code: the same XLA
+# programs and buffers (a step's memory analysis is the same), rounding that may differ in the
+# last bits (alike for a model and its reference), and a fraction of the compile time. The
+# tests' models are tiny: they compile far more than they run. Every process the tests start
+# (JAX programs, TensorFlow's jit_compile, notebooks' kernels) inherits it.
+XLA_COMPILE_FLAG = "--xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), XLA_COMPILE_FLAG]))
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 import tfmem  # noqa: E402, F401  (first: it imports TensorFlow with its banner set aside)

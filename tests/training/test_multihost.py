@@ -21,6 +21,8 @@ import tfmem
 from tfmem.runtime import distribute_jax
 
 PROGRAM = os.path.join(os.path.dirname(__file__), "multihost_run.py")
+# XLA's CPU fusions emitted by its older emitters: about half the compile time of tiny models.
+FAST_COMPILE_FLAG = "--xla_cpu_use_fusion_emitters=false"
 
 
 def _free_port() -> int:
@@ -31,7 +33,8 @@ def _free_port() -> int:
 
 def _env(**extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
-    return dict(env, TF_CPP_MIN_LOG_LEVEL="3", **extra)
+    return dict(env, TF_CPP_MIN_LOG_LEVEL="3", **extra,
+                XLA_FLAGS=f"{env.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAG}")
 
 
 def _start(tmp_path, name, mode, *args):
