@@ -166,12 +166,16 @@ def test_an_error_on_the_jax_backend_is_one_line_without_tensorflows_banner(tmp_
                              "--dry-run (training always runs on the detected runtime)\n")
 
 
-def test_killed_run_resumes_and_ends_with_every_update_once(tmp_path, finetune_cli,
-                                                            written_sets):
-    # 512 demo records: 16 updates, a resume point every 2. (That a run killed mid-epoch
-    # resumes to the weights of an uninterrupted one: tests/training/test_resume.py.)
+def test_killed_run_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path, finetune_cli,
+                                                                   written_sets):
+    # 512 demo records: 16 updates, a resume point every 2.
     common = ["--data", written_sets["demo512"], "--epochs", "1", "--global-batch-size", "32",
-              "--accumulation-steps", "2", "--save-every-steps", "2"]
+              "--accumulation-steps", "2", "--save-every-steps", "2", "--deterministic"]
+    # The run it must equal, made in this process (no memory limit: no training process).
+    status, _, stderr = finetune_cli("--output", str(tmp_path / "straight"), *common,
+                                     "--memory-limit", "none")
+    assert status == 0, stderr[-3000:]
+
     output = tmp_path / "killed"
     process = subprocess.Popen([sys.executable, str(SCRIPT), "--output", str(output), *common],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
@@ -201,8 +205,11 @@ def test_killed_run_resumes_and_ends_with_every_update_once(tmp_path, finetune_c
                                        "none")
     assert status == 0, stderr[-3000:]
     assert f"Resuming from {output / 'backup'}: epoch {killed_at['epoch'] + 1}" in out
+    expected = keras.models.load_model(tmp_path / "straight" / "model.keras")
     actual = keras.models.load_model(output / "model.keras")
-    assert int(actual.optimizer.iterations) == 16
+    for want, got in zip(expected.get_weights(), actual.get_weights(), strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert int(actual.optimizer.iterations) == int(expected.optimizer.iterations) == 16
 
 
 @pytest.fixture(scope="module")
