@@ -76,8 +76,9 @@ def check_sizes(config: FinetuneConfig, spec, data: DataFacts) -> None:
     image size the model takes and within the pixel limit, a global batch the data holds."""
     height, width = data.image_size
     # Without --image-size the size is the data's (or the model's): say so.
-    given = f"--image-size {cli.image_size_text(data.image_size)}" + ("" if data.size_source == "--image-size" else
-                                      f" ({data.size_source}; none given)")
+    given = f"--image-size {cli.image_size_text(data.image_size)}"
+    if data.size_source != "--image-size":
+        given += f" ({data.size_source}; none given)"
     try:  # an image size the model cannot take
         models.input_shape(spec.name, data.image_size)
     except ValueError as error:

@@ -1,7 +1,8 @@
 """A memory cap on a child process, enforced from outside it: the machine never swaps to a halt.
 
 `MemoryWatch` polls a process's memory through psutil (Linux, macOS, Windows: its resident set
-every 20 ms, plus what it has in swap: Linux's VmSwap, elsewhere where psutil reads it) and kills it at the cap. It runs in the parent, so a child busy in native code, holding
+every 20 ms, plus what it has in swap: Linux's VmSwap, elsewhere where psutil reads it) and kills
+it at the cap. It runs in the parent, so a child busy in native code, holding
 its GIL or swapping cannot delay it, and it needs no privilege (cgroups are often read-only in
 containers and notebooks). It guarantees the child never holds more than the cap plus what it
 can allocate in one poll (a few hundred MiB at memory bandwidth), and nothing about other
@@ -65,7 +66,7 @@ def process_memory(pid: int | str = "self") -> int | None:
     """
     try:
         process = psutil.Process(None if pid == "self" else int(pid))
-        return held_bytes(process.memory_info(), _full_reading(process))
+        return process.memory_info().rss + _swap_bytes(process)
     except psutil.Error:
         return None
 
