@@ -15,9 +15,13 @@ import numpy as np
 from keras import ops
 
 import tfmem
+from tfmem.data.demo import SEGMENTATION_CLASS_NAMES, demo_examples
+from tfmem.metrics.segmentation import MultiLabelIoU
+from tfmem.training.segmentation_losses import DiceLoss
 
 BATCH = 8
 IGNORE = 255
+SHAPES = len(SEGMENTATION_CLASS_NAMES)  # the demo's background and 4 shapes
 
 
 def pixel_labels(num_classes: int = 3, seed: int = 0) -> np.ndarray:
@@ -77,6 +81,57 @@ def _dense_data():
     return x, labels, sample_weight
 
 
+def _demo_pixels(cls, channels=SHAPES, activation="softmax", **kwargs):
+    inputs = keras.Input((16, 16, 3))
+    hidden = keras.layers.Conv2D(4, 3, padding="same", activation="tanh")(inputs)
+    return cls(inputs, keras.layers.Conv2D(channels, 1, activation=activation)(hidden), **kwargs)
+
+
+def demo_masks(num_examples: int = BATCH) -> tuple[np.ndarray, np.ndarray]:
+    """The demo segmentation set's first images (16 px, scaled to [0, 1]) and masks, each
+    shape's outline `IGNORE` (as VOC marks its objects' borders): the micro-batches hold
+    different numbers of valid pixels."""
+    images, masks = map(np.stack, zip(*demo_examples(num_examples, 16, task="segmentation")))
+    masks = masks.astype("int64")
+    padded = np.pad(masks, ((0, 0), (1, 1), (1, 1)), mode="edge")
+    outline = ((padded[:, :-2, 1:-1] != masks) | (padded[:, 2:, 1:-1] != masks)
+               | (padded[:, 1:-1, :-2] != masks) | (padded[:, 1:-1, 2:] != masks))
+    masks[outline] = IGNORE
+    masks[0, 4:] = IGNORE  # one image mostly without a class, two others all but 2 rows
+    masks[2:4, 2:] = IGNORE
+    return (images / 255).astype("float32"), masks
+
+
+def demo_multi_label() -> tuple[np.ndarray, np.ndarray]:
+    """The demo images with a 0/1 channel per shape and one for "any shape", which overlaps
+    them (as cloud classes overlap): 5 channels, no ignore value."""
+    images, masks = map(np.stack, zip(*demo_examples(BATCH, 16, task="segmentation")))
+    channels = np.eye(SHAPES)[masks][..., 1:]  # the 4 shapes, background left out
+    return (images / 255).astype("float32"), np.concatenate(
+        [channels, (masks > 0)[..., None]], -1).astype("float32")
+
+
+def _demo_case(loss: str) -> dict:
+    """The demo segmentation set under one of `SEGMENTATION_CASES`'s losses, its IoU metric."""
+    if loss.startswith("multi_label"):
+        x, y = demo_multi_label()
+        losses = {"multi_label": lambda: keras.losses.BinaryCrossentropy(),
+                  "multi_label:dice": lambda: DiceLoss(SHAPES, multi_label=True,
+                                                       cross_entropy=True)}
+        return dict(build=lambda cls, **kw: _demo_pixels(cls, activation="sigmoid", **kw),
+                    x=x, y=y, loss=losses[loss], metrics=lambda: [MultiLabelIoU(SHAPES)])
+    x, y = demo_masks()
+    losses = {"cross_entropy": lambda: keras.losses.SparseCategoricalCrossentropy(
+                  ignore_class=IGNORE),
+              "dice": lambda: DiceLoss(SHAPES, ignore_class=IGNORE),
+              "cross_entropy+dice": lambda: DiceLoss(SHAPES, ignore_class=IGNORE,
+                                                     cross_entropy=True)}
+    return dict(build=_demo_pixels, x=x, y=y, loss=losses[loss],
+                metrics=lambda: [keras.metrics.MeanIoU(SHAPES, name="mean_iou",
+                                                       ignore_class=IGNORE,
+                                                       sparse_y_pred=False)])
+
+
 def _scalar_mean_square(y_true, y_pred):
     """A user's loss that returns its own mean: Keras cannot tell what it divided by."""
     return ops.mean(ops.square(ops.one_hot(ops.cast(y_true, "int32"), 3) - y_pred))
@@ -118,10 +173,12 @@ def case(name: str) -> dict:
         return dict(build=lambda cls, **kw: _pixels(cls, regularized=True, **kw),
                     x=_images(), y=pixel_labels(), loss=lambda: _cross_entropy(
                         ignore_class=IGNORE))
+    if name.startswith("demo:"):
+        return _demo_case(name.removeprefix("demo:"))
     if name == "scalar_loss":
         x, labels, _ = _dense_data()
         return dict(build=_dense, x=x, y=labels, loss=lambda: _scalar_mean_square)
-    raise ValueError(f"unknown case {name!r}; one of {CASES}")
+    raise ValueError(f"unknown case {name!r}; one of {CASES + SEGMENTATION_CASES}")
 
 
 # `class_weight` reaches the loss as a sample weight: its case is the reduction that divides by
@@ -130,6 +187,11 @@ CASES = ("ignore_class", "mask_zero",
          *(f"sample_weight:{reduction}"
            for reduction in ("sum_over_batch_size", "sum", "mean_with_sample_weight")),
          "class_weight:mean_with_sample_weight", "two_outputs", "add_loss", "scalar_loss")
+
+# The segmentation losses of finetune.py's `--loss` (class indices with an ignore value, and
+# multi-label masks), with their IoU metric, on the demo segmentation set.
+SEGMENTATION_CASES = tuple(f"demo:{loss}" for loss in (
+    "cross_entropy", "dice", "cross_entropy+dice", "multi_label", "multi_label:dice"))
 
 
 def run(name: str, accumulation_steps: int = 4, strategy=None, keras_accumulation=False,

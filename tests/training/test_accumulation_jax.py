@@ -17,6 +17,8 @@ import sys
 
 import pytest
 
+from tests.training import loss_cases
+
 CASES = pathlib.Path(__file__).parent / "jax_cases"
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TIMEOUT_S = 600  # a guard against a hung program; a loaded machine takes minutes
@@ -222,7 +224,7 @@ def _assert_whole_batch_step(result):
 
 @pytest.mark.parametrize("name", ["ignore_class", "mask_zero",
                                   "sample_weight:mean_with_sample_weight", "two_outputs",
-                                  "add_loss"])
+                                  "add_loss", *loss_cases.SEGMENTATION_CASES])
 def test_every_counted_loss_gives_the_whole_batch_step(losses, name):
     # tests/training/loss_cases.py; every case runs on TensorFlow in test_accumulation_losses.py.
     result = losses["host_loop"][name]

@@ -1,11 +1,13 @@
 """The per-image Dice losses and the multi-label IoU: values against NumPy, and one AccumModel
-step (4 micro-batches) against keras.Model on the whole batch."""
+step (4 micro-batches) of every segmentation loss on the demo masks against keras.Model on the
+whole batch."""
 
 import keras
 import numpy as np
 import pytest
 
 import tfmem
+from tests.training import loss_cases
 from tests.training.loss_cases import BATCH, IGNORE, pixel_labels
 from tfmem.metrics.segmentation import MultiLabelIoU
 from tfmem.training.segmentation_losses import DiceLoss
@@ -66,34 +68,23 @@ def test_dice_of_multi_label_masks_and_their_iou():
     assert float(iou.result()) == pytest.approx(np.mean(present), rel=1e-6)
 
 
-def _model(cls, **kwargs):
-    inputs = keras.Input((4, 4, 2))
-    hidden = keras.layers.Conv2D(4, 1, activation="tanh")(inputs)
-    return cls(inputs, keras.layers.Conv2D(3, 1, activation="softmax")(hidden), **kwargs)
+@pytest.mark.parametrize("name", loss_cases.SEGMENTATION_CASES)
+def test_one_accumulated_step_on_the_demo_masks_is_the_whole_batch_step(name):
+    # 4 micro-batches of 2 demo images (16 px, shape outlines ignored: each micro-batch its own
+    # count of valid pixels); the same cases run on JAX in test_accumulation_jax.py.
+    result = loss_cases.run(name)
+    assert result["finite"] and result["warnings"] == []
+    assert result["update"] <= RTOL
+    history, plain = result["history"], result["plain_history"]
+    assert history.keys() == plain.keys() == {"loss", "mean_iou"}
+    for key in history:
+        np.testing.assert_allclose(history[key], plain[key], rtol=RTOL, err_msg=key)
 
 
-def test_one_accumulated_step_is_the_whole_batch_step():
-    # Class indices with the ignore value: micro-batches of 3, 0, 30 and 32 valid pixels; each
-    # image's loss, averaged over the images, is the same mean in every micro-batch.
-    x = np.random.default_rng(1).normal(size=(BATCH, 4, 4, 2)).astype("float32")
-    y = pixel_labels()
-    keras.utils.set_random_seed(1)
-    accum = _model(tfmem.AccumModel, accumulation_steps=4)
-    plain = _model(keras.Model)
-    plain.set_weights(accum.get_weights())
-    initial = accum.get_weights()
-    for model in (accum, plain):
-        metric = keras.metrics.MeanIoU(3, name="mean_iou", ignore_class=IGNORE,
-                                       sparse_y_pred=False)
-        model.compile(keras.optimizers.SGD(0.5), metrics=[metric],
-                      loss=DiceLoss(3, ignore_class=IGNORE, cross_entropy=True))
-    history = accum.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history
-    plain_history = plain.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history
-    for name in ("loss", "mean_iou"):
-        np.testing.assert_allclose(history[name], plain_history[name], rtol=RTOL)
-    update, plain_update = ([np.asarray(w) - w0 for w, w0 in zip(model.get_weights(), initial)]
-                            for model in (accum, plain))
-    scale = max(np.abs(u).max() for u in plain_update)
-    assert scale > 0
-    for got, want in zip(update, plain_update):
-        np.testing.assert_allclose(got, want, atol=RTOL * scale)
+def test_the_demo_masks_tell_the_mean_of_micro_batch_means_from_the_whole_batch():
+    _, masks = loss_cases.demo_masks()
+    valid = (masks != IGNORE).reshape(4, -1).sum(-1)  # the 4 micro-batches of 2 images
+    assert valid.max() > 4 * valid.min() > 0
+    assert set(np.unique(masks)) == {*range(loss_cases.SHAPES), IGNORE}
+    # Keras's own accumulation averages the micro-batches' means: far outside the bound above.
+    assert loss_cases.run("demo:cross_entropy", keras_accumulation=True)["update"] > 1e3 * RTOL

@@ -32,27 +32,28 @@ class MultiLabelIoU(keras.metrics.Metric):
         super().__init__(name=name, dtype=dtype)
         self.num_classes, self.threshold = num_classes, threshold
         # Per class: true positives, predicted, true; and the channel decisions right, all.
+        # float32 counts as Keras's MeanIoU keeps them (JAX has no float64 by default).
         self.counts = self.add_variable((num_classes, 3), initializer="zeros",
-                                        dtype="float64", name="counts")
-        self.decisions = self.add_variable((2,), initializer="zeros", dtype="float64",
+                                        dtype="float32", name="counts")
+        self.decisions = self.add_variable((2,), initializer="zeros", dtype="float32",
                                            name="decisions")
 
     def update_state(self, y_true, y_pred, sample_weight=None):
-        true = ops.reshape(ops.cast(y_true, "float64"), (-1, self.num_classes))
+        true = ops.reshape(ops.cast(y_true, "float32"), (-1, self.num_classes))
         predicted = ops.reshape(ops.cast(ops.greater_equal(
-            ops.convert_to_tensor(y_pred), self.threshold), "float64"), (-1, self.num_classes))
+            ops.convert_to_tensor(y_pred), self.threshold), "float32"), (-1, self.num_classes))
         hits = ops.sum(true * predicted, axis=0)
         self.counts.assign_add(ops.stack([hits, ops.sum(predicted, axis=0),
                                           ops.sum(true, axis=0)], axis=1))
-        right = ops.sum(ops.cast(ops.equal(true, predicted), "float64"))
-        self.decisions.assign_add(ops.stack([right, ops.cast(ops.size(true), "float64")]))
+        right = ops.sum(ops.cast(ops.equal(true, predicted), "float32"))
+        self.decisions.assign_add(ops.stack([right, ops.cast(ops.size(true), "float32")]))
 
     def result(self):
         hits, predicted, true = (self.counts[:, i] for i in range(3))
         union = predicted + true - hits
         present = ops.greater(union, 0)
         iou = ops.where(present, hits / ops.maximum(union, 1.0), 0.0)
-        return ops.cast(ops.sum(iou) / ops.maximum(ops.sum(ops.cast(present, "float64")), 1.0),
+        return ops.cast(ops.sum(iou) / ops.maximum(ops.sum(ops.cast(present, "float32")), 1.0),
                         self.dtype)
 
     def scores(self) -> dict:
@@ -65,8 +66,8 @@ class MultiLabelIoU(keras.metrics.Metric):
                 "per_class_iou": [float(h / u) if u else None for h, u in zip(hits, union)]}
 
     def reset_state(self):
-        self.counts.assign(ops.zeros_like(self.counts))
-        self.decisions.assign(ops.zeros_like(self.decisions))
+        self.counts.assign(ops.zeros(self.counts.shape, self.counts.dtype))
+        self.decisions.assign(ops.zeros(self.decisions.shape, self.decisions.dtype))
 
     def get_config(self) -> dict:
         return {**super().get_config(), "num_classes": self.num_classes,

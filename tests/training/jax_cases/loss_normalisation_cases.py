@@ -20,6 +20,7 @@ def in_graph_loop(name):
 
 def results():
     return {
-        "host_loop": {name: loss_cases.run(name) for name in HOST_LOOP},
+        "host_loop": {name: loss_cases.run(name)
+                      for name in HOST_LOOP + loss_cases.SEGMENTATION_CASES},
         "in_graph_loop": {"two_outputs": in_graph_loop("two_outputs")},
     }
