@@ -34,7 +34,8 @@ def predict_tiled(model: keras.Model, images, tile_size: int | tuple[int, int] |
             input size (for a model built for one size).
         overlap: pixels consecutive tiles share at least, an int or `(height, width)`, each
             below the tile's; None: a quarter of the tile.
-        batch_size: tiles per model call.
+        batch_size: tiles per model call; where there are several calls, the last is filled
+            up with zeros to this size (one input shape: one compiled function).
         stride: the model's total downsampling (e.g. 16 for a U-Net that pools 4 times), an
             int or `(height, width)`: tile offsets are multiples of it, and the step between
             tiles is `tile - overlap` rounded down to one. None: found from the model, as the
@@ -92,6 +93,8 @@ def predict_tiled(model: keras.Model, images, tile_size: int | tuple[int, int] |
         chunk = tiles[start:start + batch_size]
         batch = np.stack([padded[n, r[0]:r[0] + tile[0], c[0]:c[0] + tile[1]]
                           for n, r, c in chunk])
+        if len(tiles) > batch_size > len(chunk):  # each call one shape: one compiled function
+            batch = np.pad(batch, ((0, batch_size - len(chunk)), (0, 0), (0, 0), (0, 0)))
         predicted = keras.ops.convert_to_numpy(model.predict_on_batch(batch))
         if output is None:
             output = np.zeros((len(images), height, width, *predicted.shape[3:]),
@@ -127,7 +130,7 @@ def _takes(model: keras.Model, size: tuple[int, int], channels: int) -> bool:
     height and width, worked out on shapes alone."""
     try:
         output = model.compute_output_spec(keras.KerasTensor((1, *size, channels)))
-    except ValueError:  # a shape its layers refuse (e.g. a concatenation of two sizes)
+    except (ValueError, TypeError):  # a shape its layers refuse (JAX's shape errors: TypeError)
         return False
     shape = getattr(output, "shape", None)
     return shape is not None and len(shape) >= 3 and tuple(shape[1:3]) == tuple(size)
