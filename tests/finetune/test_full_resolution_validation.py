@@ -38,7 +38,8 @@ def run_plan(unet):
 
 
 def test_whole_images_where_a_forward_pass_of_a_micro_batch_fits_else_tiles(held_out,
-                                                                            run_plan):
+                                                                            run_plan,
+                                                                            tmp_path):
     config, spec = FinetuneConfig(model="unet"), models.spec("unet")
     whole = validation.choose(config, spec, held_out, run_plan, 4)
     assert whole == validation.Choice((48, 48), None, 4)
@@ -59,20 +60,26 @@ def test_whole_images_where_a_forward_pass_of_a_micro_batch_fits_else_tiles(held
     # No plan: not known to fit.
     assert validation.choose(config, spec, held_out, dataclasses.replace(run_plan, plan=None),
                              4) == tiles
+    # Records without a manifest (so without one size): read at the training size.
+    unsized = validation.choose(config, spec, dataclasses.replace(
+        held_out, validation=str(tmp_path)), run_plan, 4)
+    assert unsized == validation.Choice((32, 32), None, 4, resized=True)
+    assert unsized.line() == ("finetune: validation: images resized to 32×32 (no manifest "
+                              "records one size of them), 4 a call")
 
 
 def test_whole_images_are_the_network_at_their_size_counted_as_numpy_does(held_out, unet):
-    loss_function, (metric,) = loss_and_metrics(held_out)
-    options = dict(data_range=(0.0, 255.0), num_classes=5)
-    loss = validation.evaluate(unet, validation.Choice((48, 48), None, 8), 16, held_out,
-                               options, loss_function, metric)
-    # The reference: U-Net built for 48×48 with the same weights, on the images as written
-    # (in another order: the counts and the one batch's loss do not depend on it).
     images, masks = map(np.stack, zip(*tfmem.demo_examples(8, 48, seed=3,
                                                            task="segmentation")))
+    images = images.astype("float32")
+    loss_function, (metric,) = loss_and_metrics(held_out)
+    loss = validation.evaluate(unet, validation.Choice((48, 48), None, 4), 16,
+                               [(images[:4], masks[:4]), (images[4:], masks[4:])],
+                               loss_function, metric)
+    # The reference: U-Net built for 48×48 with the same weights.
     at_48 = models.build("unet", num_classes=5, image_size=48)
     at_48.set_weights(unet.get_weights())
-    predicted = at_48.predict(images.astype("float32"), verbose=0)
+    predicted = at_48.predict(images, verbose=0)
     confusion = np.bincount(masks.ravel() * 5 + predicted.argmax(-1).ravel(),
                             minlength=25).reshape(5, 5)
     hits = np.diag(confusion)
@@ -81,5 +88,8 @@ def test_whole_images_are_the_network_at_their_size_counted_as_numpy_does(held_o
     np.testing.assert_allclose(scores["per_class_iou"],
                                [h / u if u else None for h, u in zip(hits, union)], atol=1e-6)
     np.testing.assert_allclose(scores["pixel_accuracy"], hits.sum() / confusion.sum())
-    np.testing.assert_allclose(loss, float(keras.losses.SparseCategoricalCrossentropy(
-        ignore_class=255)(masks, predicted)), rtol=1e-5)
+    # Each batch's loss weighted by its images, as Keras's `evaluate` counts it.
+    cross_entropy = keras.losses.SparseCategoricalCrossentropy(ignore_class=255)
+    np.testing.assert_allclose(loss, np.mean([float(cross_entropy(masks[i:i + 4],
+                                                                  predicted[i:i + 4]))
+                                              for i in (0, 4)]), rtol=1e-5)

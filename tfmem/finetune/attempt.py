@@ -162,7 +162,8 @@ def _train(config: FinetuneConfig, spec, runtime: Runtime, precision: str, outpu
         # At the validation images' own size (Keras's per-epoch pass read them resized).
         choice = validation_lib.choose(config, spec, data, run_plan, validation_batch)
         print(choice.line())
-        loss = validation_lib.evaluate(model, choice, spec.image_size_multiple, data, options,
+        loss = validation_lib.evaluate(model, choice, spec.image_size_multiple,
+                                       validation_lib.batches(choice, data, options),
                                        loss_function, metrics[0])
         mean_iou = float(metrics[0].result())
         # The metric's state after the pass: its counts.

@@ -24,15 +24,20 @@ from tfmem.models import tiling
 @dataclasses.dataclass(frozen=True)
 class Choice:
     """How the validation images are predicted: at `image_size`, whole or by `tile_size`
-    tiles, `batch_size` images or tiles per model call."""
+    tiles, `batch_size` images or tiles per model call; `resized` where the set records no
+    one size of its images."""
 
     image_size: tuple[int, int]
     tile_size: tuple[int, int] | None
     batch_size: int
+    resized: bool = False
 
     def line(self) -> str:
         """The choice in one line, as the run prints it."""
         height, width = self.image_size
+        if self.resized:
+            return (f"finetune: validation: images resized to {height}×{width} (no manifest "
+                    f"records one size of them), {self.batch_size} a call")
         how = ("whole" if self.tile_size is None
                else f"by {self.tile_size[0]}×{self.tile_size[1]} tiles")
         return f"finetune: validation: {height}×{width} images {how}, {self.batch_size} a call"
@@ -42,9 +47,9 @@ def choose(config: FinetuneConfig, spec, data: DataFacts, run_plan: guard.RunPla
            batch_size: int) -> Choice:
     """Whole images or tiles, for the validation set's own size (the training size where its
     manifest records none)."""
-    full = _own_size(data.validation) or data.image_size
-    if full == data.image_size:
-        return Choice(full, None, batch_size)
+    full = _own_size(data.validation)
+    if full is None or full == data.image_size:
+        return Choice(data.image_size, None, batch_size, resized=full is None)
     # Whole images where the model takes their size and a forward pass of a micro-batch of them
     # fits; else tiles of the training size, the micro-batch a call: training showed that many
     # samples of that size fit, and a forward pass holds less than a training step.
@@ -54,20 +59,25 @@ def choose(config: FinetuneConfig, spec, data: DataFacts, run_plan: guard.RunPla
     return Choice(full, None, batch_size)
 
 
-def evaluate(model: keras.Model, choice: Choice, stride: int, data: DataFacts, options: dict,
-             loss_function, metric) -> float:
-    """The validation set at `choice.image_size`: `metric` updated with every batch (reset
-    first); returns the loss, each batch's weighted by its images (as Keras's `evaluate`)."""
-    options = {**options, "image_size": choice.image_size}
+def batches(choice: Choice, data: DataFacts, options: dict):
+    """The validation set's `(images, masks)` NumPy batches at `choice.image_size`."""
     dataset = reader.image_dataset(data.validation, batch_size=choice.batch_size,
-                                   training=False, **options)
+                                   training=False, **{**options, "image_size": choice.image_size})
+    return dataset.as_numpy_iterator()
+
+
+def evaluate(model: keras.Model, choice: Choice, stride: int, validation_batches,
+             loss_function, metric) -> float:
+    """The model on `(images, masks)` batches as `choice` says: `metric` updated with every
+    batch (reset first); returns the loss, each batch's weighted by its images (as Keras's
+    `evaluate`)."""
     whole = None
     if choice.tile_size is None:
         whole = (model if tuple(model.input_shape[1:3]) == choice.image_size
                  else tiling.any_size_model(model))
     metric.reset_state()
     loss_sum, count = 0.0, 0
-    for images, masks in dataset.as_numpy_iterator():
+    for images, masks in validation_batches:
         if whole is not None:
             predicted = keras.ops.convert_to_numpy(whole.predict_on_batch(images))
         else:
