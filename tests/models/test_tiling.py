@@ -82,6 +82,10 @@ def test_a_unet_built_for_its_tile_predicts_any_size():
     predicted = tfmem.predict_tiled(unet, images, overlap=8, batch_size=4)
     assert predicted.shape == (2, 40, 56, 3)
     np.testing.assert_allclose(predicted.sum(axis=-1), 1.0, atol=1e-5)  # its softmax
+    # The stride found from the model is its 4 poolings' 16.
+    np.testing.assert_allclose(
+        tfmem.predict_tiled(unet, images, overlap=8, batch_size=4, stride=16), predicted,
+        atol=1e-6)
     # One tile covers an image of the tile's size: the model's own prediction.
     np.testing.assert_allclose(
         tfmem.predict_tiled(unet, images[:, :32, :32], overlap=8),
