@@ -38,8 +38,9 @@ def predict_tiled(model: keras.Model, images, tile_size: int | tuple[int, int] |
             up with zeros to this size (one input shape: one compiled function).
         stride: the model's total downsampling (e.g. 16 for a U-Net that pools 4 times), an
             int or `(height, width)`: tile offsets are multiples of it, and the step between
-            tiles is `tile - overlap` rounded down to one. None: found from the model, as the
-            smallest step between input sizes it maps to outputs of the same size.
+            tiles is `tile - overlap` rounded down to a multiple of it. None: found from the
+            model, as the smallest step between input sizes it maps to outputs of the same
+            size.
 
     Returns:
         A NumPy array `(num_images, height, width, ...)`: the model's output for each pixel.
