@@ -119,6 +119,10 @@ flags.DEFINE_integer(
     "decoding (named by shard and record), and so is a larger --image-size.", lower_bound=1)
 flags.DEFINE_bool(
     "verbose", False, "Print the whole environment table (default: one line of it).")
+flags.DEFINE_bool(
+    "validation_tiles", False, "Segmentation: validate at the validation images' own size "
+    "by tiles of the training size even where whole images fit (default: whole images where "
+    "a forward pass of a micro-batch of them fits the plan, else tiles).")
 flags.register_validator(
     "learning_rate", lambda value: math.isfinite(value) and value > 0,
     "the learning rate must be a finite number > 0, e.g. --learning-rate=1e-3")

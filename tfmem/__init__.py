@@ -70,9 +70,10 @@ __all__ += ["MemoryPlan", "MemoryPlanError", "plan", "probe"]
 from tfmem import models
 from tfmem.metrics.image import MAE, MSE, PSNR, SSIM, mae, mse, psnr, ssim
 from tfmem.metrics.segmentation import MultiLabelIoU
+from tfmem.models.tiling import predict_tiled
 
 __all__ += ["models", "MAE", "MSE", "PSNR", "SSIM", "mae", "mse", "psnr", "ssim",
-            "MultiLabelIoU"]
+            "MultiLabelIoU", "predict_tiled"]
 
 
 # A TFRecord-pipeline name is imported on first use (`tfmem._tf` names the extra if missing).

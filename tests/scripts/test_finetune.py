@@ -857,12 +857,12 @@ def test_sigterm_says_how_to_resume_and_fewer_epochs_than_begun_are_refused(
 
 @pytest.fixture(scope="module")
 def segmentation_sets(tmp_path_factory):
-    """The demo shapes with their masks, 32 px: 128 to train on, 32 held out."""
+    """The demo shapes with their masks: 128 of 32 px to train on, 32 of 40×56 held out."""
     directory = tmp_path_factory.mktemp("segmentation")
     train = tfmem.make_demo_dataset(directory / "train", num_examples=128, image_size=32,
                                     task="segmentation")
     held_out = tfmem.make_demo_dataset(directory / "validation", num_examples=32,
-                                       image_size=32, seed=1, task="segmentation")
+                                       image_size=(40, 56), seed=1, task="segmentation")
     return train, held_out
 
 
@@ -889,16 +889,22 @@ def test_unet_trains_on_masks_above_the_all_background_baseline(finetune_cli,
     assert status == 0, stderr[-3000:]
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     validation = metrics["validation"]
-    # The 32 held-out images and their masks: one batch.
-    images, masks = next(tfmem.image_dataset(held_out.directory, image_size=(32, 32),
+    # The 32 held-out images at their own size, 40×56, and their masks: one batch.
+    images, masks = next(tfmem.image_dataset(held_out.directory, image_size=(40, 56),
                                              batch_size=32, training=False).as_numpy_iterator())
     # Every pixel called background: its IoU is the background's share, the shapes' 0.
     background = _iou(_confusion(masks, np.zeros_like(masks), 5))
     baseline = np.mean([iou for iou in background if iou is not None])
     assert validation["mean_iou"] > baseline + 0.05, (validation, baseline)
+    # U-Net takes multiples of 16: the held-out images are predicted by tiles of the training
+    # size, a micro-batch per replica a call.
+    assert validation["batch_size"] == metrics["micro_batch_size"] * metrics["num_replicas"]
+    assert (validation["image_size"], validation["tile_size"]) == ([40, 56], [32, 32])
+    assert (f"finetune: validation: 40×56 images by 32×32 tiles, {validation['batch_size']} a "
+            "call") in out
     # Per-class IoU and pixel accuracy: the saved model's predictions, counted in NumPy.
     model = keras.models.load_model(tmp_path / "model.keras")
-    predicted = np.argmax(model.predict(images, batch_size=16, verbose=0), axis=-1)
+    predicted = np.argmax(tfmem.predict_tiled(model, images, batch_size=16), axis=-1)
     confusion = _confusion(masks, predicted, 5)
     np.testing.assert_allclose(validation["per_class_iou"], _iou(confusion), atol=1e-6)
     np.testing.assert_allclose(validation["pixel_accuracy"],

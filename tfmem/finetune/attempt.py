@@ -18,7 +18,7 @@ import numpy as np
 from tfmem import cli, models
 from tfmem.data import reader
 from tfmem.data.integrity import SkippedRecords
-from tfmem.finetune import messages, outputs
+from tfmem.finetune import messages, outputs, validation as validation_lib
 from tfmem.finetune.config import FinetuneConfig, check_loss, model_spec
 from tfmem.finetune.data_facts import DataFacts, check_sizes, demo_data
 from tfmem.memory import guard, levers, plan_report
@@ -159,12 +159,20 @@ def _train(config: FinetuneConfig, spec, runtime: Runtime, precision: str, outpu
         "memory_recoveries": recoveries,
     }
     if validation is not None and data.task == "segmentation":
-        loss, mean_iou = accum.evaluate(validation, verbose=0)
-        # The metric's state after evaluate: the validation pass's counts.
+        # At the validation images' own size (Keras's per-epoch pass read them resized).
+        choice = validation_lib.choose(config, spec, data, run_plan, validation_batch)
+        print(choice.line())
+        loss = validation_lib.evaluate(model, choice, spec.image_size_multiple,
+                                       validation_lib.batches(choice, data, options),
+                                       loss_function, metrics[0])
+        mean_iou = float(metrics[0].result())
+        # The metric's state after the pass: its counts.
         scores = (metrics[0].scores() if data.multi_label
                   else segmentation_scores(metrics[0].total_cm))
-        results["validation"] = {"loss": loss, "mean_iou": mean_iou, **scores,
-                                 "batch_size": validation_batch}
+        results["validation"] = {
+            "loss": loss, "mean_iou": mean_iou, **scores, "batch_size": validation_batch,
+            "image_size": list(choice.image_size),
+            "tile_size": list(choice.tile_size) if choice.tile_size else None}
         print(messages.segmentation_line(mean_iou, scores["pixel_accuracy"], config.epochs))
     elif validation is not None:
         loss, accuracy = accum.evaluate(validation, verbose=0)

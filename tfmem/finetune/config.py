@@ -62,6 +62,9 @@ class FinetuneConfig:
         max_image_pixels: the most pixels an image of the data (read from its header) and
             `image_size`² may have.
         verbose: print the whole environment table (default: one line of it).
+        validation_tiles: validate a segmentation run at the validation images' own size by
+            tiles of the training size even where whole images fit (by default: whole
+            images where a forward pass of a micro-batch of them fits, else tiles).
     """
 
     model: str = "small-cnn"
@@ -94,6 +97,7 @@ class FinetuneConfig:
     rematerialize: str | None = None
     max_image_pixels: int = MAX_IMAGE_PIXELS
     verbose: bool = False
+    validation_tiles: bool = False
 
     def __post_init__(self):
         if not (isinstance(self.learning_rate, (int, float)) and math.isfinite(self.learning_rate)

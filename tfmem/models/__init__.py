@@ -1,4 +1,5 @@
-"""Named model builders: `keras.applications` families, EfficientNetV2-XL, FC-DenseNet, U-Net.
+"""Named model builders: `keras.applications` families, EfficientNetV2-XL, FC-DenseNet, U-Net;
+the prediction of a per-pixel model by tiles (`predict_tiled`, tiling.py).
 
 `build(name, ...)` returns a `keras.Model` taking raw RGB pixels in
 ``MODELS[name].data_range``; each family's input scaling is a layer inside the model.
@@ -23,9 +24,10 @@ from keras import layers
 
 from tfmem import _keras_internals as internals
 from tfmem.models import applications, efficientnetv2_xl, tiramisu, unet as unet_module
+from tfmem.models.tiling import predict_tiled
 
-__all__ = ["MODELS", "ModelSpec", "build", "check_weights", "input_shape", "spec",
-           "set_backbone_trainable", "shapes_only"]
+__all__ = ["MODELS", "ModelSpec", "build", "check_weights", "input_shape", "predict_tiled",
+           "spec", "set_backbone_trainable", "shapes_only"]
 
 _RAW_PIXELS = (0.0, 255.0)
 
