@@ -21,10 +21,11 @@ import numpy as np
 from tfmem import backend
 from tfmem.memory import gradient_trace
 
-# The bound for a loss or metric that is not traced, in tensors of the output's size. The
-# losses of Keras and tfmem that segmentation uses hold 3-7 such tensors besides the output
-# when traced, and up to 8 on TensorFlow's CPU allocator (docs/planning.md).
-BOUND_TENSORS = 8
+# The bound for a loss or metric that is not traced, in tensors of the output's size. With
+# the output and the targets, the losses and metrics of Keras and tfmem that segmentation
+# uses hold 3-9 such tensors traced, and up to 10 on TensorFlow's CPU allocator
+# (docs/planning.md).
+BOUND_TENSORS = 10
 
 # Traces by (loss or metric, output and target specs), for the process: the guard and the
 # levers plan the same run several times.
@@ -137,16 +138,19 @@ def _traced(item, output, make_call) -> int | None:
         try:
             call, differentiable, variables = make_call(item)
             traced = trace(call, specs, differentiable=differentiable, trainable=[],
-                           non_trainable=variables)
+                           non_trainable=variables, held=[0])  # the output: the step's
         except Exception:  # noqa: BLE001 - targets of the other form, or not traceable
             continue
         inputs = [_bytes(*spec) for spec in specs]
-        kept = (sum(inputs[i] for i in traced.kept_inputs)
-                + sum(traced.output_bytes[i] for i in traced.kept_outputs)
-                + sum(nbytes for nbytes, _ in traced.internal))
-        # As the backward workspace: at least its inputs and two tensors of the largest size
-        # (the output's gradient and one temporary), where the trace sizes no transient (JAX).
-        peak = max(traced.transient_bytes + kept, sum(inputs) + 2 * traced.largest_bytes)
+        internal = sum(nbytes for nbytes, _ in traced.internal)
+        if traced.transient_bytes:  # TensorFlow: its ops one at a time, the output held
+            peak = (traced.transient_bytes + internal
+                    + sum(inputs[i] for i in traced.kept_inputs)
+                    + sum(traced.output_bytes[i] for i in traced.kept_outputs))
+        else:  # no transient sized (JAX): as the backward workspace counts one
+            # Its inputs, what its backward keeps, and two tensors of the largest size (the
+            # output's gradient and one temporary).
+            peak = sum(inputs) + internal + 2 * traced.largest_bytes
         break
     _TRACES[key] = (item, peak)
     return peak
