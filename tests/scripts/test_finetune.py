@@ -17,6 +17,7 @@ from absl import flags
 
 import tfmem
 from tfmem._sizes import format_bytes
+from tfmem.finetune import task_loss
 from tfmem.memory.memory_plan import Term
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -930,7 +931,7 @@ def test_a_dry_run_plans_the_segmentation_head_per_pixel(finetune_main, tmp_path
     assert kept[0] - kept[1] == 64 * 64 * 5 * 4
     # The run's loss (cross-entropy skipping the ignore value) and mean IoU have a row of their
     # own: the plan of the same model with them, at the run's micro-batch.
-    loss, metrics = tfmem.finetune.task_loss("segmentation", 5)
+    loss, metrics = task_loss("segmentation", 5)
     planned = tfmem.plan(head, global_batch_size=64, device="t4", precision="auto", loss=loss,
                          metrics=metrics)
     row = next(line for line in out.splitlines() if "loss and metrics" in line)
