@@ -78,11 +78,11 @@ def loss_bytes(outputs, output_names, loss, metrics, kept_output_bytes: int) -> 
                 peak = BOUND_TENSORS * _bytes(output.shape[1:], output.dtype)
             peaks.append(peak)
     state = 0
-    for metric in metrics or ():
-        metric = keras.metrics.get(metric) if isinstance(metric, str) else metric
+    for given in metrics or ():
+        metric = keras.metrics.get(given) if isinstance(given, str) else given
         if isinstance(metric, keras.metrics.Metric):
             state += sum(_bytes(v.shape, v.dtype) for v in metric.variables)
-        peak = _traced(metric, outputs[0], _metric_call)
+        peak = _traced(given, outputs[0], _metric_call)
         if peak is None:
             notes.append(f"metric {_name(metric)} could not be traced: counted as "
                          f"{BOUND_TENSORS} tensors of the output's size")
@@ -112,6 +112,7 @@ def _loss_call(item):
 
 
 def _metric_call(metric):
+    metric = keras.metrics.get(metric) if isinstance(metric, str) else metric
     if not isinstance(metric, keras.metrics.Metric):
         return (lambda xs: metric(xs[1], xs[0])), [False, False], []
 
@@ -127,8 +128,9 @@ def _traced(item, output, make_call) -> int | None:
     the class axis, int32)."""
     shape = tuple(output.shape[1:])
     dtype = keras.backend.standardize_dtype(output.dtype)
-    key = (id(item), shape, dtype, make_call.__name__)
-    if key in _TRACES and _TRACES[key][0] is item:
+    # A name by its value; an object by identity, kept alive with its trace.
+    key = (item if isinstance(item, str) else id(item), shape, dtype, make_call.__name__)
+    if key in _TRACES and (isinstance(item, str) or _TRACES[key][0] is item):
         return _TRACES[key][1]
     trace = backend.choose(tensorflow=gradient_trace.trace_call_tensorflow,
                            jax=gradient_trace.trace_call_jax)
