@@ -24,7 +24,7 @@ from tfmem.memory import gradient_trace
 # The bound for a loss or metric that is not traced, in tensors of the output's size. With
 # the output and the targets, the losses and metrics of Keras and tfmem that segmentation
 # uses hold 3-9 such tensors traced, and up to 10 on TensorFlow's CPU allocator
-# (docs/planning.md).
+# (docs/benchmarks.md).
 BOUND_TENSORS = 10
 
 # Traces by (loss or metric, output and target specs), for the process: the guard and the
@@ -66,17 +66,22 @@ def loss_bytes(outputs, output_names, loss, metrics, kept_output_bytes: int) -> 
     notes, peaks = [], []
     losses = _per_output(loss, len(outputs), output_names)
     if losses is None:
-        notes.append(f"no loss given: loss and metrics counted as {BOUND_TENSORS} tensors of "
-                     "the output's size (pass the run's `loss` to trace it)")
+        notes.append((f"no loss given: loss and metrics counted as {BOUND_TENSORS} tensors of "
+                      "the output's size (pass the run's `loss` to trace it)") if loss is None
+                     else (f"the loss does not pair with the model's {len(outputs)} outputs: "
+                           f"counted as {BOUND_TENSORS} tensors of their size"))
         peaks.append(bound)
     else:
+        # Each output's loss in turn, the gradients of the earlier ones still held: their sum.
+        total = 0
         for item, output in zip(losses, outputs):
             peak = _traced(item, output, _loss_call)
             if peak is None:
                 notes.append(f"loss {_name(item)} could not be traced: counted as "
                              f"{BOUND_TENSORS} tensors of the output's size")
                 peak = BOUND_TENSORS * _bytes(output.shape[1:], output.dtype)
-            peaks.append(peak)
+            total += peak
+        peaks.append(total)
     state = 0
     for given in metrics or ():
         metric = keras.metrics.get(given) if isinstance(given, str) else given
