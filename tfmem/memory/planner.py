@@ -203,9 +203,9 @@ def estimate(model: keras.Model, settings: PlanSettings,
     mixed = _mixed_precision_bytes(model, precision, trainable, frozen)
     fraction = (remat_search.recompute_fraction(model, ranges, override, frozen, analyses)
                 if ranges else 0.0)
-    notes = _notes(model, settings, saved, override, recomputed, ranges, saves, fraction)
     held = _loss_and_metrics(model, settings, saved)
-    notes += held.notes
+    notes = _notes(model, settings, saved, override, recomputed, ranges, saves, fraction,
+                   held.notes)
     return MemoryPlan(
         model_name=model.name,
         num_parameters=int(model.count_params()),
@@ -281,9 +281,10 @@ def _mixed_precision_bytes(model: keras.Model, precision: str, trainable: list,
 
 
 def _notes(model: keras.Model, settings: PlanSettings, saved, override, recomputed, ranges,
-           saves: bool, fraction: float) -> tuple[str, ...]:
-    """What a plan says about how it counted: the settings' notes, then the analysis's."""
-    notes = list(settings.notes)
+           saves: bool, fraction: float, loss_notes: tuple[str, ...]) -> tuple[str, ...]:
+    """What a plan says about how it counted: the settings' notes, the loss's, then the
+    analysis's."""
+    notes = list(settings.notes) + list(loss_notes)
     if override:
         notes.append(f"built in float32, planned {settings.precision}: float32 activations "
                      f"counted as {override}")
