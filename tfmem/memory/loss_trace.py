@@ -84,12 +84,12 @@ def loss_bytes(outputs, output_names, loss, metrics, kept_output_bytes: int) -> 
         peaks.append(total)
     state = 0
     for given in metrics or ():
-        metric = keras.metrics.get(given) if isinstance(given, str) else given
+        metric = _metric(given)
         if isinstance(metric, keras.metrics.Metric):
             state += sum(_bytes(v.shape, v.dtype) for v in metric.variables)
         peak = _traced(given, outputs[0], _metric_call)
         if peak is None:
-            notes.append(f"metric {_name(metric)} could not be traced: counted as "
+            notes.append(f"metric {_name(given)} could not be traced: counted as "
                          f"{BOUND_TENSORS} tensors of the output's size")
             peak = BOUND_TENSORS * _bytes(outputs[0].shape[1:], outputs[0].dtype)
         peaks.append(peak)
@@ -116,8 +116,21 @@ def _loss_call(item):
     return (lambda xs: function(xs[1], xs[0])), [True, False], []
 
 
+def _metric(given):
+    """The metric a name stands for (None: none Keras knows by it, as "acc", which `compile`
+    resolves by the targets' shape), else `given` itself."""
+    if not isinstance(given, str):
+        return given
+    try:
+        return keras.metrics.get(given)
+    except ValueError:
+        return None
+
+
 def _metric_call(metric):
-    metric = keras.metrics.get(metric) if isinstance(metric, str) else metric
+    metric = _metric(metric)
+    if metric is None:
+        raise ValueError("not a metric Keras knows by this name")
     if not isinstance(metric, keras.metrics.Metric):
         return (lambda xs: metric(xs[1], xs[0])), [False, False], []
 
