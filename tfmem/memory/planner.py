@@ -106,7 +106,7 @@ def settings(
             set); default: the largest divisor of the per-replica batch up to 16.
         loss: the run's loss, traced on one sample of the model's output (a Keras loss
             instance, name or function; a list or dict for several outputs); default: the
-            model's compiled loss, else a bound of a few tensors of the output's size.
+            model's compiled loss, else a bound of 10 tensors of the output's size.
         metrics: the run's metrics, traced the same way; default: the compiled ones.
 
     Raises:
@@ -247,7 +247,8 @@ def estimate(model: keras.Model, settings: PlanSettings,
     )
 
 
-def _loss_and_metrics(model: keras.Model, settings: PlanSettings, saved) -> loss_trace.LossBytes:
+def _loss_and_metrics(model: keras.Model, settings: PlanSettings,
+                      saved) -> loss_trace.LossBytes:
     """The settings' loss and metrics (default: the model's compiled ones), traced on one
     sample of its outputs."""
     outputs, names = model_outputs(model, settings.input_shape)
