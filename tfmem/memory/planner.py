@@ -428,7 +428,7 @@ def plan(
         plan_settings: a `PlanSettings` from `settings(...)`; or, instead, its arguments:
             `global_batch_size` (required), `optimizer`, `precision`, one of `runtime`,
             `memory_budget`, `device`, `budget`, and `num_replicas`, `safety`,
-            `input_batches_in_flight`, `input_shape` (each described at
+            `input_batches_in_flight`, `input_shape`, `loss`, `metrics` (each described at
             `tfmem.memory.planner.settings`).
         smaller_variants: `(description, builder)` pairs the planner builds and checks, when
             nothing fits, after the changes it can check on `model` itself (precision,
