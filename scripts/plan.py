@@ -18,7 +18,7 @@ import os
 from absl import flags
 
 import tfmem
-from tfmem import cli, models
+from tfmem import cli, finetune, models
 from tfmem.runtime import devices
 from tfmem.memory import levers, plan_report
 from tfmem._install import install_command
@@ -41,6 +41,9 @@ flags.DEFINE_string("plot", None, "Write memory vs micro-batch to this PNG file 
 flags.DEFINE_string("rematerialize", None, "Recompute activations in the backward pass: "
                     "'full', 'auto' (as much as the micro-batch needs to fit), 'none' (the "
                     "default), or comma-separated layer names and first:last layer ranges.")
+flags.DEFINE_enum("loss", "cross-entropy", list(finetune.LOSSES), "The loss the run trains "
+                  "with, as scripts/finetune.py's --loss (a segmentation --model: also 'dice', "
+                  "'cross-entropy+dice'); the plan counts what it and the task's metric hold.")
 flags.mark_flags_as_required(["model", "global_batch_size"])
 for _name in ("global_batch_size", "num_classes"):
     flags.register_validator(_name, lambda value: value is None or value >= 1,
@@ -101,7 +104,7 @@ def finetune_switches(image_size: tuple[int, int]) -> plan_report.Switches:
                 ("image_size", cli.image_size_text(image_size)),
                 ("global_batch_size", FLAGS.global_batch_size)]
     for name, default in (("optimizer", "adam"), ("precision", "auto"),
-                          ("rematerialize", None)):
+                          ("rematerialize", None), ("loss", "cross-entropy")):
         if getattr(FLAGS, name) not in (default, ""):
             settings.append((name, getattr(FLAGS, name)))
     return plan_report.Switches("--allow-over-budget", flags=True,
@@ -117,7 +120,11 @@ def _plan(argv):
     del argv
     plot = plot_path(FLAGS.plot) if FLAGS.plot else None
     image_size = cli.image_size(FLAGS.image_size)
-    models.spec(FLAGS.model)  # an unknown name: the list of valid ones
+    spec = models.spec(FLAGS.model)  # an unknown name: the list of valid ones
+    if FLAGS.loss != "cross-entropy" and spec.task != "segmentation":
+        raise cli.UsageError(f"--loss {FLAGS.loss} scores masks, and {FLAGS.model} is a "
+                             f"{spec.task} network; leave --loss out, or pass a segmentation "
+                             "--model (unet, tiramisu-*)")
     try:
         models.input_shape(FLAGS.model, image_size)
     except ValueError as error:  # a size the model cannot take
@@ -134,7 +141,9 @@ def _plan(argv):
     setting = RematSpec.from_flag(FLAGS.rematerialize)
     if setting:  # the plan counts what is recomputed
         model = tfmem.AccumModel.wrap(model, rematerialize=setting)
-    plan = tfmem.plan(model, global_batch_size=FLAGS.global_batch_size,
+    loss, metrics = finetune.task_loss(spec.task, FLAGS.num_classes, FLAGS.loss)
+    plan = tfmem.plan(model, global_batch_size=FLAGS.global_batch_size, loss=loss,
+                      metrics=metrics,
                       optimizer=FLAGS.optimizer, precision=FLAGS.precision,
                       device=FLAGS.device, safety=FLAGS.safety,
                       smaller_variants=levers.registry_variants(

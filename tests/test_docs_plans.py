@@ -17,6 +17,10 @@ PAGE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "out-of-memory.md"
 GIB, MIB = 2**30, 2**20
 
 
+# What finetune.py and plan.py train and plan a classifier with (`tfmem.finetune.task_loss`).
+_CLASSIFIER_LOSS = dict(loss=keras.losses.SparseCategoricalCrossentropy(), metrics=["accuracy"])
+
+
 def _planned(precision="float32", optimizer="adam", **build_options):
     """ResNet50, 1000 classes, global batch 256 on a T4: the page's running example."""
     keras.mixed_precision.set_global_policy(precision)  # layers read it when built
@@ -26,7 +30,7 @@ def _planned(precision="float32", optimizer="adam", **build_options):
     finally:
         keras.mixed_precision.set_global_policy("float32")
     return tfmem.plan(model, global_batch_size=256, optimizer=optimizer, precision=precision,
-                      device="t4")
+                      device="t4", **_CLASSIFIER_LOSS)
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +107,7 @@ def auto():
     with models.shapes_only():
         model = models.build("resnet50", num_classes=1000, image_size=224)
     return tfmem.plan(model, global_batch_size=256, optimizer="adam", precision="auto",
-                      device="t4")
+                      device="t4", **_CLASSIFIER_LOSS)
 
 
 def test_the_printed_plan_is_the_planners(auto, page):

@@ -70,6 +70,17 @@ def test_compiled_losses_lists_each_loss_once_built():
     assert internals.compiled_losses(uncompiled) == []
 
 
+def test_compiled_metrics_are_the_metrics_compile_was_given_before_any_step():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3)])
+    iou = keras.metrics.MeanIoU(3)
+    model.compile("sgd", "mse", metrics=[iou], weighted_metrics=["mae"])
+    assert internals.compiled_metrics(model) == [iou, "mae"]
+    uncompiled = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    assert internals.compiled_metrics(uncompiled) == []
+    uncompiled.compile("sgd", "mse")
+    assert internals.compiled_metrics(uncompiled) == []
+
+
 def test_compiled_loss_entries_are_what_the_compiled_loss_calls_and_its_metrics_align():
     model = _functional()
     model.compile("sgd", loss=["mse", "mae"], loss_weights=[0.5, 2.0])

@@ -161,13 +161,17 @@ def test_plan_without_tensorflow_equals_the_tensorflow_plan(results):
                            **without_tensorflow_cases.PLAN_ARGUMENTS)
     expected = {key: value for key, value in dataclasses.asdict(reference).items()
                 if isinstance(value, int)}
-    # Known layers are sized by the same rules on both backends; the custom layer is traced
-    # by each backend's autodiff (TensorFlow's gradient graph, JAX's vjp residuals).
-    traced = {"activation_bytes_per_sample", "workspace_bytes_per_sample"}
+    # Known layers are sized by the same rules on both backends; the custom layer and the
+    # loss are traced by each backend's autodiff (TensorFlow's gradient graph, JAX's vjp
+    # residuals).
+    traced = {"activation_bytes_per_sample", "workspace_bytes_per_sample",
+              "loss_bytes_per_sample"}
     assert {k: v for k, v in results["plan"].items() if k not in traced} == \
         {k: v for k, v in expected.items() if k not in traced}
     assert results["plan"]["activation_bytes_per_sample"] == pytest.approx(
         expected["activation_bytes_per_sample"], rel=0.25)
+    # The logits' gradient and one temporary at least: 3 float32 a sample each.
+    assert results["plan"]["loss_bytes_per_sample"] >= 2 * 3 * 4
     assert results["plan_notes"] == ["measured by tracing their backward pass: GatedDense"]
 
 

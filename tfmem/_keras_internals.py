@@ -178,6 +178,17 @@ def compiled_loss_metrics(model: keras.Model) -> list:
     return [] if compile_loss is None else list(compile_loss.metrics)
 
 
+def compiled_metrics(model: keras.Model) -> list:
+    """The metrics `compile` was given (`metrics` and `weighted_metrics`, flattened), as
+    given: before the first step builds them ([] for a model compiled without any)."""
+    compile_metrics = _attribute(model, "_compile_metrics", "the compiled metrics")
+    if compile_metrics is None:
+        return []
+    given = [_attribute(compile_metrics, name, "the metrics compile was given")
+             for name in ("_user_metrics", "_user_weighted_metrics")]
+    return [metric for group in given if group for metric in keras.tree.flatten(group)]
+
+
 def keras_mask(tensor):
     """The Keras mask a layer (or a loss's `call`) set on `tensor`, or None."""
     return _module_attribute("keras.src.backend.common.masking", "get_keras_mask",

@@ -214,9 +214,9 @@ def test_breakdown_terms_are_named():
     p = tfmem.plan(_cnn(), global_batch_size=8, memory_budget=GIB)
     assert list(p.breakdown(2, 4)) == [Term.PARAMETERS, Term.GRADIENTS, Term.OPTIMIZER_SLOTS,
                                       Term.ACCUMULATION, Term.MIXED_PRECISION, Term.RUNTIME,
-                                      Term.INPUT, Term.ACTIVATIONS, Term.WORKSPACE]
+                                      Term.INPUT, Term.ACTIVATIONS, Term.WORKSPACE, Term.LOSS]
     assert p.fixed_bytes(4) == sum(v for t, v in p.breakdown(1, 4).items()
-                                   if t not in (Term.ACTIVATIONS, Term.WORKSPACE))
+                                   if t not in (Term.ACTIVATIONS, Term.WORKSPACE, Term.LOSS))
 
 
 _DRIVER = r"""

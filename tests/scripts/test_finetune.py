@@ -16,6 +16,9 @@ import tensorflow as tf
 from absl import flags
 
 import tfmem
+from tfmem._sizes import format_bytes
+from tfmem.finetune import task_loss
+from tfmem.memory.memory_plan import Term
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "finetune.py"
@@ -917,8 +920,11 @@ def test_unet_trains_on_masks_above_the_all_background_baseline(finetune_cli,
 
 def test_a_dry_run_plans_the_segmentation_head_per_pixel(finetune_main, tmp_path, capsys):
     finetune_main("--model", "unet", "--task", "segmentation", "--image-size", "64",
-                  "--dry-run", "--device", "t4", "--output", str(tmp_path))
+                  "--dry-run", "--device", "t4", "--rematerialize", "auto",
+                  "--output", str(tmp_path))
     out = capsys.readouterr().out
+    # "auto" plans a segmentation run as a classifier's: here nothing needs recomputing.
+    assert "note: rematerialize auto: not needed, micro-batch 64 fits" in out
     # The demo's 5 classes per pixel (background and the 4 shapes): U-Net's own 1×1 head.
     head = tfmem.models.build("unet", num_classes=5, image_size=64)
     assert head.output_shape == (None, 64, 64, 5)
@@ -929,6 +935,14 @@ def test_a_dry_run_plans_the_segmentation_head_per_pixel(finetune_main, tmp_path
     kept = [tfmem.plan(model, global_batch_size=8, device="t4", precision="float32")
             .activation_bytes_per_sample for model in (head, features)]
     assert kept[0] - kept[1] == 64 * 64 * 5 * 4
+    # The run's loss (cross-entropy skipping the ignore value) and mean IoU have a row of their
+    # own: the plan of the same model with them, at the run's micro-batch.
+    loss, metrics = task_loss("segmentation", 5)
+    planned = tfmem.plan(head, global_batch_size=64, device="t4", precision="auto", loss=loss,
+                         metrics=metrics)
+    row = next(line for line in out.splitlines() if "loss and metrics" in line)
+    assert format_bytes(planned.breakdown()[Term.LOSS]) in row
+    assert planned.loss_bytes_per_sample > 2 * 64 * 64 * 5 * 4  # the gradient, temporaries
 
 
 def _runs(mask):

@@ -15,6 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfmem
+from tfmem import finetune
 from tfmem._sizes import format_bytes
 from tfmem.memory import plan_report
 from native_logs import without_native_logs
@@ -170,6 +171,11 @@ def test_every_script_reports_a_bad_command_in_one_line_with_status_2(tmp_path, 
                           "--image-size=wide"],
                          r"error: --image-size 'wide' is not a size: pass one number for square "
                          r"images \(--image-size 224\) or height,width \(--image-size 360,480\)"),
+        "plan loss": (["scripts/plan.py", "--model=small-cnn", "--global-batch-size=8",
+                       "--loss=dice"],
+                      r"error: --loss dice scores masks, and small-cnn is a classification "
+                      r"network; leave --loss out, or pass a segmentation --model "
+                      r"\(unet, tiramisu-\*\)"),
         # Checked before the model is built (as an unknown --device is).
         "plot dir": (["scripts/plan.py", "--model=small-cnn", "--global-batch-size=8",
                       f"--plot={tmp_path}"],
@@ -221,8 +227,10 @@ def test_plan_script_prints_the_plan_and_draws_it(tmp_path, run):
                  "sgd", f"--plot={png}")
     with tfmem.models.shapes_only():  # the planner reads shapes only
         model = tfmem.models.build("mobilenetv2", num_classes=10, image_size=32)
+    loss, metrics = finetune.task_loss("classification", 10)  # finetune.py's
     reference = tfmem.plan(model, global_batch_size=48, optimizer="sgd", device="t4",
-                           precision="mixed_float16")  # what --precision auto means on a T4
+                           precision="mixed_float16",  # what --precision auto means on a T4
+                           loss=loss, metrics=metrics)
     total = format_bytes(reference.peak_bytes(reference.micro_batch_size))
     assert "total (peak per replica)" in result.stdout and total in result.stdout
     assert "SGD, mixed_float16" in result.stdout

@@ -251,10 +251,11 @@ def build_and_plan(config: FinetuneConfig, spec, runtime: Runtime, precision: st
     if attempt.plan_budget is not None:  # what fits under a memory limit
         where = dict(memory_budget=attempt.plan_budget, num_replicas=runtime.num_replicas,
                      precision=precision)
+    loss, metrics = loss_and_metrics(data, config.loss)  # the plan counts what they hold
     with cli.usage_errors():  # a batch that does not split, a plan over the budget, "auto"
         try:
             run_plan = guard.guard(
-                planned, global_batch_size=config.global_batch_size,
+                planned, global_batch_size=config.global_batch_size, loss=loss, metrics=metrics,
                 accumulation_steps=attempt.accumulation_steps,
                 allow_over_budget=config.allow_over_budget, optimizer=optimizer,
                 smaller_variants=levers.registry_variants(

@@ -7,9 +7,9 @@ import sys
 
 from tfmem import cli
 from tfmem.finetune import config as config_lib, outputs
-from tfmem.finetune.attempt import Attempt, run_attempt
+from tfmem.finetune.attempt import Attempt, loss_and_metrics, run_attempt
 from tfmem.finetune.config import FinetuneConfig
-from tfmem.finetune.data_facts import DataFacts, check_sizes
+from tfmem.finetune.data_facts import DEFAULT_IGNORE_VALUE, DataFacts, check_sizes
 from tfmem.finetune.supervisor import supervise
 from tfmem.runtime import memory_cap
 from tfmem.training import run_directory
@@ -55,3 +55,16 @@ def run(config: FinetuneConfig) -> dict:
     # This process holds the run directory for its training processes, one after the other.
     with run_directory.lock(output, "--output"):
         return supervise(config, cap, data, output)
+
+
+def task_loss(task: str, num_classes: int, loss: str = "cross-entropy") -> tuple:
+    """The loss and metrics `run` trains a `task` with (`loss`: its `--loss`) on data of
+    `num_classes` (masks of class indices with the ignore value 255, for segmentation): what
+    `scripts/plan.py` plans a run with.
+
+    Example:
+        >>> loss, metrics = task_loss("segmentation", 12, "dice")  # tfmem.DiceLoss, MeanIoU
+    """
+    facts = DataFacts(False, (1, 1), num_classes, None, task=task,
+                      ignore_value=DEFAULT_IGNORE_VALUE if task == "segmentation" else None)
+    return loss_and_metrics(facts, loss)

@@ -72,7 +72,7 @@ class _Trace:
 
 def trace_call_tensorflow(call: Callable, specs: Sequence[tuple[tuple, str]], *,
                           differentiable: Sequence[bool], trainable: Sequence,
-                          non_trainable: Sequence) -> TracedCall:
+                          non_trainable: Sequence, held: Sequence[int] = ()) -> TracedCall:
     """Which forward tensors the backward pass of `call(*tensors)` reads, on TensorFlow.
 
     The walk (`saved_tensors`) takes this function or `trace_call_jax`, chosen once.
@@ -84,11 +84,13 @@ def trace_call_tensorflow(call: Callable, specs: Sequence[tuple[tuple, str]], *,
         differentiable: per input, whether a gradient flows into it (an earlier layer trains).
         trainable: the variables the gradient is taken for.
         non_trainable: the other variables `call` reads (statistics, seeds).
+        held: indices of inputs alive for the whole call in `transient_bytes` (a loss's
+            prediction, which the step holds until its metrics update).
 
     Raises:
         whatever the framework raises when the call cannot be traced; callers fall back.
     """
-    arguments = (call, specs, differentiable, trainable, non_trainable)
+    arguments = (call, specs, differentiable, trainable, non_trainable, held)
     symbolic = _trace_tensorflow(*arguments, batch=None)
     if not symbolic.ambiguous:
         return TracedCall(tuple(sorted(symbolic.kept_inputs)),
@@ -101,8 +103,10 @@ def trace_call_tensorflow(call: Callable, specs: Sequence[tuple[tuple, str]], *,
 
 def trace_call_jax(call: Callable, specs: Sequence[tuple[tuple, str]], *,
                    differentiable: Sequence[bool], trainable: Sequence,
-                   non_trainable: Sequence) -> TracedCall:
-    """`trace_call_tensorflow` on JAX: the residuals `jax.vjp` saves, at two batch sizes."""
+                   non_trainable: Sequence, held: Sequence[int] = ()) -> TracedCall:
+    """`trace_call_tensorflow` on JAX: the residuals `jax.vjp` saves, at two batch sizes
+    (no transient is sized, so `held` changes nothing)."""
+    del held
     return _per_sample(_trace_jax, (call, specs, differentiable, trainable, non_trainable))
 
 
@@ -146,7 +150,8 @@ def _float_sum(outputs, cast, reduce_sum, is_float):
     return total
 
 
-def _trace_tensorflow(call, specs, differentiable, trainable, non_trainable, *, batch) -> _Trace:
+def _trace_tensorflow(call, specs, differentiable, trainable, non_trainable, held=(), *,
+                      batch) -> _Trace:
     """One trace; with `batch` None, every size is already per sample (a tensor without the
     symbolic batch axis is a weight or a reduction over the batch: 0)."""
     import tensorflow as tf
@@ -212,7 +217,8 @@ def _trace_tensorflow(call, specs, differentiable, trainable, non_trainable, *, 
     # Sized without marking the trace ambiguous: a gradient's temporary whose shape the
     # graph leaves open (broadcast to a computed shape) counts as nothing.
     results = list(graph.outputs) + list(graph.control_outputs) + list(boundary["outputs"])
-    transient = transient_bytes(operations, _sized(nbytes, batch), results) - kept
+    transient = transient_bytes(operations, _sized(nbytes, batch), results,
+                                [boundary["inputs"][i] for i in held]) - kept
     return _Trace(frozenset(kept_inputs), frozenset(kept_outputs), internal, forward, outputs,
                   has_loop, ambiguous, max(transient, 0))
 
@@ -263,7 +269,7 @@ def _sized(nbytes, batch):
     return size
 
 
-def transient_bytes(operations, nbytes, results=None) -> int:
+def transient_bytes(operations, nbytes, results=None, held=()) -> int:
     """The most bytes the tensors of `operations` hold at once, run one at a time in the
     order they were built (the forward, then the backward the tape built in reverse): a
     tensor is held from the op that makes it to the last op that reads it (not counting ops
@@ -272,7 +278,8 @@ def transient_bytes(operations, nbytes, results=None) -> int:
     With `results` (the tensors the run returns or hands on: the call's outputs and the
     gradients), only the ops they need run, as a TensorFlow function prunes the others: a
     custom gradient computes gradients for every input, also a constant's (swish's `beta`:
-    three tensors of the input's size that no step computes).
+    three tensors of the input's size that no step computes). Tensors in `held` are held
+    to the last op.
 
     TensorFlow's executor runs ops as soon as their inputs are ready, on more than one
     thread, so this is an estimate of its peak, not a bound. For Keras's BatchNormalization
@@ -290,6 +297,8 @@ def transient_bytes(operations, nbytes, results=None) -> int:
             continue  # run as soon as the tensor exists: it does not hold it
         for tensor in op.inputs:
             last[_root(tensor).ref()] = position
+    for tensor in held:
+        last[_root(tensor).ref()] = len(operations) - 1
     freed: dict[int, int] = {}  # position -> bytes its op is the last to read
     held = peak = 0
     for position, op in enumerate(operations):

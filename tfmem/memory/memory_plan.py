@@ -31,6 +31,8 @@ class Term(enum.Enum):
     ACTIVATIONS = ("activations", "tensors the backward reads, from the model graph", True)
     WORKSPACE = ("backward workspace", "the largest call's transient, ≥ 2 × largest tensor",
                  True)
+    LOSS = ("loss and metrics", "the loss's forward + backward (or a metric update), traced",
+            True)
     MEASURED_FIXED = ("measured fixed (probe)", "tfmem.probe: intercept of the measured line",
                       False)
     MEASURED_PER_SAMPLE = ("measured per-sample × micro-batch",
@@ -86,7 +88,9 @@ class MemoryPlan:
     `mixed_precision_bytes`, `runtime_bytes`. Per-sample terms: `input_bytes_per_sample`
     (× the global batch per replica × `input_batches_in_flight`: AccumModel receives the whole
     global batch and splits it inside the step), `activation_bytes_per_sample` and
-    `workspace_bytes_per_sample` (× the micro-batch). `measured`, when set by `tfmem.probe`,
+    `workspace_bytes_per_sample` and `loss_bytes_per_sample` (× the micro-batch; the loss's
+    temporaries and the output's gradient it makes, or a metric update's, beyond the output
+    the activations count). `measured`, when set by `tfmem.probe`,
     replaces the estimated runtime, state and per-sample terms with a measured line.
     `rematerialized`: the segments recomputed in the backward pass ("full", "auto",
     `(first, last)` pairs) as `(path, ranges)` pairs (`tfmem.remat.plan`), and
@@ -118,6 +122,7 @@ class MemoryPlan:
     activation_bytes_per_sample: int
     workspace_bytes_per_sample: int
     input_batches_in_flight: int = 2
+    loss_bytes_per_sample: int = 0
     micro_batch_size: int = 0
     accumulation_steps: int = 0
     measured: MeasuredLine | None = None
@@ -176,6 +181,7 @@ class MemoryPlan:
             Term.INPUT: inputs,
             Term.ACTIVATIONS: self.activation_bytes_per_sample * b,
             Term.WORKSPACE: self.workspace_bytes_per_sample * b,
+            Term.LOSS: self.loss_bytes_per_sample * b,
         }
 
     def peak_bytes(self, micro_batch_size: int, accumulation_steps: int | None = None) -> int:

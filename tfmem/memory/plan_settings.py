@@ -33,6 +33,9 @@ class PlanSettings:
             already); None plans the model's own setting.
         micro_batch_target: the micro-batch "auto" rematerialization makes fit (a run with
             a set k); None: the rule of `planner.plan`.
+        loss: the run's loss (a Keras loss instance, name or function; a list or dict of
+            them for several outputs); None plans the model's compiled loss, if any.
+        metrics: the run's metrics; None plans the model's compiled metrics.
         notes: lines the plan prints with its table.
     """
 
@@ -46,4 +49,6 @@ class PlanSettings:
     frozen: frozenset = frozenset()
     rematerialize: Any = None
     micro_batch_target: int | None = None
+    loss: Any = None
+    metrics: tuple | None = None
     notes: tuple[str, ...] = ()

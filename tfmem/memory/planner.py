@@ -31,11 +31,11 @@ import keras
 import numpy as np
 
 from tfmem import _keras_internals as internals
-from tfmem.memory import levers, remat_search
+from tfmem.memory import levers, loss_trace, remat_search
 from tfmem.memory.memory_plan import MemoryPlan, MemoryPlanError, choose
 from tfmem.memory.optimizer_state import optimizer_slot_bytes
 from tfmem.memory.plan_settings import PlanSettings
-from tfmem.memory.saved_tensors import saved_tensors
+from tfmem.memory.saved_tensors import model_outputs, saved_tensors
 from tfmem.remat import plan as remat_plan
 from tfmem.remat import runner
 from tfmem.remat.spec import Ranges, RematSpec
@@ -75,6 +75,8 @@ def settings(
     input_shape: Sequence | None = None,
     rematerialize: Any = None,
     micro_batch_target: int | None = None,
+    loss: Any = None,
+    metrics: Sequence | None = None,
 ) -> PlanSettings:
     """The settings of a plan, checked: the arguments `tfmem.plan` and `tfmem.probe` take.
 
@@ -102,6 +104,10 @@ def settings(
             the model's own setting (an `AccumModel`'s), else nothing.
         micro_batch_target: with "auto", the micro-batch to make fit (a run whose k is
             set); default: the largest divisor of the per-replica batch up to 16.
+        loss: the run's loss, traced on one sample of the model's output (a Keras loss
+            instance, name or function; a list or dict for several outputs); default: the
+            model's compiled loss, else a bound of 10 tensors of the output's size.
+        metrics: the run's metrics, traced the same way; default: the compiled ones.
 
     Raises:
         ValueError: the global batch does not split over the replicas, or bad arguments.
@@ -126,7 +132,8 @@ def settings(
                         input_shape=input_shape,
                         rematerialize=(None if rematerialize is None  # the model's own
                                        else RematSpec.parse(rematerialize)),
-                        micro_batch_target=micro_batch_target,
+                        micro_batch_target=micro_batch_target, loss=loss,
+                        metrics=None if metrics is None else tuple(metrics),
                         notes=(note,) if note else ())
 
 
@@ -196,7 +203,9 @@ def estimate(model: keras.Model, settings: PlanSettings,
     mixed = _mixed_precision_bytes(model, precision, trainable, frozen)
     fraction = (remat_search.recompute_fraction(model, ranges, override, frozen, analyses)
                 if ranges else 0.0)
-    notes = _notes(model, settings, saved, override, recomputed, ranges, saves, fraction)
+    held = _loss_and_metrics(model, settings, saved)
+    notes = _notes(model, settings, saved, override, recomputed, ranges, saves, fraction,
+                   held.notes)
     return MemoryPlan(
         model_name=model.name,
         num_parameters=int(model.count_params()),
@@ -209,9 +218,9 @@ def estimate(model: keras.Model, settings: PlanSettings,
         memory_per_replica=budget.memory_per_replica,
         safety=settings.safety,
         global_batch_size=settings.global_batch_size,
-        # Every weight (trainable and BN moving statistics) in its own dtype; not the few
-        # bytes of dropout seed states.
-        parameter_bytes=_nbytes(model.weights),
+        # Every weight (trainable and BN moving statistics) in its own dtype, and the
+        # metrics' state (a confusion matrix); not the few bytes of dropout seed states.
+        parameter_bytes=_nbytes(model.weights) + held.state_bytes,
         # tape.gradient returns one gradient per trainable variable, in the variable's dtype,
         # all alive together until `apply_gradients`.
         gradient_bytes=_nbytes(trainable),
@@ -228,11 +237,28 @@ def estimate(model: keras.Model, settings: PlanSettings,
         # What the call running at the peak holds next to the kept tensors: its gradients
         # and temporaries (or a grouped convolution its patch matrix).
         workspace_bytes_per_sample=saved.workspace_bytes,
+        # Held next to every kept activation when the loss runs; counted besides the
+        # workspace (the backward's largest call runs after the loss, an upper bound).
+        loss_bytes_per_sample=held.per_sample,
         input_batches_in_flight=settings.input_batches_in_flight,
         notes=notes,
         rematerialized=tuple(ranges),
         recompute_fraction=fraction,
     )
+
+
+def _loss_and_metrics(model: keras.Model, settings: PlanSettings,
+                      saved) -> loss_trace.LossBytes:
+    """The settings' loss and metrics (default: the model's compiled ones), traced on one
+    sample of its outputs."""
+    outputs, names = model_outputs(model, settings.input_shape)
+    if not outputs:
+        return loss_trace.LossBytes(0, notes=(
+            "loss and metrics not counted: the model's outputs could not be sized",))
+    loss = settings.loss if settings.loss is not None else getattr(model, "loss", None)
+    metrics = (settings.metrics if settings.metrics is not None
+               else internals.compiled_metrics(model))
+    return loss_trace.loss_bytes(outputs, names, loss, metrics, saved.kept_output_bytes)
 
 
 def _mixed_precision_bytes(model: keras.Model, precision: str, trainable: list,
@@ -256,9 +282,10 @@ def _mixed_precision_bytes(model: keras.Model, precision: str, trainable: list,
 
 
 def _notes(model: keras.Model, settings: PlanSettings, saved, override, recomputed, ranges,
-           saves: bool, fraction: float) -> tuple[str, ...]:
-    """What a plan says about how it counted: the settings' notes, then the analysis's."""
-    notes = list(settings.notes)
+           saves: bool, fraction: float, loss_notes: tuple[str, ...]) -> tuple[str, ...]:
+    """What a plan says about how it counted: the settings' notes, the loss's, then the
+    analysis's."""
+    notes = list(settings.notes) + list(loss_notes)
     if override:
         notes.append(f"built in float32, planned {settings.precision}: float32 activations "
                      f"counted as {override}")
@@ -401,7 +428,7 @@ def plan(
         plan_settings: a `PlanSettings` from `settings(...)`; or, instead, its arguments:
             `global_batch_size` (required), `optimizer`, `precision`, one of `runtime`,
             `memory_budget`, `device`, `budget`, and `num_replicas`, `safety`,
-            `input_batches_in_flight`, `input_shape` (each described at
+            `input_batches_in_flight`, `input_shape`, `loss`, `metrics` (each described at
             `tfmem.memory.planner.settings`).
         smaller_variants: `(description, builder)` pairs the planner builds and checks, when
             nothing fits, after the changes it can check on `model` itself (precision,

@@ -50,6 +50,8 @@ class SavedTensors:
         segments: `(name, bytes per sample it keeps inside)` of each rematerialized layer;
             those bytes are not in `saved_bytes`: one such layer at a time holds them again,
             while it is recomputed in the backward pass.
+        kept_output_bytes: bytes per sample of the model's outputs among the kept tensors
+            (a softmax's output, which its backward reads).
     """
 
     saved_bytes: int
@@ -60,6 +62,7 @@ class SavedTensors:
     traced_calls: tuple[str, ...] = ()
     loop_calls: tuple[str, ...] = ()
     segments: tuple[tuple[str, int], ...] = ()
+    kept_output_bytes: int = 0
 
     @property
     def recomputed_bytes(self) -> int:
@@ -98,16 +101,16 @@ def saved_tensors(model: keras.Model, *, compute_dtype: str | None = None,
         called = _called_as_graph(model, input_shapes) if recomputed else None
         if called is not None:  # its named layers keep their inputs: walked as a graph
             walker = _walked(called, compute_dtype, frozen, recomputed, (), None)
-            return _result(walker, called.inputs)
+            return _result(walker, called.inputs, called.outputs)
         return traced_saved_tensors(model, compute_dtype=compute_dtype, frozen=frozen,
                                     input_shapes=input_shapes)
     flat = flat_graph.flattened(model, ranges) if ranges else None
     if flat is not None:  # the layers cut inside made part of the graph, as AccumModel runs
         walker = _walked(flat.graph, compute_dtype, frozen, recomputed, (("", flat.ranges),),
                          None, flat.paths)
-        return _result(walker, flat.graph.inputs)
+        return _result(walker, flat.graph.inputs, flat.graph.outputs)
     walker = _walked(graph, compute_dtype, frozen, recomputed, ranges, inner_graphs)
-    return _result(walker, graph.inputs)
+    return _result(walker, graph.inputs, graph.outputs)
 
 
 def saved_tensors_facts(model: keras.Model, *, compute_dtype: str | None = None,
@@ -198,11 +201,14 @@ def traced_saved_tensors(model: keras.Model, *, compute_dtype: str | None = None
             "measure it with `tfmem.probe`.")
     for index in result.kept_inputs:
         walker.keep(inputs[index])
+    kept_outputs = 0
     for index in result.kept_outputs:
         nbytes = result.output_bytes[index]
-        walker.keep_bytes(nbytes * itemsize(walker.override) // 4 if walker.override else nbytes)
+        nbytes = nbytes * itemsize(walker.override) // 4 if walker.override else nbytes
+        walker.keep_bytes(nbytes)
+        kept_outputs += nbytes
     walker.keep_internal(result)
-    return _result(walker, inputs)
+    return dataclasses.replace(_result(walker, inputs), kept_output_bytes=kept_outputs)
 
 
 def _walker(compute_dtype, frozen, recomputed=(), ranges=(), inner_graphs=None) -> Walker:
@@ -222,7 +228,7 @@ def _walked(graph, compute_dtype, frozen, recomputed, ranges, inner_graphs,
     return walker
 
 
-def _result(walker: Walker, inputs) -> SavedTensors:
+def _result(walker: Walker, inputs, outputs=()) -> SavedTensors:
     return SavedTensors(
         saved_bytes=int(sum(walker.sizes.values())),
         largest_tensor_bytes=int(walker.largest),
@@ -232,7 +238,24 @@ def _result(walker: Walker, inputs) -> SavedTensors:
         traced_calls=tuple(sorted(walker.traced)),
         loop_calls=tuple(sorted(walker.loops)),
         segments=tuple(walker.segments),
+        kept_output_bytes=int(sum(walker.sizes.get(walker.key(t), 0)
+                                  for t in {id(t): t for t in outputs}.values())),
     )
+
+
+def model_outputs(model: keras.Model, input_shapes=None) -> tuple[list, list | None]:
+    """The model's symbolic outputs (with a batch axis) and their names: a functional
+    graph's own, else from a symbolic call of a subclassed model; `([], None)` when they
+    cannot be read."""
+    graph = internals.functional_of(model)
+    if graph is not None and internals.is_graph_network(graph):
+        return list(graph.outputs), list(getattr(graph, "output_names", None) or ()) or None
+    try:
+        inputs = _subclassed_inputs(model, input_shapes)
+        spec = model.compute_output_spec(inputs[0] if len(inputs) == 1 else inputs)
+    except Exception:  # noqa: BLE001 - a call that does not run symbolically: not counted
+        return [], None
+    return keras.tree.flatten(spec), None
 
 
 # A subclassed model's call traced as a graph, by model: `(input shapes, graph)`.

@@ -31,7 +31,8 @@ def plan_model():
     return keras.Model(inputs, keras.layers.Dense(3)(x))
 
 
-PLAN_ARGUMENTS = dict(global_batch_size=64, optimizer="adam", memory_budget=2**30)
+PLAN_ARGUMENTS = dict(global_batch_size=64, optimizer="adam", memory_budget=2**30,
+                      loss="sparse_categorical_crossentropy")
 # Bytes of address space allowed beyond what the process maps once JAX has started: micro-batch
 # 64 of `out_of_memory`'s model needs ~1.6 GB of activations and their gradients.
 OUT_OF_MEMORY_LIMIT = 700_000_000
