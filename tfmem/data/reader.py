@@ -165,7 +165,7 @@ def count_records(path_or_pattern: str | os.PathLike) -> int | None:
 def first_image_sizes(path_or_pattern: str | os.PathLike,
                       num_files: int = 4) -> list[tuple[int, int]]:
     """`(height, width)` of the first record's image in each of the first `num_files` files,
-    read from the image headers (a format without a readable size is left out).
+    read from the image headers (an image without a readable size is left out).
 
     Raises:
         ValueError: no files, a file without a readable record, or a layout whose image
@@ -175,7 +175,10 @@ def first_image_sizes(path_or_pattern: str | os.PathLike,
     for path in _glob(os.fspath(path_or_pattern))[:num_files]:
         features = schema_lib.read_first_record(path)
         image = features[schema_lib.detect_schema(path, features).image_key].first
-        height, width = pipeline.encoded_size(image).numpy().tolist()
+        try:
+            height, width = pipeline.encoded_size(image).numpy().tolist()
+        except tf.errors.OpError:  # a damaged JPEG header: reading the record names it
+            continue
         if height > 0:
             sizes.append((height, width))
     return sizes
