@@ -55,7 +55,8 @@ _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace a set already in --o
 _MASKS = flags.DEFINE_string("masks", None, "Segmentation: folder of PNG masks (class indices, "
                              "grey or palette), one per image of --source, same file names.")
 _RLE_CSV = flags.DEFINE_string("rle_csv", None, "Segmentation: Kaggle CSV of run-length-encoded "
-                               "masks of the images of --source.")
+                               "masks of the images of --source (an image without a row has an "
+                               "empty mask unless the CSV has rows of empty EncodedPixels).")
 _IGNORE_VALUE = flags.DEFINE_string("ignore_value", "255", "Segmentation: the mask value of "
                                     "pixels without a class, or 'none'.")
 _CLASS_NAMES = flags.DEFINE_list("class_names", None, "Segmentation: class names in the order of "

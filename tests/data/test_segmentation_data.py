@@ -259,6 +259,32 @@ def test_kaggle_rle_csv_becomes_masks_with_overlapping_classes_as_channels(tmp_p
                                     tmp_path / "long")
 
 
+def test_rle_csv_without_empty_rows_lists_only_images_with_masks(tmp_path):
+    rng = np.random.default_rng(3)
+    (tmp_path / "images").mkdir()
+    for name, shape in {"a.jpg": (12, 16), "b.jpg": (16, 12), "c.jpg": (10, 10)}.items():
+        image = rng.integers(0, 256, size=(*shape, 3), dtype=np.uint8)
+        (tmp_path / "images" / name).write_bytes(tf.io.encode_jpeg(image).numpy())
+    # Severstal's newer layout: a row per image and class with pixels; b and c have none.
+    (tmp_path / "steel.csv").write_text(
+        "ImageId,ClassId,EncodedPixels\na.jpg,3,1 5 100 3\na.jpg,1,40 10\nc.jpg,3,7 2\n")
+    steel = tfmem.write_image_tfrecords((tmp_path / "images", tmp_path / "steel.csv"),
+                                        tmp_path / "steel", shuffle=False)
+    assert steel.class_names == ("background", "1", "3") and steel.num_examples == 3
+    expected = [_decoded_by_hand("40 10", 12, 16) + 2 * _decoded_by_hand("1 5 100 3", 12, 16),
+                np.zeros((16, 12), np.uint8), 2 * _decoded_by_hand("7 2", 10, 10)]
+    for stored, mask in zip(_stored(steel), expected, strict=True):
+        np.testing.assert_array_equal(stored, mask)
+
+    # A CSV with rows of empty runs lists every image: one missing is the wrong folder.
+    (tmp_path / "ships.csv").write_text("ImageId,EncodedPixels\na.jpg,1 5\nb.jpg,\n")
+    with pytest.raises(ValueError, match=re.escape(
+            f"image '{tmp_path / 'images' / 'c.jpg'}' has no row in '{tmp_path / 'ships.csv'}' "
+            "(1 such image(s)), which lists every image (it has rows of empty EncodedPixels)")):
+        tfmem.write_image_tfrecords((tmp_path / "images", tmp_path / "ships.csv"),
+                                    tmp_path / "ships")
+
+
 def test_demo_segmentation_set_draws_the_shapes_as_masks(tmp_path):
     manifest = tfmem.make_demo_dataset(tmp_path, num_examples=8, image_size=(12, 16), seed=5,
                                        task="segmentation")

@@ -36,7 +36,33 @@ def sets(tmp_path_factory):
         "b.png_Sugar,3 9\nb.png_Gravel,100 7\n")
     clouds = tfmem.write_image_tfrecords((directory / "images", directory / "clouds.csv"),
                                          directory / "clouds")
-    return {"wide": wide.directory, "odd": odd.directory, "clouds": clouds.directory}
+    # DeepLab-layout records without a manifest: two files of 32×48 (JPEG, PNG), and a 32×40
+    # file beside a 64×64 one.
+    foreign = {"deeplab": [((32, 48), "jpeg"), ((32, 48), "png")],
+               "mixed": [((32, 40), "png"), ((64, 64), "png")]}
+    for name, files in foreign.items():
+        (directory / name).mkdir()
+        for number, (size, encoding) in enumerate(files):
+            with tf.io.TFRecordWriter(str(directory / name / f"train-{number}.tfrecord")) as w:
+                for image, mask in tfmem.demo_examples(2, size, seed=number,
+                                                       task="segmentation"):
+                    w.write(_deeplab_example(image, mask, encoding))
+    return {"wide": wide.directory, "odd": odd.directory, "clouds": clouds.directory,
+            "deeplab": str(directory / "deeplab"), "mixed": str(directory / "mixed"),
+            "mixed_odd": str(directory / "mixed" / "train-0.tfrecord")}
+
+
+def _deeplab_example(image, mask, encoding):
+    def feature(data):
+        return tf.train.Feature(bytes_list=tf.train.BytesList(value=[data]))
+
+    encode = tf.io.encode_png if encoding == "png" else tf.io.encode_jpeg
+    return tf.train.Example(features=tf.train.Features(feature={
+        "image/encoded": feature(encode(image).numpy()),
+        "image/format": feature(encoding.encode()),
+        "image/segmentation/class/encoded": feature(tf.io.encode_png(mask[..., None]).numpy()),
+        "image/segmentation/class/format": feature(b"png"),
+    })).SerializeToString()
 
 
 def test_the_manifest_records_the_size_its_images_share(sets):
@@ -55,6 +81,24 @@ def test_without_image_size_a_run_takes_the_size_of_its_set(sets):
     # Through the supervisor's JSON (a list) the size is a pair again.
     assert DataFacts(**json.loads(json.dumps(dataclasses.asdict(data)))) == data
     assert FinetuneConfig(image_size=[360, 480]).image_size == (360, 480)
+
+
+def test_records_without_a_manifest_train_at_the_size_of_their_first_images(sets, capsys):
+    spec = tfmem.models.spec("unet")
+    config = FinetuneConfig(model="unet", data=sets["deeplab"], num_classes=5,
+                            task="segmentation")
+    data = DataFacts.of(config, spec)
+    assert (data.image_size, data.num_examples) == ((32, 48), 4)
+    assert data.size_source == (f"the size of the images of --data {sets['deeplab']}, from "
+                                "its first records")
+    # Images of several sizes: the model's size, and a line saying why.
+    mixed = DataFacts.of(dataclasses.replace(config, data=sets["mixed"]), spec)
+    assert mixed.image_size == (spec.default_image_size,) * 2
+    assert mixed.size_source == "the training size of unet"
+    assert capsys.readouterr().out == (
+        f"finetune: the first images of --data {sets['mixed']} differ in size (32×40, "
+        f"64×64); training at the size of unet, {spec.default_image_size}: pass --image-size "
+        "to choose\n")
 
 
 def test_loss_picks_dice_with_the_ignore_value_of_the_set(sets):
@@ -91,6 +135,10 @@ def test_a_multi_label_set_trains_a_sigmoid_per_class(sets):
      r"--image-size 32,40 \(the size of the images of --data .*odd, from its manifest; none "
      r"given\): unet needs height and width divisible by 16 .* Try 32 or 48\. Pass "
      r"--image-size HEIGHT,WIDTH that it takes"),
+    (["--model", "unet", "--data", "{mixed_odd}", "--num-classes", "5", "--task",
+      "segmentation"],
+     r"--image-size 32,40 \(the size of the images of --data .*train-0\.tfrecord, from its "
+     r"first records; none given\): unet needs height and width divisible by 16"),
     (["--model", "unet", "--data", "{wide}", "--image-size", "32,40"],
      r"--image-size 32,40: unet needs height and width divisible by 16"),
     (["--loss", "dice"], r"--loss dice scores masks, and this run is classification \(a "

@@ -5,7 +5,11 @@ import pathlib
 import re
 
 import nbformat
+import numpy as np
+import pytest
 from nbclient import NotebookClient
+
+import tfmem
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -54,3 +58,30 @@ def test_memory_planning_notebook_tabulates_devices_and_draws_the_budget(tmp_pat
     assert re.search(r"t4\s+15\.0G\s+12\.0G", text)
     assert re.search(r"tpu-v3-8\s+16\.0G\s+12\.8G", text)
     assert (tmp_path / "memory_vs_micro_batch.png").stat().st_size > 10_000
+
+
+def test_segmentation_notebook_trains_a_unet_above_the_all_background_iou(tmp_path,
+                                                                          monkeypatch):
+    # 64 updates of 8 images of 16×16: the notebook's calls, in seconds.
+    notebook = _execute("segmentation.ipynb", tmp_path, monkeypatch,
+                        OUTPUT=str(tmp_path / "run"), IMAGE_SIZE=16, NUM_EXAMPLES=512,
+                        VALIDATION_EXAMPLES=64, GLOBAL_BATCH_SIZE=8, LEARNING_RATE=3e-3,
+                        EPOCHS=1)
+    text = _text(notebook)
+    assert ("512 training images with masks, classes background, disk, square, triangle, plus, "
+            "ignore value 255") in text
+    assert re.search(r"global batch 8 = micro-batch \d+ × \d+ accumulation steps? × 1 replica\n",
+                     text), text
+    found = re.search(r"validation mean IoU ([\d.]+) \(predicting all background: ([\d.]+)\)",
+                      text)
+    assert found, text
+    # Predicting background everywhere, by hand: the background's IoU is its share of the
+    # pixels, each shape's is 0, and Keras's MeanIoU averages the classes present.
+    masks = np.stack([mask for _, mask in tfmem.demo_examples(64, 16, seed=1,
+                                                               task="segmentation")])
+    background = (masks == 0).mean() / len(np.unique(masks))
+    assert float(found.group(2)) == pytest.approx(background, abs=5e-4)
+    assert float(found.group(1)) > background + 0.15, text  # about 0.48 against 0.17
+    assert (tmp_path / "prediction.png").stat().st_size > 5_000
+    assert any("image/png" in output.get("data", {}) for cell in notebook.cells
+               if cell.cell_type == "code" for output in cell.get("outputs", []))

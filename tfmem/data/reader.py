@@ -162,6 +162,28 @@ def count_records(path_or_pattern: str | os.PathLike) -> int | None:
     return None if None in counts else sum(counts)
 
 
+def first_image_sizes(path_or_pattern: str | os.PathLike,
+                      num_files: int = 4) -> list[tuple[int, int]]:
+    """`(height, width)` of the first record's image in each of the first `num_files` files,
+    read from the image headers (an image without a readable size is left out).
+
+    Raises:
+        ValueError: no files, a file without a readable record, or a layout whose image
+            `detect_schema` cannot tell.
+    """
+    sizes = []
+    for path in _glob(os.fspath(path_or_pattern))[:num_files]:
+        features = schema_lib.read_first_record(path)
+        image = features[schema_lib.detect_schema(path, features).image_key].first
+        try:
+            height, width = pipeline.encoded_size(image).numpy().tolist()
+        except tf.errors.OpError:  # a damaged JPEG header: reading the record names it
+            continue
+        if height > 0:
+            sizes.append((height, width))
+    return sizes
+
+
 def inspect_tfrecords(path_or_pattern: str | os.PathLike) -> str:
     """Describes TFRecord files: their feature keys and types, the first record's image shape,
     and the schema `image_dataset` would use (or why it cannot tell).

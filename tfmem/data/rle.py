@@ -13,6 +13,11 @@ and count down the columns (column-major: pixel `(row, column)` of an image `hei
 is number `column * height + row + 1`). Classes are sorted by name (as numbers when all are).
 When no two classes of an image share a pixel, the masks are class indices (0 background,
 then the classes); when some do, one 0/1 channel per class (multi-label).
+
+A CSV with rows of empty `EncodedPixels` writes out the images without masks, so it lists
+every image, and an image of the folder without a row is an error (the wrong folder); a CSV
+without such rows lists only the images with masks (Severstal's newer `train.csv`, a table
+whose empty rows were dropped), and an image without a row has an empty mask (all background).
 """
 
 from __future__ import annotations
@@ -90,9 +95,9 @@ def _sorted_classes(names: set[str]) -> list[str]:
     return sorted(names, key=int if numeric else str)
 
 
-def read_csv(path: str) -> dict[str, dict[str, np.ndarray]]:
-    """`{image id: {class: runs}}` of a Kaggle RLE CSV; the rows of one image and class
-    (one per object) are joined."""
+def read_csv(path: str) -> tuple[dict[str, dict[str, np.ndarray]], bool]:
+    """`{image id: {class: runs}}` of a Kaggle RLE CSV, the rows of one image and class (one
+    per object) joined, and whether it has a row of empty runs (so lists every image)."""
     with tf.io.gfile.GFile(path, "r") as file:
         rows = csv.reader(file)
         header = next(rows, None)
@@ -100,6 +105,7 @@ def read_csv(path: str) -> dict[str, dict[str, np.ndarray]]:
             raise ValueError(f"{path!r} is empty; expected a CSV of run-length-encoded masks.")
         image_column, class_column, runs_column, joined = _columns(header, path)
         table: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+        lists_every_image = False
         for number, row in enumerate(rows, start=2):
             if not row:
                 continue
@@ -109,19 +115,21 @@ def read_csv(path: str) -> dict[str, dict[str, np.ndarray]]:
             elif class_column is not None:
                 name = row[class_column]
             try:
-                table[image][name].append(parse_runs(row[runs_column]))
+                runs = parse_runs(row[runs_column])
             except (ValueError, IndexError) as error:
                 raise ValueError(f"{path!r} line {number} ({image!r}, class {name!r}): "
                                  f"{error}; expected `start length ...` pairs") from None
-    return {image: {name: np.concatenate(runs) for name, runs in by_class.items()}
-            for image, by_class in table.items()}
+            table[image][name].append(runs)
+            lists_every_image = lists_every_image or not runs.size
+    return ({image: {name: np.concatenate(runs) for name, runs in by_class.items()}
+             for image, by_class in table.items()}, lists_every_image)
 
 
 def csv_source(images_root: str, csv_path: str, class_names: Sequence[str] | None,
                ignore_value: int | None, skip_unreadable: bool, shuffle: bool, seed: int,
                skipped: list, max_image_pixels: int) -> sources.Source:
     """The images of `images_root` with their masks from the RLE CSV `csv_path`."""
-    table = read_csv(csv_path)
+    table, lists_every_image = read_csv(csv_path)
     found = sorted({name for by_class in table.values() for name in by_class})
     classes = list(class_names) if class_names is not None else _sorted_classes(set(found))
     unknown = sorted(set(found) - set(classes))
@@ -142,10 +150,15 @@ def csv_source(images_root: str, csv_path: str, class_names: Sequence[str] | Non
                          f"{images_root!r}, e.g. {missing[0]!r}; each mask needs its image")
     used = set(paths.values())
     alone = sorted(path for path in files.values() if path not in used)
-    if alone:
-        raise ValueError(f"image {alone[0]!r} has no row in {csv_path!r} ({len(alone)} such "
-                         "image(s)); each image needs its mask's rows (empty EncodedPixels for "
-                         "none)")
+    if alone and lists_every_image:
+        raise ValueError(
+            f"image {alone[0]!r} has no row in {csv_path!r} ({len(alone)} such image(s)), which "
+            "lists every image (it has rows of empty EncodedPixels); check that the images "
+            "folder is the CSV's, or give each image without a mask a row of empty "
+            "EncodedPixels")
+    for path in alone:  # the CSV lists only the images with masks: the rest have none
+        image = os.path.relpath(path, images_root)
+        table[image], paths[image] = {}, path
     mask_format = masks_lib.MaskFormat(
         classes if multi_label else [BACKGROUND, *classes], ignore_value, multi_label)
     order = sorted(table)

@@ -63,6 +63,12 @@ class DataFacts:
             if not config.image_size and manifest.image_size:
                 image_size = manifest.image_size
                 source = f"the size of the images of --data {config.data}, from its manifest"
+        elif identity is not None and not config.image_size:  # records read, no manifest
+            size = _first_records_size(config.data, spec)
+            if size is not None:
+                image_size = size
+                source = (f"the size of the images of --data {config.data}, from its first "
+                          "records")
         # Not read either when the training data was not (a dry run for another machine).
         validation = config.validation_data
         validation_identity = validation and identity and _validation_identity(validation)
@@ -178,6 +184,21 @@ def _records_facts(config: FinetuneConfig) -> tuple[int, int, str]:
                              f"records of {data}; pass --num-examples {count} or fewer")
     num_examples = config.num_examples or count
     return config.num_classes, num_examples, f"{os.path.abspath(data)}, {num_examples} examples"
+
+
+def _first_records_size(data: str, spec) -> tuple[int, int] | None:
+    """The size the first records' images share (their headers), or None: they differ, or
+    the layout is not recognised (reading names why)."""
+    try:
+        sizes = sorted(set(reader.first_image_sizes(data)))
+    except ValueError:
+        return None
+    if len(sizes) > 1:
+        listed = ", ".join(f"{height}×{width}" for height, width in sizes)
+        print(f"finetune: the first images of --data {data} differ in size ({listed}); "
+              f"training at the size of {spec.name}, {spec.default_image_size}: pass "
+              "--image-size to choose")
+    return sizes[0] if len(sizes) == 1 else None
 
 
 def _validation_identity(data: str) -> str:
