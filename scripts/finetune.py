@@ -54,7 +54,8 @@ flags.DEFINE_integer(
     "num_examples", None, "Training examples to use, for data without a manifest.json "
     "(default: all the records, counted on a local disk; required for gs://).", lower_bound=1)
 flags.DEFINE_integer(
-    "global_batch_size", 64, "Samples per optimizer update, over all replicas.", lower_bound=1)
+    "global_batch_size", None, "Samples per optimizer update, over all replicas (default: 64; "
+    "16 for the segmentation demo).", lower_bound=1)
 flags.DEFINE_string(
     "accumulation_steps", "auto", "'auto' (the planner picks the largest micro-batch that "
     "fits) or a number k of micro-batches per global batch.")
@@ -63,7 +64,8 @@ flags.DEFINE_enum(
     "pixel, over the pixels that have a class), 'dice' (each image's Dice loss over the "
     "classes, averaged over the images) or 'cross-entropy+dice' (each image's mean "
     "cross-entropy plus its Dice loss, averaged over the images).")
-flags.DEFINE_integer("epochs", 2, "Training epochs.", lower_bound=1)
+flags.DEFINE_integer("epochs", None, "Training epochs (default: 2; 1 for the segmentation "
+                     "demo).", lower_bound=1)
 flags.DEFINE_string(
     "image_size", None, "One number (square) or height,width, e.g. 360,480; default: the "
     "size of the --data set's images (its manifest, where they share one), else the model's "

@@ -32,11 +32,12 @@ class FinetuneConfig:
             TFRecords, or a glob such as "gs://bucket/train-*.tfrec".
         validation_data: TFRecords to evaluate on (with "demo": the demo's held-out set).
         num_classes, num_examples: for data without a tfmem manifest.json.
-        global_batch_size: samples per optimizer update, over all replicas.
+        global_batch_size: samples per optimizer update, over all replicas; default 64 (16
+            for the segmentation demo: more, smaller updates learn its masks faster).
         accumulation_steps: "auto" (the plan's choice) or k micro-batches per global batch.
         loss: "cross-entropy", or for segmentation "dice" or "cross-entropy+dice" (each
             image's Dice loss, and its cross-entropy, averaged over the images).
-        epochs: training epochs.
+        epochs: training epochs; default 2 (1 for the segmentation demo).
         image_size: an int (square), `(height, width)` or "360,480"; default: the --data
             set's own size (its manifest), else the model's (the demo's 32 for "demo").
         precision: "auto", "float32", "mixed_float16" or "mixed_bfloat16".
@@ -73,10 +74,10 @@ class FinetuneConfig:
     validation_data: str | None = None
     num_classes: int | None = None
     num_examples: int | None = None
-    global_batch_size: int = 64
+    global_batch_size: int | None = None
     accumulation_steps: int | str = "auto"
     loss: str = "cross-entropy"
-    epochs: int = 2
+    epochs: int | None = None
     image_size: int | tuple[int, int] | str | None = None
     precision: str = "auto"
     weights: str | None = None
@@ -100,6 +101,10 @@ class FinetuneConfig:
     validation_tiles: bool = False
 
     def __post_init__(self):
+        segmentation_demo = self.data == "demo" and self.task == "segmentation"
+        for name, default, demo_default in (("global_batch_size", 64, 16), ("epochs", 2, 1)):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, demo_default if segmentation_demo else default)
         if not (isinstance(self.learning_rate, (int, float)) and math.isfinite(self.learning_rate)
                 and self.learning_rate > 0):
             raise cli.UsageError(f"--learning-rate {self.learning_rate}: the learning rate must "
