@@ -132,6 +132,8 @@ def test_a_split_the_plan_refuses_trains_when_its_compiled_step_fits(accumulatio
     assert fixed["plan_refused"]  # the plan's CPU framework term alone is over the budget
     assert fixed["compiled_peak"] <= fixed["budget_bytes"]
     assert fixed["iterations"] == 1 and fixed["weights"] <= 1e-5  # the whole batch's step
+    # The step the check compiles (Keras's at k = 1) is the one fit runs: no second compile.
+    assert fixed["check_lowerings"] == 1 and fixed["fit_lowerings"] == 0
 
 
 def test_auto_takes_the_largest_micro_batch_whose_compiled_step_fits(accumulation):
@@ -143,6 +145,9 @@ def test_auto_takes_the_largest_micro_batch_whose_compiled_step_fits(accumulatio
     assert 1 < auto["accumulation_steps"] <= 4
     assert auto["compiled_peak"] <= auto["budget_bytes"] < auto["half_steps_peak"]
     assert auto["iterations"] == 1 and auto["weights"] <= 1e-5  # chosen before any step
+    # Each k the search compiles (a micro-step and an update) is compiled once: fit, which
+    # checks again, runs the chosen k's executables.
+    assert auto["check_lowerings"] >= 4 and auto["fit_lowerings"] == 0
     # A set k over the budget by XLA's figure too: refused, naming what XLA fits.
     assert result["refused"].startswith(
         "global batch 32 = micro-batch 32 × 1 accumulation step × 1 replica needs ")

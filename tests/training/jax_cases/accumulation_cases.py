@@ -5,6 +5,9 @@ with KERAS_BACKEND=jax (set by `common`) and 8 host devices. The cases here run 
 with no distribution; data_parallel_cases.py's, which install one, run last.
 """
 
+import collections
+import logging
+
 import common  # noqa: F401  (fixes the backend first)
 import keras
 import numpy as np
@@ -262,6 +265,31 @@ def wide_dense(inputs):
     return keras.Model(inputs, keras.layers.Dense(3, dtype="float32")(hidden))
 
 
+class Lowerings(logging.Handler):
+    """The step programs JAX lowers for XLA while it is installed (JAX logs each one it
+    lowers; a call served by a jitted function's cache lowers nothing): `counts` maps each
+    program's name and argument shapes to how many times one was lowered."""
+
+    LOGGER = logging.getLogger("jax._src.interpreters.pxla")
+    STEPS = ("train_step", "_micro_step", "_update")  # AccumModel's programs
+
+    def __enter__(self):
+        self.counts = collections.Counter()
+        self.level = self.LOGGER.level
+        self.LOGGER.setLevel(logging.DEBUG)
+        self.LOGGER.addHandler(self)
+        return self
+
+    def __exit__(self, *exc_info):
+        self.LOGGER.removeHandler(self)
+        self.LOGGER.setLevel(self.level)
+
+    def emit(self, record):
+        message = record.getMessage()
+        if message.split()[:2] in (["Compiling", f"jit({name})"] for name in self.STEPS):
+            self.counts[message.split(". Argument mapping")[0]] += 1
+
+
 def guard_with_xla():
     """fit where the plan's fixed CPU term refuses every split: XLA's figure of the compiled
     step decides. A budget between the compiled peaks of micro-batch 32 and 8."""
@@ -292,7 +320,12 @@ def guard_with_xla():
             plan_refused = False
         except tfmem.MemoryPlanError:
             plan_refused = True
-        model.fit(x, y, batch_size=32, verbose=0, shuffle=False, memory_budget=memory_budget)
+        # The check alone, then fit (which checks again): what each lowers of the step.
+        with Lowerings() as checked:
+            model.plan_memory(x, 32, memory_budget=memory_budget, y=y)
+        with Lowerings() as trained:
+            model.fit(x, y, batch_size=32, verbose=0, shuffle=False,
+                      memory_budget=memory_budget)
         k = model.accumulation_steps
         results[name] = {
             "budget_bytes": 0.8 * memory_budget,  # the plan's safety: 80% of it
@@ -301,6 +334,8 @@ def guard_with_xla():
             "compiled_peak": peak(k),
             "iterations": int(model.optimizer.iterations),
             "weights": relative_difference(plain.get_weights(), model.get_weights()),
+            "check_lowerings": sum(checked.counts.values()),
+            "fit_lowerings": sum(trained.counts.values()),
         }
         if k > 1:
             results[name]["half_steps_peak"] = peak(k // 2)
