@@ -190,8 +190,11 @@ class AccumModel(_STEP.AccumTrainer, keras.Model):
                 "`check_memory` (False trains over the memory budget) and `memory_budget`.")
         if self._rematerialize.names:
             runner.apply(self, self._rematerialize.names)
+        weights = inspect.signature(super().fit).bind_partial(x, y, batch_size, *args, **kwargs)
         run = self.plan_memory(x, batch_size, check_memory=check_memory,
-                               memory_budget=memory_budget, y=y)
+                               memory_budget=memory_budget, y=y,
+                               sample_weight=weights.arguments.get("sample_weight"),
+                               class_weight=weights.arguments.get("class_weight"))
         self._apply_segments(run)
         return super().fit(x, y, batch_size, *args, **kwargs)
 
@@ -238,7 +241,8 @@ class AccumModel(_STEP.AccumTrainer, keras.Model):
         return super().make_train_function(force)
 
     def plan_memory(self, x=None, batch_size=None, *, check_memory: bool = True,
-                    memory_budget: int | None = None, y=None) -> RunPlan | None:
+                    memory_budget: int | None = None, y=None, sample_weight=None,
+                    class_weight=None) -> RunPlan | None:
         """Plans and checks the run `fit(x, y, batch_size=batch_size)` would make; `fit`
         calls it.
 
@@ -252,6 +256,8 @@ class AccumModel(_STEP.AccumTrainer, keras.Model):
             x: the training data as `fit` takes it (arrays, or a batched `tf.data.Dataset`).
             batch_size: as in `fit`, for arrays.
             y: as in `fit`: the targets of array data.
+            sample_weight, class_weight: as in `fit`; only whether the batch has weights (and
+                their shape) matters: the step compiled for the check takes them as `fit`'s.
             check_memory: False skips the check (with "auto" the plan still picks `k`,
                 micro-batch 1 when nothing fits).
             memory_budget: bytes per replica; default: the strategy's devices.
@@ -281,7 +287,8 @@ class AccumModel(_STEP.AccumTrainer, keras.Model):
             accumulation_steps="auto" if auto else self.accumulation_steps,
             allow_over_budget=not check_memory, batch_of_the_data=True, **where,
             switches=Switches(allow_over_budget="check_memory=False"),
-            compiled_peak=self._compiled_peak(x, y, global_batch),
+            compiled_peak=self._compiled_peak(x, y, global_batch,
+                                              _weights_like(sample_weight, class_weight)),
             optimizer=self.optimizer,
             precision=plan_precision(self),
             # A subclassed model Keras has not built yet is planned at the data's shapes.
@@ -290,12 +297,12 @@ class AccumModel(_STEP.AccumTrainer, keras.Model):
             self.accumulation_steps = run.accumulation_steps
         return run
 
-    def _compiled_peak(self, x, y, global_batch: int):
+    def _compiled_peak(self, x, y, global_batch: int, sample_weight=None):
         """`k → XLA's peak bytes of the compiled step` for the data's global batch, where the
         backend's step can be compiled ahead (`compiled_step_memory`); else None."""
         if not hasattr(_STEP.AccumTrainer, "compiled_step_memory") or self.run_eagerly:
             return None
-        batch = _batch_shapes(x, y, global_batch)
+        batch = _batch_shapes(x, y, global_batch, sample_weight)
         if batch is None or self.optimizer is None:
             return None
 
@@ -480,11 +487,27 @@ def _sample_shapes(x) -> list[tuple] | None:
     return [tuple(shape)[1:] for shape in shapes]
 
 
-def _batch_shapes(x, y, global_batch: int):
-    """`(x, y)` of one global batch as shapes and dtypes, from arrays or a batched
-    `tf.data.Dataset`; None for other data."""
+def _weights_like(sample_weight, class_weight):
+    """What Keras feeds the step as the sample weights of array data given `sample_weight`
+    or `class_weight` (floating arrays in `floatx`, one weight per row for class weights);
+    None without weights."""
+    if sample_weight is not None:
+        return keras.KerasTensor(tuple(sample_weight.shape), keras.backend.floatx())
+    if class_weight is not None:
+        return keras.KerasTensor((None,), keras.backend.floatx())
+    return None
+
+
+def _batch_shapes(x, y, global_batch: int, sample_weight=None):
+    """`(x, y[, sample_weight])` of one global batch as shapes and dtypes, from arrays or a
+    batched `tf.data.Dataset` (its own elements); None for other data."""
     element_spec = getattr(x, "element_spec", None)
-    parts = element_spec if element_spec is not None else (x, y) if y is not None else x
+    if element_spec is not None:
+        parts = element_spec
+    elif y is None:
+        parts = x
+    else:
+        parts = (x, y) if sample_weight is None else (x, y, sample_weight)
     leaves = keras.tree.flatten(parts)
     if not leaves or any(getattr(leaf, "shape", None) is None for leaf in leaves):
         return None
