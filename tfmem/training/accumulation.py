@@ -248,9 +248,11 @@ class AccumModel(_STEP.AccumTrainer, keras.Model):
 
         The one guard (`tfmem.memory.guard`): with `accumulation_steps="auto"` it sets `k`
         from the plan. Every `fit` calls it (so does `fit_resumable`, through `fit`). Where the
-        backend compiles the step ahead (JAX), a setting the plan refuses is checked again
-        with XLA's memory analysis of the compiled step (`guard`'s `compiled_peak`), before
-        any step: it trains if that fits, and "auto" takes the micro-batch that does.
+        backend compiles the step ahead (JAX), the split is checked with XLA's memory analysis
+        of the compiled step (`guard`'s `compiled_peak`) before any step: a set `k` trains if
+        that fits and is refused if not, whatever the plan said, and "auto" takes the largest
+        micro-batch that fits. The step is compiled as `fit` runs it, and `fit` runs that
+        executable.
 
         Args:
             x: the training data as `fit` takes it (arrays, or a batched `tf.data.Dataset`).
