@@ -103,7 +103,7 @@ def guard(
     smaller_variants: Sequence[tuple[str, Callable[[], keras.Model]]] = (),
     batch_of_the_data: bool = False,
     switches: Switches = PYTHON,
-    compiled_peak: Callable[[int], int] | None = None,
+    compiled_peak: Callable[[int, MemoryPlan], int] | None = None,
     **plan_arguments: Any,
 ) -> RunPlan:
     """Plans a run, stops it before the first step if it cannot fit, and picks its split.
@@ -122,8 +122,9 @@ def guard(
         switches: how the caller's interface spells k and the override of the check,
             named in its messages (`tfmem.memory.plan_report.COMMAND_LINE` for a program's
             flags; `AccumModel.fit` names its `check_memory=False`).
-        compiled_peak: on an XLA backend, the peak bytes per device of the compiled train
-            step with k accumulation steps (`AccumModel.compiled_step_memory`). Given, the
+        compiled_peak: on an XLA backend, `(k, plan) →` the peak bytes per device of the
+            compiled train step with k accumulation steps and the plan's segments
+            (`AccumModel.compiled_peaks`). Given, the
             plan's answer is checked with XLA's figure (plus, on a CPU, the plan's framework
             runtime, which the figure leaves out): a k the plan refuses trains if that fits;
             one it accepts is refused if that does not fit, and "auto" takes the largest
@@ -177,7 +178,8 @@ def guard(
 
 
 def _decided(memory_plan: MemoryPlan, steps: int | str, allow_over_budget: bool,
-             switches: Switches, compiled_peak: Callable[[int], int] | None) -> RunPlan:
+             switches: Switches,
+             compiled_peak: Callable[[int, MemoryPlan], int] | None) -> RunPlan:
     """The plan's split, confirmed or moved by XLA's compiled step where it can be read: a
     split the plan refuses trains if its compiled step fits; one it accepts whose compiled
     step does not fit is refused (a set k); "auto" takes the largest micro-batch whose
@@ -196,7 +198,7 @@ def _decided(memory_plan: MemoryPlan, steps: int | str, allow_over_budget: bool,
     if compiled_peak is None:
         return run
     try:
-        peak = compiled_peak(run.accumulation_steps)
+        peak = compiled_peak(run.accumulation_steps, memory_plan)
     except Exception:  # noqa: BLE001 - a step not compiled ahead: the plan's yes stands
         return run
     fits = peak + memory_plan.runtime_bytes <= memory_plan.budget_bytes
@@ -224,8 +226,8 @@ def _checked(memory_plan: MemoryPlan, steps: int | str, allow_over_budget: bool,
 
 
 def _compiled(memory_plan: MemoryPlan, steps: int | str, switches: Switches,
-              compiled_peak: Callable[[int], int], known: dict[int, int] | None = None
-              ) -> RunPlan:
+              compiled_peak: Callable[[int, MemoryPlan], int],
+              known: dict[int, int] | None = None) -> RunPlan:
     """The split whose compiled step fits the budget by XLA's figure (on a CPU with the
     plan's framework runtime, which XLA's figure leaves out): a set k if it fits; with
     "auto" the smallest k that fits (the largest micro-batch). The k that divide the batch
@@ -238,7 +240,7 @@ def _compiled(memory_plan: MemoryPlan, steps: int | str, switches: Switches,
 
     def needs(k: int) -> int:
         if k not in peaks:
-            peaks[k] = compiled_peak(k)
+            peaks[k] = compiled_peak(k, memory_plan)
         return peaks[k] + memory_plan.runtime_bytes
 
     def fits(index: int) -> bool:

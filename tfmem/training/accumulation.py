@@ -195,20 +195,23 @@ class AccumModel(_STEP.AccumTrainer, keras.Model):
                                memory_budget=memory_budget, y=y,
                                sample_weight=weights.arguments.get("sample_weight"),
                                class_weight=weights.arguments.get("class_weight"))
-        self._apply_segments(run)
+        self._apply_segments(run.plan if run is not None else None)
         return super().fit(x, y, batch_size, *args, **kwargs)
 
-    def _apply_segments(self, run: RunPlan | None) -> None:
-        """Cuts the segments the plan chose ("full", "auto", pairs); without a plan, those
-        the setting names ("auto" then cuts all of "full")."""
+    def _apply_segments(self, plan) -> None:
+        """Cuts the segments the `MemoryPlan` chose ("full", "auto", pairs); without a plan,
+        those cut already (by an earlier plan or its memory check), else those the setting
+        names ("auto" then cuts all of "full")."""
         setting = self._rematerialize
         if not setting.cuts_segments:
             return
         runner.check_graph(self, setting)
         if setting.mode == "chosen":
             spec = setting.chosen
-        elif run is not None and run.plan is not None:
-            spec = run.plan.rematerialized
+        elif plan is not None:
+            spec = plan.rematerialized
+        elif hasattr(self, "_tfmem_spec"):
+            return
         else:
             if setting.mode == "auto":
                 warnings.warn('rematerialize="auto" needs a memory plan and this run has '
@@ -289,8 +292,8 @@ class AccumModel(_STEP.AccumTrainer, keras.Model):
             accumulation_steps="auto" if auto else self.accumulation_steps,
             allow_over_budget=not check_memory, batch_of_the_data=True, **where,
             switches=Switches(allow_over_budget="check_memory=False"),
-            compiled_peak=self._compiled_peak(x, y, global_batch,
-                                              _weights_like(sample_weight, class_weight)),
+            compiled_peak=self.compiled_peaks(x, y, batch_size, sample_weight=sample_weight,
+                                              class_weight=class_weight),
             optimizer=self.optimizer,
             precision=plan_precision(self),
             # A subclassed model Keras has not built yet is planned at the data's shapes.
@@ -299,16 +302,32 @@ class AccumModel(_STEP.AccumTrainer, keras.Model):
             self.accumulation_steps = run.accumulation_steps
         return run
 
-    def _compiled_peak(self, x, y, global_batch: int, sample_weight=None):
-        """`k → XLA's peak bytes of the compiled step` for the data's global batch, where the
-        backend's step can be compiled ahead (`compiled_step_memory`); else None."""
+    def compiled_peaks(self, x=None, y=None, batch_size=None, *, sample_weight=None,
+                       class_weight=None):
+        """The memory check's reading of the step `fit(x, y, batch_size=...)` runs: a
+        function `(k, plan) →` XLA's peak bytes per device of the compiled step with `k`
+        accumulation steps and the segments the `MemoryPlan` chose (which it cuts); what
+        `tfmem.memory.guard.guard` takes as `compiled_peak`. The step is compiled as `fit`
+        runs it, and `fit` runs that executable.
+
+        Args:
+            x, y, batch_size, sample_weight, class_weight: as in `fit` (only the data's
+                shapes and dtypes are read).
+
+        Returns:
+            The function, or None where the backend compiles no step ahead (TensorFlow),
+            the model runs eagerly, is not compiled, or the data has no static batch shape.
+        """
         if not hasattr(_STEP.AccumTrainer, "compiled_step_memory") or self.run_eagerly:
             return None
-        batch = _batch_shapes(x, y, global_batch, sample_weight)
+        global_batch = global_batch_size(x, batch_size)
+        batch = (None if global_batch is None else
+                 _batch_shapes(x, y, global_batch, _weights_like(sample_weight, class_weight)))
         if batch is None or self.optimizer is None:
             return None
 
-        def compiled_peak(accumulation_steps: int) -> int:
+        def compiled_peak(accumulation_steps: int, plan=None) -> int:
+            self._apply_segments(plan)  # the segments fit runs with this plan
             internals.symbolic_build(self, batch)  # the variables the compiled step takes
             chosen = self._accumulation_steps
             self._accumulation_steps = accumulation_steps

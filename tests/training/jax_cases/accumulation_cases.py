@@ -304,7 +304,7 @@ def guard_with_xla():
                          optimizer="sgd").runtime_bytes
     compiled = {}
 
-    def peak(k):
+    def peak(k, plan=None):
         if k not in compiled:
             probe.accumulation_steps = k
             compiled[k] = probe.compiled_step_memory((x, y, sample_weight))["peak_bytes"]
