@@ -151,6 +151,11 @@ def test_demo_trains_on_the_jax_backend(tmp_path, written_sets):
     assert re.search(r"strategy +none \(Keras's default on JAX: one device\)", result.stdout)
     assert result.stderr.count("Finished XLA compilation of jit(train_step)") == 1, \
         result.stderr[-3000:]
+    # The split checked with XLA's figure of that compiled step before any step (which the
+    # run then ran: the one compile above), shown under the plan.
+    assert re.search(r"\n  compiled step \(XLA\) +[\d.]+ [MG]iB   arguments \+ outputs \+ "
+                     r"temporaries − aliased; checked with the framework runtime above: "
+                     r"[\d.]+ [MG]iB\n", result.stdout), result.stdout[-3000:]
     # Segments cut and recomputed all the same (the note names them only where some are);
     # planned as kept, since on a CPU XLA saves nothing by it.
     assert "note: rematerialized layers planned as kept: on JAX on a CPU" in result.stdout

@@ -131,26 +131,51 @@ def test_accumulating_adds_only_its_sums_and_the_rest_of_the_batch(accumulation)
 def test_a_split_the_plan_refuses_trains_when_its_compiled_step_fits(accumulation):
     result = accumulation["guard_with_xla"]
     fixed = result["fixed"]
-    assert fixed["plan_refused"]  # the plan's CPU framework term alone is over the budget
-    assert fixed["compiled_peak"] <= fixed["budget_bytes"]
+    assert fixed["plan_steps"] is None  # the plan refuses it
+    # XLA's figure of the step with the plan's framework runtime, which the figure leaves out
+    assert fixed["compiled_peak"] + result["runtime_bytes"] <= fixed["budget_bytes"]
     assert fixed["iterations"] == 1 and fixed["weights"] <= 1e-5  # the whole batch's step
+    # The step the check compiles (Keras's at k = 1) is the one fit runs: no second compile.
+    assert fixed["check_lowerings"] == 1 and fixed["fit_lowerings"] == 0
 
 
 def test_auto_takes_the_largest_micro_batch_whose_compiled_step_fits(accumulation):
     result = accumulation["guard_with_xla"]
     auto = result["auto"]
+    runtime = result["runtime_bytes"]  # the plan's framework runtime, which XLA leaves out
     peak_of_1, peak_of_4 = result["peaks"]  # the compiled peaks with k = 1 and 4
-    assert peak_of_1 > auto["budget_bytes"] >= peak_of_4
-    assert auto["plan_refused"]
-    assert 1 < auto["accumulation_steps"] <= 4
-    assert auto["compiled_peak"] <= auto["budget_bytes"] < auto["half_steps_peak"]
+    assert peak_of_1 + runtime > auto["budget_bytes"] >= peak_of_4 + runtime
+    # The plan puts the dense net above XLA's figure: its micro-batch is smaller than the
+    # one XLA fits, and "auto" moves up to that one.
+    assert auto["plan_steps"] > auto["accumulation_steps"] > 1
+    assert (auto["compiled_peak"] + runtime <= auto["budget_bytes"]
+            < auto["half_steps_peak"] + runtime)
     assert auto["iterations"] == 1 and auto["weights"] <= 1e-5  # chosen before any step
+    # Each k the search compiles (a micro-step and an update) is compiled once: fit, which
+    # checks again, runs the chosen k's executables.
+    assert auto["check_lowerings"] >= 4 and auto["fit_lowerings"] == 0
     # A set k over the budget by XLA's figure too: refused, naming what XLA fits.
     assert result["refused"].startswith(
         "global batch 32 = micro-batch 32 × 1 accumulation step × 1 replica needs ")
     assert result["refused"].endswith(
         f"by XLA's figure (accumulation_steps={auto['accumulation_steps']}). "
         "Pass `allow_over_budget=True` to run anyway.")
+
+
+def test_auto_moves_down_when_the_compiled_step_of_the_plans_split_does_not_fit(accumulation):
+    result = accumulation["guard_with_xla"]["accepted"]
+    runtime = result["runtime_bytes"]
+    # The plan accepts micro-batch 32 (it puts two convolutions under XLA:CPU's figure); XLA
+    # does not fit it.
+    assert result["plan_steps"] == 1
+    assert result["planned"] <= result["budget_bytes"] < result["compiled_32"] + runtime
+    # Moved before any step to a smaller micro-batch whose compiled step fits.
+    assert result["accumulation_steps"] > 1
+    assert result["compiled_peak"] + runtime <= result["budget_bytes"]
+    assert result["iterations"] == 1 and result["weights"] <= 1e-5  # the whole batch's step
+    assert "compiled step (XLA)" in result["table"]
+    # The executables the check compiled are the ones fit runs.
+    assert result["check_lowerings"] >= 3 and result["fit_lowerings"] == 0
 
 
 def test_lr_schedule_counts_real_updates(accumulation):

@@ -111,19 +111,6 @@ def _train_in(config: FinetuneConfig, spec, runtime: Runtime, precision: str, ou
 def _train(config: FinetuneConfig, spec, runtime: Runtime, precision: str, output: str,
            data: DataFacts, attempt: Attempt) -> dict:
     """Builds, plans, trains and evaluates; returns metrics.json's dict."""
-    model, optimizer, run_plan = build_and_plan(config, spec, runtime, precision, data,
-                                                attempt)
-    steps_per_epoch = data.num_examples // config.global_batch_size  # >= 1: check_sizes
-    setting = RematSpec.from_flag(config.rematerialize).value
-    if setting in ("full", "auto") and run_plan.plan is not None:
-        # The segments the plan chose: the run cuts the same ones.
-        chosen = run_plan.plan.rematerialized
-        setting = Ranges(chosen) if chosen else None
-    with runtime.scope():
-        accum = AccumModel.wrap(model, accumulation_steps=run_plan.accumulation_steps,
-                                rematerialize=setting)
-        loss_function, metrics = loss_and_metrics(data, config.loss)
-        accum.compile(optimizer, loss_function, metrics=metrics)
     skipped = SkippedRecords() if config.skip_corrupt else None
     options = dict(image_size=data.image_size, data_range=spec.data_range,
                    num_classes=data.num_classes, skip_corrupt=config.skip_corrupt,
@@ -135,6 +122,19 @@ def _train(config: FinetuneConfig, spec, runtime: Runtime, precision: str, outpu
         # Skipped records would end the epoch early: an epoch is steps_per_epoch updates.
         return dataset.repeat() if config.skip_corrupt else dataset
 
+    trainers = []  # the AccumModel the memory check compiled, which the run trains
+
+    def trainer(model, optimizer, memory_plan):
+        if not trainers:
+            trainers.append(_trainer(config, runtime, data, model, optimizer, memory_plan))
+        return trainers[0]
+
+    model, optimizer, run_plan = build_and_plan(config, spec, runtime, precision, data,
+                                                attempt, train_data=make_dataset(0),
+                                                trainer=trainer)
+    steps_per_epoch = data.num_examples // config.global_batch_size  # >= 1: check_sizes
+    accum = trainer(model, optimizer, run_plan.plan)
+    accum.accumulation_steps = run_plan.accumulation_steps
     # Evaluated a micro-batch per replica at a time, as the plan trains: a validation batch
     # of the global batch's size would run its forward pass on all of it at once.
     validation_batch = run_plan.micro_batch_size * runtime.num_replicas
@@ -234,11 +234,29 @@ def _fit(config: FinetuneConfig, output: str, accum: AccumModel, make_dataset,
         raise messages.diverged_run(config, output, error) from error
 
 
+def _trainer(config: FinetuneConfig, runtime: Runtime, data: DataFacts, model: keras.Model,
+             optimizer, memory_plan) -> AccumModel:
+    """The compiled AccumModel the run trains, cutting the segments the plan chose."""
+    setting = RematSpec.from_flag(config.rematerialize).value
+    if setting in ("full", "auto") and memory_plan is not None:
+        # The segments the plan chose: the run cuts the same ones.
+        chosen = memory_plan.rematerialized
+        setting = Ranges(chosen) if chosen else None
+    with runtime.scope():
+        accum = AccumModel.wrap(model, rematerialize=setting)
+        loss_function, metrics = loss_and_metrics(data, config.loss)
+        accum.compile(optimizer, loss_function, metrics=metrics)
+    return accum
+
+
 def build_and_plan(config: FinetuneConfig, spec, runtime: Runtime, precision: str,
-                   data: DataFacts, attempt: Attempt) -> tuple[keras.Model,
-                                                               keras.optimizers.Optimizer,
-                                                               guard.RunPlan]:
-    """The model and optimizer (in the strategy's scope), and the run's checked split."""
+                   data: DataFacts, attempt: Attempt, train_data=None, trainer=None
+                   ) -> tuple[keras.Model, keras.optimizers.Optimizer, guard.RunPlan]:
+    """The model and optimizer (in the strategy's scope), and the run's checked split.
+
+    With `train_data` (the run's dataset) and `trainer` (`(model, optimizer, plan) →` the
+    AccumModel that trains), the split is checked on the runtime's XLA backend with the
+    compiled step the run then runs (`AccumModel.compiled_peaks`)."""
     model, optimizer = _build(config, spec, runtime, data)
     planned = model
     if config.rematerialize:  # the plan counts what is recomputed
@@ -248,6 +266,17 @@ def build_and_plan(config: FinetuneConfig, spec, runtime: Runtime, precision: st
     # --device plans for that device (its replicas and, with precision "auto", its policy).
     where = (dict(device=config.device, precision=config.precision) if config.device
              else dict(runtime=runtime, precision=precision))
+    compiled_peak = None
+    # On a backend whose step compiles ahead (JAX), for the runtime the run trains on.
+    if trainer is not None and not config.device and hasattr(AccumModel,
+                                                             "compiled_step_memory"):
+
+        def compiled_peak(accumulation_steps: int, memory_plan) -> int:
+            peaks = trainer(model, optimizer, memory_plan).compiled_peaks(train_data)
+            if peaks is None:  # data without a static batch shape
+                raise ValueError("the training data has no static batch shape")
+            return peaks(accumulation_steps, memory_plan)
+
     if attempt.plan_budget is not None:  # what fits under a memory limit
         where = dict(memory_budget=attempt.plan_budget, num_replicas=runtime.num_replicas,
                      precision=precision)
@@ -260,7 +289,7 @@ def build_and_plan(config: FinetuneConfig, spec, runtime: Runtime, precision: st
                 allow_over_budget=config.allow_over_budget, optimizer=optimizer,
                 smaller_variants=levers.registry_variants(
                     spec.name, image_size=data.image_size, num_classes=data.num_classes),
-                switches=plan_report.COMMAND_LINE, **where)
+                switches=plan_report.COMMAND_LINE, compiled_peak=compiled_peak, **where)
         except MemoryPlanError as error:  # the plan it refused, then the one-line refusal
             print(error.plan.table(error.accumulation_steps))
             raise
@@ -269,7 +298,7 @@ def build_and_plan(config: FinetuneConfig, spec, runtime: Runtime, precision: st
     if attempt.split_file:  # the supervising process halves this split if memory runs out
         _write_split(attempt.split_file, config, model, run_plan, runtime)
     if run_plan.plan is not None:  # its first line: parameters and the split
-        print(run_plan.plan.table(run_plan.accumulation_steps))
+        print(run_plan.table())
     else:
         print(f"{spec.name}: {model.count_params():,} parameters, {run_plan.describe()}")
     return model, optimizer, run_plan

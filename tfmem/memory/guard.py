@@ -9,6 +9,8 @@
 3. the plan is checked (`planner.check`): a setting over the budget raises `MemoryPlanError`
    unless `allow_over_budget`;
 4. "auto" takes the plan's k (micro-batch 1 when nothing fits and the budget may be exceeded);
+   on an XLA backend (JAX) the split is then checked with XLA's figure of its compiled step,
+   which confirms it, lets a split the plan refused train, or moves "auto" down;
 5. a run that cannot be planned (the device's memory is unknown, a model the planner cannot
    size, data without a static batch size) still trains with its own k, after one
    `UnplannedRunWarning` per model, unless it asked for "auto", which needs a plan.
@@ -49,7 +51,8 @@ class RunPlan:
         plan: the checked `MemoryPlan`; None when the run could not be planned.
         skipped: why there is no plan (said in an `UnplannedRunWarning`), else None.
         compiled_peak_bytes: XLA's figure for the compiled step of this split (arguments +
-            outputs + temporaries − aliased, per device) when it decided the split, else None.
+            outputs + temporaries − aliased, per device) where it was read, else None. On a
+            CPU the split was checked with it plus the plan's framework runtime.
     """
 
     global_batch_size: int
@@ -77,9 +80,13 @@ class RunPlan:
         lines = [self.plan.table(self.accumulation_steps)] if self.plan is not None else [
             self.describe()]
         if self.compiled_peak_bytes is not None:
+            runtime = self.plan.runtime_bytes if self.plan is not None else 0
+            checked = ("the figure the split was checked with" if not runtime else
+                       "checked with the framework runtime above: "
+                       f"{format_bytes(self.compiled_peak_bytes + runtime)}")
             lines.append(f"  {'compiled step (XLA)':<34} "
                          f"{format_bytes(self.compiled_peak_bytes):>11}   arguments + outputs "
-                         "+ temporaries − aliased: the figure the split was checked with")
+                         f"+ temporaries − aliased; {checked}")
         return "\n".join(lines)
 
 
@@ -96,7 +103,7 @@ def guard(
     smaller_variants: Sequence[tuple[str, Callable[[], keras.Model]]] = (),
     batch_of_the_data: bool = False,
     switches: Switches = PYTHON,
-    compiled_peak: Callable[[int], int] | None = None,
+    compiled_peak: Callable[[int, MemoryPlan], int] | None = None,
     **plan_arguments: Any,
 ) -> RunPlan:
     """Plans a run, stops it before the first step if it cannot fit, and picks its split.
@@ -115,10 +122,13 @@ def guard(
         switches: how the caller's interface spells k and the override of the check,
             named in its messages (`tfmem.memory.plan_report.COMMAND_LINE` for a program's
             flags; `AccumModel.fit` names its `check_memory=False`).
-        compiled_peak: on an XLA backend, the peak bytes per device of the compiled train
-            step with k accumulation steps (`AccumModel.compiled_step_memory`). Given, a
-            setting the plan refuses is checked again with XLA's figure: a k that fits
-            trains, and "auto" takes the largest micro-batch whose compiled step fits.
+        compiled_peak: on an XLA backend, `(k, plan) →` the peak bytes per device of the
+            compiled train step with k accumulation steps and the plan's segments
+            (`AccumModel.compiled_peaks`). Given, the
+            plan's answer is checked with XLA's figure (plus, on a CPU, the plan's framework
+            runtime, which the figure leaves out): a k the plan refuses trains if that fits;
+            one it accepts is refused if that does not fit, and "auto" takes the largest
+            micro-batch whose compiled step fits.
         **plan_arguments: the other arguments of `tfmem.plan` (optimizer, precision, safety,
             input_shape, input_batches_in_flight).
 
@@ -168,10 +178,14 @@ def guard(
 
 
 def _decided(memory_plan: MemoryPlan, steps: int | str, allow_over_budget: bool,
-             switches: Switches, compiled_peak: Callable[[int], int] | None) -> RunPlan:
-    """The plan's split; one it refuses, XLA's compiled step decides where it can be read."""
+             switches: Switches,
+             compiled_peak: Callable[[int, MemoryPlan], int] | None) -> RunPlan:
+    """The plan's split, confirmed or moved by XLA's compiled step where it can be read: a
+    split the plan refuses trains if its compiled step fits; one it accepts whose compiled
+    step does not fit is refused (a set k); "auto" takes the largest micro-batch whose
+    compiled step fits, searched from the plan's."""
     try:
-        return _checked(memory_plan, steps, allow_over_budget, switches)
+        run = _checked(memory_plan, steps, allow_over_budget, switches)
     except MemoryPlanError as refusal:
         if compiled_peak is None:
             raise
@@ -181,6 +195,22 @@ def _decided(memory_plan: MemoryPlan, steps: int | str, allow_over_budget: bool,
             raise
         except Exception as error:  # noqa: BLE001 - a step not compiled ahead: the plan's no
             raise refusal from error
+    if compiled_peak is None:
+        return run
+    try:
+        peak = compiled_peak(run.accumulation_steps, memory_plan)
+    except Exception:  # noqa: BLE001 - a step not compiled ahead: the plan's yes stands
+        return run
+    fits = peak + memory_plan.runtime_bytes <= memory_plan.budget_bytes
+    if steps != "auto" and (fits or allow_over_budget):
+        return dataclasses.replace(run, compiled_peak_bytes=peak)
+    try:
+        return _compiled(memory_plan, steps, switches, compiled_peak,
+                         known={run.accumulation_steps: peak})
+    except MemoryPlanError:
+        if not allow_over_budget:
+            raise
+        return dataclasses.replace(run, compiled_peak_bytes=peak)  # nothing smaller fits
 
 
 def _checked(memory_plan: MemoryPlan, steps: int | str, allow_over_budget: bool,
@@ -196,43 +226,74 @@ def _checked(memory_plan: MemoryPlan, steps: int | str, allow_over_budget: bool,
 
 
 def _compiled(memory_plan: MemoryPlan, steps: int | str, switches: Switches,
-              compiled_peak: Callable[[int], int]) -> RunPlan:
-    """The split whose compiled step fits the budget by XLA's figure: a set k if it fits;
-    with "auto" the smallest k that fits (the largest micro-batch), bisected over the k that
-    divide the batch, as the compiled peak grows with the micro-batch; each k compiled once."""
+              compiled_peak: Callable[[int, MemoryPlan], int],
+              known: dict[int, int] | None = None) -> RunPlan:
+    """The split whose compiled step fits the budget by XLA's figure (on a CPU with the
+    plan's framework runtime, which XLA's figure leaves out): a set k if it fits; with
+    "auto" the smallest k that fits (the largest micro-batch). The k that divide the batch
+    are searched outward from the plan's (doubling the stride, then bisecting), as the
+    compiled peak grows with the micro-batch; each k is compiled once (`known`: peaks
+    already read)."""
     per_replica = memory_plan.per_replica_batch_size
     options = sorted(per_replica // size for size in divisors(per_replica))  # k, ascending
-    peaks: dict[int, int] = {}
+    peaks: dict[int, int] = dict(known or {})
 
-    def fits(k: int) -> bool:
+    def needs(k: int) -> int:
         if k not in peaks:
-            peaks[k] = compiled_peak(k)
-        return peaks[k] <= memory_plan.budget_bytes
+            peaks[k] = compiled_peak(k, memory_plan)
+        return peaks[k] + memory_plan.runtime_bytes
 
-    def smallest_fitting() -> int | None:
-        if not fits(options[-1]):
-            return None
-        low, high = 0, len(options) - 1  # options[high] fits
-        while low < high:
-            middle = (low + high) // 2
-            if fits(options[middle]):
-                high = middle
-            else:
-                low = middle + 1
-        return options[high]
+    def fits(index: int) -> bool:
+        return needs(options[index]) <= memory_plan.budget_bytes
 
-    if steps == "auto" or not fits(steps):
-        best = smallest_fitting()
+    if steps != "auto":
+        start = options.index(steps)
+    elif memory_plan.accumulation_steps in options:
+        start = options.index(memory_plan.accumulation_steps)
+    else:  # the plan fits nothing: from micro-batch 1
+        start = len(options) - 1
+    if steps == "auto" or not fits(start):
+        best = _first_fitting(len(options), fits, start)
         if steps == "auto" and best is not None:
-            steps = best
+            steps = options[best]
         else:
             refused = per_replica if steps == "auto" else steps
-            fitting = None if best is None else (per_replica // best, best, peaks[best])
-            raise MemoryPlanError(memory_plan, per_replica // refused, refused, peaks[refused],
+            fitting = (None if best is None else
+                       (per_replica // options[best], options[best], needs(options[best])))
+            raise MemoryPlanError(memory_plan, per_replica // refused, refused, needs(refused),
                                   switches, compiled_fit=fitting)
     return RunPlan(memory_plan.global_batch_size, memory_plan.num_replicas, steps,
                    split_batch(memory_plan.global_batch_size, memory_plan.num_replicas, steps),
                    plan=memory_plan, compiled_peak_bytes=peaks[steps])
+
+
+def _first_fitting(count: int, fits: Callable[[int], bool], start: int) -> int | None:
+    """The first index in `range(count)` where `fits` (false, then true) holds, or None:
+    from `start`, strides of 1, 2, 4, … towards the boundary, then a bisection."""
+    if fits(start):
+        high, low, stride = start, 0, 1  # high fits; the answer is in [low, high]
+        while high - stride >= 0:
+            if not fits(high - stride):
+                low = high - stride + 1
+                break
+            high, stride = high - stride, stride * 2
+    else:
+        low, high, stride = start + 1, None, 1  # low - 1 does not fit
+        while low < count:
+            index = min(low - 1 + stride, count - 1)
+            if fits(index):
+                high = index
+                break
+            low, stride = index + 1, stride * 2
+        if high is None:
+            return None
+    while low < high:
+        middle = (low + high) // 2
+        if fits(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return high
 
 
 # Models already warned about: one warning per model, not one per `fit`.

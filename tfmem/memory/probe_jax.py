@@ -51,7 +51,7 @@ def peak_bytes_in_use() -> int | None:
     return max(peaks) if peaks else None
 
 
-def compiled_step_memory(model: keras.Model, data) -> dict[str, int]:
+def compiled_step_memory(model: keras.Model, data, step=None) -> dict[str, int]:
     """XLA's memory analysis of `model.train_step` compiled for one batch shaped like `data`.
 
     The step is lowered exactly as `fit` runs it: `jax.jit` with the state donated, and under
@@ -63,6 +63,9 @@ def compiled_step_memory(model: keras.Model, data) -> dict[str, int]:
             `train_on_batch` once, so its optimizer and metrics have their variables).
         data: one batch as `fit` sees it: `(x, y)` or `(x, y, sample_weight)`; arrays or
             `jax.ShapeDtypeStruct`s.
+        step: the jitted step to compile (default: a new `jax.jit` of `model.train_step`).
+            Its later calls with arguments laid out like these run the executable compiled
+            here (JAX caches it in the jitted function).
 
     Returns:
         `{"argument_bytes", "output_bytes", "alias_bytes", "temp_bytes",
@@ -93,8 +96,9 @@ def compiled_step_memory(model: keras.Model, data) -> dict[str, int]:
     )
     abstract_state = tree.map_structure(abstract, state)
     abstract_data = abstract_batch(data)
-    return memory_analysis(
-        jax.jit(model.train_step, donate_argnums=0).lower(abstract_state, abstract_data).compile())
+    if step is None:
+        step = jax.jit(model.train_step, donate_argnums=0)
+    return memory_analysis(step.lower(abstract_state, abstract_data).compile())
 
 
 def memory_analysis(compiled) -> dict[str, int]:
@@ -120,8 +124,19 @@ def memory_analysis(compiled) -> dict[str, int]:
 
 
 def abstract(value) -> jax.ShapeDtypeStruct:
-    """The shape, dtype and sharding of a JAX array, to lower a program for it."""
-    return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=value.sharding)
+    """The shape, dtype and sharding of a JAX array, to lower a program for it: an array not
+    committed to its device has no sharding, as a call with it has none (so the call finds
+    the program compiled for the shapes)."""
+    committed = getattr(value, "committed", True)
+    return jax.ShapeDtypeStruct(value.shape, value.dtype,
+                                sharding=value.sharding if committed else None)
+
+
+def placed(value, dtype=None) -> jax.ShapeDtypeStruct:
+    """The shape, dtype (or `dtype`) and device(s) of an array (or `jax.ShapeDtypeStruct`) as
+    a committed array would have them: what a program called with committed arrays is lowered
+    for."""
+    return jax.ShapeDtypeStruct(value.shape, dtype or value.dtype, sharding=value.sharding)
 
 
 def abstract_batch(data):

@@ -190,22 +190,28 @@ class AccumModel(_STEP.AccumTrainer, keras.Model):
                 "`check_memory` (False trains over the memory budget) and `memory_budget`.")
         if self._rematerialize.names:
             runner.apply(self, self._rematerialize.names)
+        weights = inspect.signature(super().fit).bind_partial(x, y, batch_size, *args, **kwargs)
         run = self.plan_memory(x, batch_size, check_memory=check_memory,
-                               memory_budget=memory_budget, y=y)
-        self._apply_segments(run)
+                               memory_budget=memory_budget, y=y,
+                               sample_weight=weights.arguments.get("sample_weight"),
+                               class_weight=weights.arguments.get("class_weight"))
+        self._apply_segments(run.plan if run is not None else None)
         return super().fit(x, y, batch_size, *args, **kwargs)
 
-    def _apply_segments(self, run: RunPlan | None) -> None:
-        """Cuts the segments the plan chose ("full", "auto", pairs); without a plan, those
-        the setting names ("auto" then cuts all of "full")."""
+    def _apply_segments(self, plan) -> None:
+        """Cuts the segments the `MemoryPlan` chose ("full", "auto", pairs); without a plan,
+        those cut already (by an earlier plan or its memory check), else those the setting
+        names ("auto" then cuts all of "full")."""
         setting = self._rematerialize
         if not setting.cuts_segments:
             return
         runner.check_graph(self, setting)
         if setting.mode == "chosen":
             spec = setting.chosen
-        elif run is not None and run.plan is not None:
-            spec = run.plan.rematerialized
+        elif plan is not None:
+            spec = plan.rematerialized
+        elif hasattr(self, "_tfmem_spec"):
+            return
         else:
             if setting.mode == "auto":
                 warnings.warn('rematerialize="auto" needs a memory plan and this run has '
@@ -238,20 +244,25 @@ class AccumModel(_STEP.AccumTrainer, keras.Model):
         return super().make_train_function(force)
 
     def plan_memory(self, x=None, batch_size=None, *, check_memory: bool = True,
-                    memory_budget: int | None = None, y=None) -> RunPlan | None:
+                    memory_budget: int | None = None, y=None, sample_weight=None,
+                    class_weight=None) -> RunPlan | None:
         """Plans and checks the run `fit(x, y, batch_size=batch_size)` would make; `fit`
         calls it.
 
         The one guard (`tfmem.memory.guard`): with `accumulation_steps="auto"` it sets `k`
         from the plan. Every `fit` calls it (so does `fit_resumable`, through `fit`). Where the
-        backend compiles the step ahead (JAX), a setting the plan refuses is checked again
-        with XLA's memory analysis of the compiled step (`guard`'s `compiled_peak`), before
-        any step: it trains if that fits, and "auto" takes the micro-batch that does.
+        backend compiles the step ahead (JAX), the split is checked with XLA's memory analysis
+        of the compiled step (`guard`'s `compiled_peak`) before any step: a set `k` trains if
+        that fits and is refused if not, whatever the plan said, and "auto" takes the largest
+        micro-batch that fits. The step is compiled as `fit` runs it, and `fit` runs that
+        executable.
 
         Args:
             x: the training data as `fit` takes it (arrays, or a batched `tf.data.Dataset`).
             batch_size: as in `fit`, for arrays.
             y: as in `fit`: the targets of array data.
+            sample_weight, class_weight: as in `fit`; only whether the batch has weights (and
+                their shape) matters: the step compiled for the check takes them as `fit`'s.
             check_memory: False skips the check (with "auto" the plan still picks `k`,
                 micro-batch 1 when nothing fits).
             memory_budget: bytes per replica; default: the strategy's devices.
@@ -281,7 +292,8 @@ class AccumModel(_STEP.AccumTrainer, keras.Model):
             accumulation_steps="auto" if auto else self.accumulation_steps,
             allow_over_budget=not check_memory, batch_of_the_data=True, **where,
             switches=Switches(allow_over_budget="check_memory=False"),
-            compiled_peak=self._compiled_peak(x, y, global_batch),
+            compiled_peak=self.compiled_peaks(x, y, batch_size, sample_weight=sample_weight,
+                                              class_weight=class_weight),
             optimizer=self.optimizer,
             precision=plan_precision(self),
             # A subclassed model Keras has not built yet is planned at the data's shapes.
@@ -290,16 +302,32 @@ class AccumModel(_STEP.AccumTrainer, keras.Model):
             self.accumulation_steps = run.accumulation_steps
         return run
 
-    def _compiled_peak(self, x, y, global_batch: int):
-        """`k → XLA's peak bytes of the compiled step` for the data's global batch, where the
-        backend's step can be compiled ahead (`compiled_step_memory`); else None."""
+    def compiled_peaks(self, x=None, y=None, batch_size=None, *, sample_weight=None,
+                       class_weight=None):
+        """The memory check's reading of the step `fit(x, y, batch_size=...)` runs: a
+        function `(k, plan) →` XLA's peak bytes per device of the compiled step with `k`
+        accumulation steps and the segments the `MemoryPlan` chose (which it cuts); what
+        `tfmem.memory.guard.guard` takes as `compiled_peak`. The step is compiled as `fit`
+        runs it, and `fit` runs that executable.
+
+        Args:
+            x, y, batch_size, sample_weight, class_weight: as in `fit` (only the data's
+                shapes and dtypes are read).
+
+        Returns:
+            The function, or None where the backend compiles no step ahead (TensorFlow),
+            the model runs eagerly, is not compiled, or the data has no static batch shape.
+        """
         if not hasattr(_STEP.AccumTrainer, "compiled_step_memory") or self.run_eagerly:
             return None
-        batch = _batch_shapes(x, y, global_batch)
+        global_batch = global_batch_size(x, batch_size)
+        batch = (None if global_batch is None else
+                 _batch_shapes(x, y, global_batch, _weights_like(sample_weight, class_weight)))
         if batch is None or self.optimizer is None:
             return None
 
-        def compiled_peak(accumulation_steps: int) -> int:
+        def compiled_peak(accumulation_steps: int, plan=None) -> int:
+            self._apply_segments(plan)  # the segments fit runs with this plan
             internals.symbolic_build(self, batch)  # the variables the compiled step takes
             chosen = self._accumulation_steps
             self._accumulation_steps = accumulation_steps
@@ -480,11 +508,27 @@ def _sample_shapes(x) -> list[tuple] | None:
     return [tuple(shape)[1:] for shape in shapes]
 
 
-def _batch_shapes(x, y, global_batch: int):
-    """`(x, y)` of one global batch as shapes and dtypes, from arrays or a batched
-    `tf.data.Dataset`; None for other data."""
+def _weights_like(sample_weight, class_weight):
+    """What Keras feeds the step as the sample weights of array data given `sample_weight`
+    or `class_weight` (floating arrays in `floatx`, one weight per row for class weights);
+    None without weights."""
+    if sample_weight is not None:
+        return keras.KerasTensor(tuple(sample_weight.shape), keras.backend.floatx())
+    if class_weight is not None:
+        return keras.KerasTensor((None,), keras.backend.floatx())
+    return None
+
+
+def _batch_shapes(x, y, global_batch: int, sample_weight=None):
+    """`(x, y[, sample_weight])` of one global batch as shapes and dtypes, from arrays or a
+    batched `tf.data.Dataset` (its own elements); None for other data."""
     element_spec = getattr(x, "element_spec", None)
-    parts = element_spec if element_spec is not None else (x, y) if y is not None else x
+    if element_spec is not None:
+        parts = element_spec
+    elif y is None:
+        parts = x
+    else:
+        parts = (x, y) if sample_weight is None else (x, y, sample_weight)
     leaves = keras.tree.flatten(parts)
     if not leaves or any(getattr(leaf, "shape", None) is None for leaf in leaves):
         return None

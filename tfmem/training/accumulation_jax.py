@@ -74,21 +74,31 @@ class AccumTrainer:
     def train_step(self, state, data):
         return train_step(self, state, data)
 
+    def compile(self, *args, **kwargs):
+        # A new optimizer, loss or metrics: the steps compiled for the old ones go.
+        self._compiled_steps = {}
+        return super().compile(*args, **kwargs)
+
     def make_train_function(self, force=False):
-        """Keras's jitted step, or on a host-loop platform the loop over jitted micro-steps."""
+        """Keras's jitted step, or on a host-loop platform the loop over jitted micro-steps;
+        the one the memory check compiled when it compiled this step (`compiled_step_memory`)."""
         if self.train_function is not None and not force:
             return
-        if not _loops_on_host(self):
+        if self.run_eagerly or not self.jit_compile:
             super().make_train_function(force)
             return
-        self.train_function = internals.jax_train_function(self, HostLoopStep(self))
+        key, step = self._step()
+        self._compiled_steps[key] = step
+        self.train_function = internals.jax_train_function(self, step)
 
     def compiled_step_memory(self, data) -> dict[str, int]:
         """XLA's memory analysis of the step `fit` runs, compiled for a batch shaped like `data`.
 
-        The in-graph loop is one program (`tfmem.memory.probe_jax.compiled_step_memory`); the
-        host loop's peak is the larger of its micro-step's and its update's, since between
-        them only their arguments are alive. Nothing runs and no variable changes.
+        The step is compiled through the jitted function `fit` then calls with the same
+        `accumulation_steps` and segments, so `fit` runs this executable and does not compile
+        it again. The in-graph loop is one program; the host loop's peak is the larger of its
+        micro-step's and its update's, since between them only their arguments are alive.
+        Nothing runs and no variable changes.
 
         Args:
             data: one global batch as `fit` sees it; arrays or `jax.ShapeDtypeStruct`s.
@@ -97,9 +107,19 @@ class AccumTrainer:
             As `probe_jax.compiled_step_memory`, per device; the host loop's the figures of
             its larger program.
         """
-        if not _loops_on_host(self):
-            return probe_jax.compiled_step_memory(self, data)
-        return HostLoopStep(self).compiled_memory(data)
+        return self._step()[1].compiled_memory(data)
+
+    def _step(self):
+        """`(key, step)`: the compiled step for the model's `accumulation_steps` and segments,
+        kept from the memory check or the running train function, else a new one. Each
+        setting has its own jitted functions, as their traces read the setting."""
+        key = (self.accumulation_steps, self.rematerialized_segments)
+        steps = getattr(self, "_compiled_steps", None)
+        if steps is None:
+            steps = self._compiled_steps = {}
+        if key not in steps:
+            steps[key] = HostLoopStep(self) if _loops_on_host(self) else GraphStep(self)
+        return key, steps[key]
 
 
 def _loops_on_host(model: keras.Model) -> bool:
@@ -183,6 +203,26 @@ def train_step(model: keras.Model, state: tuple, data) -> tuple[dict, tuple]:
                    starts, _num_rows(data))
 
 
+class GraphStep:
+    """`(state, data) -> (logs, state)`: `train_step` jitted as Keras's JAX trainer jits it
+    (the state donated; under a `keras.distribution` the new state laid out like the old)."""
+
+    def __init__(self, model: keras.Model):
+        self.model = model
+        out_shardings = None
+        if keras.distribution.distribution() is not None:
+            out_shardings = (None, internals.jax_state_shardings(model))
+        self.jitted = jax.jit(model.train_step, donate_argnums=0, out_shardings=out_shardings)
+
+    def __call__(self, state, data):
+        return self.jitted(state, data)
+
+    def compiled_memory(self, data) -> dict[str, int]:
+        """XLA's memory analysis of the step for a batch shaped like `data`; a later call
+        with such a batch runs the executable compiled here."""
+        return probe_jax.compiled_step_memory(self.model, data, step=self.jitted)
+
+
 class HostLoopStep:
     """`(state, data) -> (logs, state)`: the k micro-steps of `train_step` run from the host.
 
@@ -226,39 +266,46 @@ class HostLoopStep:
                     raise
         return self.update(fixed, starts=starts, num_rows=_num_rows(data), **carry._asdict())
 
-    def _window(self, state):
+    def _window(self, state, shapes_only=False):
         """The window's starting carry (zero sums), its fixed arrays and the loss metrics'
-        values before it."""
+        values before it; with `shapes_only`, their shapes, dtypes and devices as
+        `jax.ShapeDtypeStruct`s (the sums are not allocated)."""
         model = self.model
         trainable, non_trainable, optimizer_variables, metrics_variables = state
         is_averaged = _averaged_flags(model)
         statistics = _select(non_trainable, is_averaged, True)
         # Every argument committed to its device, as the micro-step's outputs are: JAX compiles
         # a function again for arguments that differ only in being committed.
+        if shapes_only:
+            commit = copy = placed = _placed
+            zeros = _placed_sums
+        else:
+            commit, zeros, placed = _committed, _zeros_like, _as_is
+            copy = _copies
         # The loss metrics' values before the window (copies: the carry's are donated).
-        starts = [jnp.copy(v) for v in _committed(_loss_metric_starts(model, metrics_variables))]
+        starts = copy(commit(_loss_metric_starts(model, metrics_variables)))
         carry = AccumulationState(
-            gradient_sums=_zeros_like(trainable),
-            statistic_deltas=_zeros_like(statistics),
-            loss_sum=_replicated_zero(trainable, accumulator_dtype(model.compute_dtype)),
-            carried=_select(non_trainable, is_averaged, False),
-            metrics_variables=list(metrics_variables),
+            gradient_sums=zeros(trainable),
+            statistic_deltas=zeros(statistics),
+            loss_sum=placed(_replicated_zero(trainable, accumulator_dtype(model.compute_dtype))),
+            carried=placed(_select(non_trainable, is_averaged, False)),
+            metrics_variables=placed(list(metrics_variables)),
         )
-        fixed = _committed((trainable, statistics, optimizer_variables))
+        fixed = commit((trainable, statistics, optimizer_variables))
         return carry, fixed, starts
 
     def compiled_memory(self, data) -> dict[str, int]:
         """XLA's memory analysis of the larger of the two programs a step runs, for a batch
-        shaped like `data` (nothing runs; the zeros are only shapes)."""
+        shaped like `data` (nothing runs). Each program is lowered for arguments placed as a
+        step's call places them, so the step's calls run the executables compiled here."""
         model = self.model
         state = tuple([v.value for v in variables] for variables in (
             model.trainable_variables, model.non_trainable_variables, model.optimizer.variables,
             model.metrics_variables))
-        start, fixed, starts = jax.eval_shape(lambda: self._window(state))
-        fixed = jax.tree_util.tree_map(probe_jax.abstract, fixed)
+        start, fixed, starts = self._window(state, shapes_only=True)
         data = probe_jax.abstract_batch(data)
         for attempt in range(_TRACES):  # again only when the loss sums other parts
-            carry = _laid_out(start, loss_terms.stored_layout(model), like=probe_jax.abstract)
+            carry = _laid_out(start, loss_terms.stored_layout(model), like=probe_jax.placed)
             try:
                 micro_step = self.micro_step.lower(carry, fixed, data, 0)
                 break
@@ -465,6 +512,24 @@ def _averaged_flags(model: keras.Model) -> list[bool]:
 def _zeros_like(values: list) -> list:
     """Accumulator zeros shaped and placed like `values` (replicated where they are)."""
     return [jnp.zeros(v.shape, accumulator_dtype(v.dtype), device=v.sharding) for v in values]
+
+
+def _placed(values):
+    """`values` as `jax.ShapeDtypeStruct`s placed where each is (`_committed`'s, as shapes)."""
+    return tree.map_structure(probe_jax.placed, values)
+
+
+def _placed_sums(values: list) -> list:
+    """`_zeros_like(values)` as `jax.ShapeDtypeStruct`s: nothing is allocated."""
+    return [probe_jax.placed(v, accumulator_dtype(v.dtype)) for v in values]
+
+
+def _as_is(values):
+    return values
+
+
+def _copies(values: list) -> list:
+    return [jnp.copy(v) for v in values]
 
 
 def _replicated_zero(values: list, dtype):

@@ -5,6 +5,9 @@ with KERAS_BACKEND=jax (set by `common`) and 8 host devices. The cases here run 
 with no distribution; data_parallel_cases.py's, which install one, run last.
 """
 
+import collections
+import logging
+
 import common  # noqa: F401  (fixes the backend first)
 import keras
 import numpy as np
@@ -262,45 +265,82 @@ def wide_dense(inputs):
     return keras.Model(inputs, keras.layers.Dense(3, dtype="float32")(hidden))
 
 
+class Lowerings(logging.Handler):
+    """The step programs JAX lowers for XLA while it is installed (JAX logs each one it
+    lowers; a call served by a jitted function's cache lowers nothing): `counts` maps each
+    program's name and argument shapes to how many times one was lowered."""
+
+    LOGGER = logging.getLogger("jax._src.interpreters.pxla")
+    STEPS = ("train_step", "_micro_step", "_update")  # AccumModel's programs
+
+    def __enter__(self):
+        self.counts = collections.Counter()
+        self.level = self.LOGGER.level
+        self.LOGGER.setLevel(logging.DEBUG)
+        self.LOGGER.addHandler(self)
+        return self
+
+    def __exit__(self, *exc_info):
+        self.LOGGER.removeHandler(self)
+        self.LOGGER.setLevel(self.level)
+
+    def emit(self, record):
+        message = record.getMessage()
+        if message.split()[:2] in (["Compiling", f"jit({name})"] for name in self.STEPS):
+            self.counts[message.split(". Argument mapping")[0]] += 1
+
+
 def guard_with_xla():
-    """fit where the plan's fixed CPU term refuses every split: XLA's figure of the compiled
-    step decides. A budget between the compiled peaks of micro-batch 32 and 8."""
+    """fit where XLA's figure of the compiled step (with the plan's framework runtime, which
+    it leaves out) decides over the plan, which puts a dense net above it: a set k the plan
+    refuses, and "auto" at a budget between the compiled peaks of micro-batch 32 and 8;
+    weighted rows, as `fit` takes them."""
     from tfmem.memory import guard
 
-    x, y, _ = data((6,), num_samples=32)
+    x, y, sample_weight = data((6,), num_samples=32)
     probe = compile_model(dense_model(1), keras.optimizers.SGD(0.1), metrics=())
     probe.optimizer.build(probe.trainable_variables)
+    runtime = tfmem.plan(probe, global_batch_size=32, memory_budget=2**30,
+                         optimizer="sgd").runtime_bytes
     compiled = {}
 
-    def peak(k):
+    def peak(k, plan=None):
         if k not in compiled:
             probe.accumulation_steps = k
-            compiled[k] = probe.compiled_step_memory((x, y))["peak_bytes"]
+            compiled[k] = probe.compiled_step_memory((x, y, sample_weight))["peak_bytes"]
         return compiled[k]
 
     peaks = {k: peak(k) for k in (1, 4)}
-    budget = int((peaks[1] + peaks[4]) / 2 / 0.8)  # the plan's budget is 80% of it
+    budget = int(((peaks[1] + peaks[4]) / 2 + runtime) / 0.8)  # the plan's budget: 80% of it
     plain = compile_model(dense_model(), keras.optimizers.SGD(0.1), metrics=())
-    plain.fit(x, y, batch_size=32, verbose=0, shuffle=False)
-    results = {"peaks": [peaks[1], peaks[4]]}
-    for name, steps, memory_budget in (("fixed", 1, int(peaks[1] / 0.8) + 1),
+    plain.fit(x, y, sample_weight=sample_weight, batch_size=32, verbose=0, shuffle=False)
+    results = {"peaks": [peaks[1], peaks[4]], "runtime_bytes": runtime}
+    for name, steps, memory_budget in (("fixed", 1, int((peaks[1] + runtime) / 0.8) + 1),
                                        ("auto", "auto", budget)):
         model = compile_model(dense_model(steps), keras.optimizers.SGD(0.1), metrics=())
-        try:
-            guard.guard(model, global_batch_size=32, accumulation_steps=steps,
-                        memory_budget=memory_budget, optimizer="sgd")
-            plan_refused = False
+        try:  # the plan alone
+            plan_steps = guard.guard(model, global_batch_size=32, accumulation_steps=steps,
+                                     memory_budget=memory_budget,
+                                     optimizer="sgd").accumulation_steps
         except tfmem.MemoryPlanError:
-            plan_refused = True
-        model.fit(x, y, batch_size=32, verbose=0, shuffle=False, memory_budget=memory_budget)
+            plan_steps = None
+        # The check alone, then fit (which checks again): what each lowers of the step.
+        with Lowerings() as checked:
+            model.plan_memory(x, 32, memory_budget=memory_budget, y=y,
+                              sample_weight=sample_weight)
+        with Lowerings() as trained:
+            model.fit(x, y, sample_weight=sample_weight, batch_size=32, verbose=0,
+                      shuffle=False, memory_budget=memory_budget)
         k = model.accumulation_steps
         results[name] = {
             "budget_bytes": 0.8 * memory_budget,  # the plan's safety: 80% of it
-            "plan_refused": plan_refused,
+            "plan_steps": plan_steps,  # None: refused
             "accumulation_steps": k,
             "compiled_peak": peak(k),
             "iterations": int(model.optimizer.iterations),
             "weights": relative_difference(plain.get_weights(), model.get_weights()),
+            "check_lowerings": sum(checked.counts.values()),
+            "fit_lowerings": sum(trained.counts.values()),
         }
         if k > 1:
             results[name]["half_steps_peak"] = peak(k // 2)
@@ -312,7 +352,54 @@ def guard_with_xla():
         results["refused"] = None
     except tfmem.MemoryPlanError as error:
         results["refused"] = str(error).splitlines()[0]
+    results["accepted"] = accepted_over_xla()
     return results
+
+
+def accepted_over_xla():
+    """fit with "auto" where the plan accepts micro-batch 32 and XLA's compiled step of it
+    does not fit: two convolutions, which the plan puts under XLA:CPU's figure. A budget
+    between the two figures of micro-batch 32; the reference is a plain keras.Model."""
+    from tfmem.memory import guard
+
+    x, y, _ = data((16, 16, 3), num_samples=32)
+
+    def build(accumulation_steps=None):
+        keras.utils.set_random_seed(0)
+        model = small_convolutions(keras.Input((16, 16, 3)))
+        if accumulation_steps is not None:
+            model = tfmem.AccumModel.wrap(model, accumulation_steps=accumulation_steps)
+        return compile_model(model, keras.optimizers.SGD(0.1), metrics=())
+
+    probe = build(1)
+    probe.optimizer.build(probe.trainable_variables)
+    xla = probe.compiled_step_memory((x, y))["peak_bytes"]
+    plan = tfmem.plan(probe, global_batch_size=32, memory_budget=2**30, optimizer="sgd")
+    planned = plan.peak_bytes(32, 1)  # with the framework runtime
+    budget = int((planned + xla + plan.runtime_bytes) / 2 / 0.8)
+    plain = build()
+    plain.fit(x, y, batch_size=32, verbose=0, shuffle=False)
+    model = build("auto")
+    plan_steps = guard.guard(model, global_batch_size=32, accumulation_steps="auto",
+                             memory_budget=budget, optimizer="sgd").accumulation_steps
+    with Lowerings() as checked:
+        run = model.plan_memory(x, 32, memory_budget=budget, y=y)
+    with Lowerings() as trained:
+        model.fit(x, y, batch_size=32, verbose=0, shuffle=False, memory_budget=budget)
+    return {
+        "budget_bytes": 0.8 * budget,
+        "runtime_bytes": plan.runtime_bytes,
+        "planned": planned,  # micro-batch 32, the plan's
+        "compiled_32": xla,  # micro-batch 32, XLA's
+        "plan_steps": plan_steps,
+        "accumulation_steps": model.accumulation_steps,
+        "compiled_peak": run.compiled_peak_bytes,
+        "table": run.table(),
+        "iterations": int(model.optimizer.iterations),
+        "weights": relative_difference(plain.get_weights(), model.get_weights()),
+        "check_lowerings": sum(checked.counts.values()),
+        "fit_lowerings": sum(trained.counts.values()),
+    }
 
 
 emit(
