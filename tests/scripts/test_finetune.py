@@ -925,8 +925,8 @@ def test_unet_trains_on_masks_above_the_all_background_baseline(finetune_cli,
 
 def test_a_dry_run_plans_the_segmentation_head_per_pixel(finetune_main, tmp_path, capsys):
     finetune_main("--model", "unet", "--task", "segmentation", "--image-size", "64",
-                  "--dry-run", "--device", "t4", "--rematerialize", "auto",
-                  "--output", str(tmp_path))
+                  "--global-batch-size", "64", "--dry-run", "--device", "t4",
+                  "--rematerialize", "auto", "--output", str(tmp_path))
     out = capsys.readouterr().out
     # "auto" plans a segmentation run as a classifier's: here nothing needs recomputing.
     assert "note: rematerialize auto: not needed, micro-batch 64 fits" in out
@@ -981,7 +981,7 @@ def test_multi_label_masks_from_an_rle_csv_train_with_dice_on_jax(tmp_path):
     assert train.schema.multi_label and train.class_names == (
         "disk", "plus", "shape", "square", "triangle")
     result = _finetune("--model", "unet", "--data", train.directory, "--validation-data",
-                       held_out.directory, "--loss", "cross-entropy+dice", "--epochs", "1",
+                       held_out.directory, "--loss", "cross-entropy+dice", "--epochs", "2",
                        "--global-batch-size", "4", "--learning-rate", "3e-3",
                        "--memory-limit", "none", "--output", str(tmp_path / "run"),
                        backend="jax")

@@ -162,6 +162,7 @@ def _train(config: FinetuneConfig, spec, runtime: Runtime, precision: str, outpu
         # At the validation images' own size (Keras's per-epoch pass read them resized).
         choice = validation_lib.choose(config, spec, data, run_plan, validation_batch)
         print(choice.line())
+        loss_function, metrics = loss_and_metrics(data, config.loss)  # a fresh metric state
         loss = validation_lib.evaluate(model, choice, spec.image_size_multiple,
                                        validation_lib.batches(choice, data, options),
                                        loss_function, metrics[0])
