@@ -7,12 +7,16 @@
     python benchmarks/rematerialization.py --model vit-s16 --image-size 224 --settings none,full
     python benchmarks/rematerialization.py --model hub-vit-s16 --image-size 224 \
         --settings none,full
+    python benchmarks/rematerialization.py --model tiramisu-103 --image-size 352,480 \
+        --task segmentation --num-classes 12 --batches 1,2 --settings none,full
 
 For one model of the registry (or `vit-s16`: ViT-S/16 built from Keras layers, keras-hub's
 shapes; `hub-vit-s16`: keras-hub's own `ViTBackbone`, which needs keras-hub), trained as an
 `AccumModel` (k = 1, Adam, float32, TensorFlow) without rematerialization and with each of
 `--settings` (`blocks`: every layer named `*_dense`, FC-DenseNet's dense blocks; `full`:
-`rematerialize="full"`), side by side in one run:
+`rematerialize="full"`), side by side in one run, on mse to zeros shaped like its output, or
+with `--task segmentation` on sparse cross-entropy (ignoring 255) to random int class masks
+(the registry's segmentation networks have their per-pixel head of `--num-classes`):
 
 - the peak resident set of a fresh process running 2 training steps (`tfmem.memory.probe.
   measure`), above its baseline after importing TensorFlow, at two micro-batches (the median
@@ -68,11 +72,14 @@ from tfmem.memory.probe import measure  # noqa: E402
 GIB, MIB = 2**30, 2**20
 
 
-def vit_s16(image_size: int) -> keras.Model:
+IGNORE_VALUE = 255  # of the segmentation masks: a value no random mask holds
+
+
+def vit_s16(image_size: tuple[int, int], num_classes: int) -> keras.Model:
     """ViT-S/16 from Keras layers (keras-hub's ViT-S/16 shapes): 16×16 patches, width 384,
-    12 pre-norm blocks of 6-head attention and a 1536-wide GELU MLP, a 4-class head."""
-    tokens = (image_size // 16) ** 2
-    inputs = keras.Input((image_size, image_size, 3))
+    12 pre-norm blocks of 6-head attention and a 1536-wide GELU MLP, a class head."""
+    tokens = (image_size[0] // 16) * (image_size[1] // 16)
+    inputs = keras.Input(image_size + (3,))
     patches = keras.layers.Conv2D(384, 16, strides=16, name="patches")(inputs)
     x = keras.layers.Reshape((tokens, 384))(patches)
     x = x + keras.layers.Embedding(tokens, 384, name="positions")(keras.ops.arange(tokens))
@@ -86,59 +93,86 @@ def vit_s16(image_size: int) -> keras.Model:
         x = keras.layers.Add(name=f"block{i}_add2")([x, h])
     x = keras.layers.LayerNormalization(epsilon=1e-6, name="norm")(x)
     x = keras.layers.GlobalAveragePooling1D(name="pool")(x)
-    return keras.Model(inputs, keras.layers.Dense(4, name="head")(x), name="vit-s16")
+    return keras.Model(inputs, keras.layers.Dense(num_classes, name="head")(x), name="vit-s16")
 
 
-def hub_vit_s16(image_size: int) -> keras.Model:
+def hub_vit_s16(image_size: tuple[int, int], num_classes: int) -> keras.Model:
     """keras-hub's own `ViTBackbone` with ViT-S/16's shapes (random weights), its class
-    token into a 4-class head. Needs keras-hub (`pip install keras-hub`)."""
+    token into a class head. Needs keras-hub (`pip install keras-hub`)."""
     try:
         import keras_hub
     except ImportError as error:
         raise SystemExit(f"error: --model hub-vit-s16 needs keras-hub ({error}); "
                          "install it with `pip install keras-hub`") from None
     backbone = keras_hub.models.ViTBackbone(
-        image_shape=(image_size, image_size, 3), patch_size=16, num_layers=12, num_heads=6,
+        image_shape=image_size + (3,), patch_size=16, num_layers=12, num_heads=6,
         hidden_dim=384, mlp_dim=1536)
-    inputs = keras.Input((image_size, image_size, 3))
+    inputs = keras.Input(image_size + (3,))
     tokens = backbone(inputs)
-    head = keras.layers.Dense(4, name="head")(tokens[:, 0])
+    head = keras.layers.Dense(num_classes, name="head")(tokens[:, 0])
     return keras.Model(inputs, head, name="hub-vit-s16")
 
 
-def build(name: str, image_size: int, setting: str | None) -> tfmem.AccumModel:
+def parse_size(text: str) -> tuple[int, int]:
+    """`--image-size`: one number (square) or height,width."""
+    sizes = tuple(int(side) for side in text.split(","))
+    if len(sizes) not in (1, 2):
+        raise argparse.ArgumentTypeError(f"{text!r} is not N or H,W (e.g. 224 or 352,480)")
+    return sizes * 2 if len(sizes) == 1 else sizes
+
+
+def size_text(size: tuple[int, int]) -> str:
+    return f"{size[0]}" if size[0] == size[1] else f"{size[0]}×{size[1]}"
+
+
+def task_loss(task: str):
+    return ("mse" if task == "regression"
+            else keras.losses.SparseCategoricalCrossentropy(ignore_class=IGNORE_VALUE))
+
+
+def child_flags(args) -> list[str]:
+    """The flags that say what a child process measures."""
+    return ["--model", args.model, "--image-size", ",".join(map(str, args.image_size)),
+            "--task", args.task, "--num-classes", str(args.num_classes)]
+
+
+def build(args, setting: str | None) -> tfmem.AccumModel:
     keras.utils.set_random_seed(0)
     builders = {"vit-s16": vit_s16, "hub-vit-s16": hub_vit_s16}
-    base = (builders[name](image_size) if name in builders
-            else models.build(name, num_classes=4, image_size=image_size))
+    name = args.model
+    base = (builders[name](args.image_size, args.num_classes) if name in builders
+            else models.build(name, num_classes=args.num_classes, image_size=args.image_size))
     if setting == "blocks":
         setting = [layer.name for layer in base.layers if layer.name.endswith("_dense")]
     return tfmem.AccumModel.wrap(base, accumulation_steps=1, rematerialize=setting)
 
 
-def seconds_per_sample(accum, image_size: int, batch: int, steps: int) -> float:
-    accum.compile(keras.optimizers.Adam(1e-4), "mse")
-    x, y = _batch(accum, image_size, batch)
+def seconds_per_sample(accum, args, batch: int) -> float:
+    accum.compile(keras.optimizers.Adam(1e-4), task_loss(args.task))
+    x, y = _batch(accum, args, batch)
     accum.train_on_batch(x, y)  # traced
     start = time.perf_counter()
-    for _ in range(steps):
+    for _ in range(args.steps):
         accum.train_on_batch(x, y)
-    return (time.perf_counter() - start) / (steps * batch)
+    return (time.perf_counter() - start) / (args.steps * batch)
 
 
-def _batch(accum, image_size: int, batch: int):
-    shape = (batch, image_size, image_size, 3)
-    x = np.random.default_rng(0).uniform(0, 1, shape).astype("float32")
-    y = np.zeros((batch,) + tuple(accum.compute_output_spec(
-        keras.KerasTensor(shape)).shape[1:]), "float32")
+def _batch(accum, args, batch: int):
+    """Random images; zeros shaped like the output, or (segmentation) random class masks."""
+    shape = (batch,) + args.image_size + (3,)
+    rng = np.random.default_rng(0)
+    x = rng.uniform(0, 1, shape).astype("float32")
+    output = tuple(accum.compute_output_spec(keras.KerasTensor(shape)).shape[1:])
+    y = (np.zeros((batch,) + output, "float32") if args.task == "regression"
+         else rng.integers(0, output[-1], (batch,) + output[:-1]).astype("int32"))
     return x, y
 
 
 def time_child(args, batches: tuple[int, int]) -> None:
     """In a fresh process: prints the seconds per sample of one setting (`seconds_per_sample`
     at the larger micro-batch)."""
-    accum = build(args.model, args.image_size, None if args.settings == "none" else args.settings)
-    print(seconds_per_sample(accum, args.image_size, batches[1], args.steps))
+    accum = build(args, None if args.settings == "none" else args.settings)
+    print(seconds_per_sample(accum, args, batches[1]))
 
 
 def timed(args, settings: list[str]) -> dict[str, float]:
@@ -148,9 +182,9 @@ def timed(args, settings: list[str]) -> dict[str, float]:
     times: dict[str, list[float]] = {setting: [] for setting in settings}
     for round_ in range(args.time_rounds):
         for setting in settings if round_ % 2 == 0 else settings[::-1]:
-            command = [sys.executable, os.path.abspath(__file__), "--model", args.model,
-                       "--image-size", str(args.image_size), "--batches", args.batches,
-                       "--steps", str(args.steps), "--settings", setting, "--time-child"]
+            command = [sys.executable, os.path.abspath(__file__), *child_flags(args),
+                       "--batches", args.batches, "--steps", str(args.steps), "--settings",
+                       setting, "--time-child"]
             done = subprocess.run(command, capture_output=True, text=True, check=False)
             if done.returncode:
                 last = (done.stderr.strip().splitlines() or ["no output"])[-1]
@@ -171,10 +205,9 @@ def live_child(args, batches: tuple[int, int]) -> None:
         tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
     peaks = []
     for batch in batches:
-        accum = build(args.model, args.image_size,
-                      None if args.settings == "none" else args.settings)
-        accum.compile(keras.optimizers.Adam(1e-4), "mse")
-        x, y = _batch(accum, args.image_size, batch)
+        accum = build(args, None if args.settings == "none" else args.settings)
+        accum.compile(keras.optimizers.Adam(1e-4), task_loss(args.task))
+        x, y = _batch(accum, args, batch)
         accum.train_on_batch(x, y)  # traced
         tf.config.experimental.reset_memory_stats("CPU:0")
         before = tf.config.experimental.get_memory_info("CPU:0")["current"]
@@ -183,12 +216,11 @@ def live_child(args, batches: tuple[int, int]) -> None:
     print((peaks[1] - peaks[0]) / (batches[1] - batches[0]))
 
 
-def live_per_sample(name: str, image_size: int, setting: str, batches: tuple[int, int],
-                    serial: bool = False) -> float:
+def live_per_sample(args, setting: str, batches: tuple[int, int], serial: bool = False) -> float:
     """`live_child`'s answer: the allocator must be chosen before TensorFlow starts."""
-    command = [sys.executable, os.path.abspath(__file__), "--model", name, "--image-size",
-               str(image_size), "--batches", ",".join(map(str, batches)), "--settings",
-               setting, "--live-child"] + (["--serial"] if serial else [])
+    command = [sys.executable, os.path.abspath(__file__), *child_flags(args), "--batches",
+               ",".join(map(str, batches)), "--settings", setting,
+               "--live-child"] + (["--serial"] if serial else [])
     done = subprocess.run(command, env=dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true"),
                           capture_output=True, text=True, check=False)
     if done.returncode:
@@ -197,16 +229,17 @@ def live_per_sample(name: str, image_size: int, setting: str, batches: tuple[int
     return float(done.stdout.strip().splitlines()[-1])
 
 
-def row(name: str, image_size: int, setting: str | None, batches: tuple[int, int], steps: int,
-        budget: float, live: bool | str, repeats: int = 1) -> dict:
-    accum = build(name, image_size, setting)
+def row(args, setting: str | None, batches: tuple[int, int], budget: float, live: bool | str,
+        repeats: int = 1) -> dict:
+    accum = build(args, setting)
     growth = {}
     for batch in batches:
         runs = []
         for _ in range(repeats):  # the median: one process's resident set moves by ±10-30%
-            result = measure(accum, micro_batch_size=batch,
-                             input_shape=(image_size, image_size, 3),
-                             memory_limit=int(20 * GIB), optimizer="adam", num_steps=2)
+            result = measure(accum, micro_batch_size=batch, input_shape=args.image_size + (3,),
+                             memory_limit=int(20 * GIB), optimizer="adam",
+                             loss=task_loss(args.task), num_steps=2,
+                             targets="zeros" if args.task == "regression" else "class_indices")
             if result.stopped:
                 raise SystemExit(f"the step at micro-batch {batch} was stopped: "
                                  f"{result.reason}")
@@ -221,8 +254,8 @@ def row(name: str, image_size: int, setting: str | None, batches: tuple[int, int
                 growth=growth, per_sample=per_sample,
                 fits=int((budget * GIB - fixed) // per_sample),
                 planned=plan.activation_bytes_per_sample + plan.workspace_bytes_per_sample,
-                live=(live_per_sample(name, image_size, setting or "none", batches,
-                                      serial=live == "serial") if live else None),
+                live=(live_per_sample(args, setting or "none", batches, serial=live == "serial")
+                      if live else None),
                 seconds=None)  # timed afterwards, alone: `timed`
 
 
@@ -242,12 +275,12 @@ def jax_child(args, batches: tuple[int, int]) -> None:
     from tfmem.runtime.budget import Budget
 
     setting = None if args.settings == "none" else args.settings
-    accum = build(args.model, args.image_size, setting)
-    accum.compile(keras.optimizers.Adam(1e-4), "mse")
+    accum = build(args, setting)
+    accum.compile(keras.optimizers.Adam(1e-4), task_loss(args.task))
     initial = _flat_weights(accum)
     xla, device = [], []
     for batch in batches:
-        x, y = _batch(accum, args.image_size, batch)
+        x, y = _batch(accum, args, batch)
         accum.train_on_batch(x, y)
         accum.train_on_batch(x, y)
         device.append(peak_bytes_in_use())
@@ -309,7 +342,7 @@ def jax_table(args, batches: tuple[int, int]) -> None:
 
     platform = jax.devices()[0].platform
     small, large = batches
-    print(f"{args.model} at {args.image_size} px, Adam, float32, JAX on {platform} "
+    print(f"{args.model} at {size_text(args.image_size)} px, Adam, float32, JAX on {platform} "
           f"({jax.devices()[0].device_kind}); budget {args.budget:g} GiB")
     print(f"| rematerialize | segments | peak @{small} | peak @{large} | per sample, measured "
           f"| per sample, planned | largest micro-batch in budget | ms per sample |")
@@ -322,10 +355,9 @@ def jax_table(args, batches: tuple[int, int]) -> None:
             return os.path.join(folder, f"{setting}.npy")
 
         def start(setting):
-            command = [sys.executable, os.path.abspath(__file__), "--model", args.model,
-                       "--image-size", str(args.image_size), "--batches", args.batches,
-                       "--steps", str(args.steps), "--settings", setting, "--jax-child",
-                       "--weights-out", weights_file(setting)]
+            command = [sys.executable, os.path.abspath(__file__), *child_flags(args),
+                       "--batches", args.batches, "--steps", str(args.steps), "--settings",
+                       setting, "--jax-child", "--weights-out", weights_file(setting)]
             if args.parallel:
                 command += ["--sync-dir", folder, "--sync-count", str(len(settings))]
             return subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
@@ -374,7 +406,14 @@ def jax_table(args, batches: tuple[int, int]) -> None:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiramisu-56")
-    parser.add_argument("--image-size", type=int, default=64)
+    parser.add_argument("--image-size", type=parse_size, default=(64, 64),
+                        help="one number (square) or height,width, e.g. 352,480")
+    parser.add_argument("--task", choices=("regression", "segmentation"), default="regression",
+                        help="regression: mse to zeros shaped like the output; segmentation: "
+                             f"sparse cross-entropy ignoring {IGNORE_VALUE} to random int "
+                             "class masks")
+    parser.add_argument("--num-classes", type=int, default=4,
+                        help="classes of the head (per pixel for a segmentation network)")
     parser.add_argument("--batches", default="2,8", help="two micro-batches: small,large")
     parser.add_argument("--budget", type=float, default=8.0, help="GiB of growth allowed")
     parser.add_argument("--steps", type=int, default=3)
@@ -421,11 +460,10 @@ def main(argv=None):
     if keras.backend.backend() == "jax":
         jax_table(args, batches)
         return
-    print(f"{args.model} at {args.image_size} px, Adam, float32, TensorFlow on "
+    print(f"{args.model} at {size_text(args.image_size)} px, Adam, float32, TensorFlow on "
           f"{os.cpu_count()} CPU cores; budget {args.budget:g} GiB of growth")
-    rows = [row(args.model, args.image_size, None if setting == "none" else setting, batches,
-                args.steps, args.budget, args.live and ("serial" if args.serial else "default"),
-                args.repeats)
+    rows = [row(args, None if setting == "none" else setting, batches, args.budget,
+                args.live and ("serial" if args.serial else "default"), args.repeats)
             for setting in args.settings.split(",")]
     for r, seconds in zip(rows, timed(args, args.settings.split(",")).values()):
         r["seconds"] = seconds

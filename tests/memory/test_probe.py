@@ -49,9 +49,13 @@ def test_probe_line_predicts_a_separate_run():
     assert abs(line.per_sample_bytes / estimated_slope - 1) < 0.40
     # A separate fresh run at 128 (outside the probed range): the calibrated prediction of the
     # growth above TensorFlow's import baseline is within 30% of the measured growth (within
-    # 10% on a quiet machine; the shared 2-core machine's load moves it further).
+    # 10% on a quiet machine; the shared 2-core machine's load moves it further). It trains on
+    # a loss instance and class indices, whose tensors are as small as mse's on 10 outputs:
+    # either one lost on the way to the child fails its step (the shapes do not match).
     separate = measure(model, micro_batch_size=128, input_shape=(64, 64, 3),
-                       memory_limit=6 * GIB, optimizer="adam", num_steps=1)
+                       memory_limit=6 * GIB, optimizer="adam", num_steps=1,
+                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                       targets="class_indices")
     assert not separate.stopped, separate.reason
     predicted = line.fixed_bytes + line.per_sample_bytes * 128
     growth, predicted_growth = (separate.peak_bytes - separate.baseline_bytes,
@@ -60,6 +64,12 @@ def test_probe_line_predicts_a_separate_run():
     # The calibrated plan chooses on the measured line: 128 × 1 fits a 6 GiB budget.
     assert (calibrated.micro_batch_size, calibrated.accumulation_steps) == (128, 1)
     assert "measured fixed (probe)" in calibrated.table()
+
+
+def test_measure_refuses_unknown_targets():
+    with pytest.raises(ValueError, match="must be 'zeros' or 'class_indices', got 'ones'"):
+        measure(conv_model, micro_batch_size=1, input_shape=(64, 64, 3), memory_limit=GIB,
+                targets="ones")
 
 
 def test_child_over_the_limit_is_stopped_near_it():

@@ -79,7 +79,8 @@ def measure(
     input_shape: Sequence[int],
     memory_limit: int,
     optimizer: Any = "adam",
-    loss: str = "mse",
+    loss: Any = "mse",
+    targets: str = "zeros",
     precision: str = "float32",
     num_steps: int = 2,
     device: str = "cpu",
@@ -94,7 +95,10 @@ def measure(
         input_shape: shape of one sample, e.g. `(64, 64, 3)`.
         memory_limit: bytes; the child is stopped before its memory passes this.
         optimizer: a Keras optimizer name or instance (its config is sent to the child).
-        loss: a Keras loss name; targets are zeros shaped like the model's output.
+        loss: a Keras loss name or instance (its config is sent to the child).
+        targets: `"zeros"`: zeros shaped like the model's output; `"class_indices"`: random
+            int32 class indices below the output's last axis, shaped like the output without
+            it (the targets of a sparse categorical loss, e.g. a segmentation's masks).
         precision: Keras dtype policy name for the child.
         num_steps: training steps to run (the first one traces the graph).
         device: `"cpu"` (resident set) or `"gpu"` (TensorFlow allocator peak on `GPU:0`).
@@ -111,6 +115,8 @@ def measure(
 
     if device not in ("cpu", "gpu"):
         raise ValueError(f"`device` must be 'cpu' or 'gpu', got {device!r}.")
+    if targets not in ("zeros", "class_indices"):
+        raise ValueError(f"`targets` must be 'zeros' or 'class_indices', got {targets!r}.")
     with tempfile.TemporaryDirectory(prefix="tfmem-probe-") as workdir:
         if isinstance(model, keras.Model):
             source: dict[str, Any] = {"path": os.path.join(workdir, "model.keras")}
@@ -126,7 +132,8 @@ def measure(
             input_shape=tuple(int(d) for d in input_shape),
             memory_limit=int(memory_limit),
             optimizer=optimizer_config,
-            loss=loss,
+            loss=keras.losses.serialize(keras.losses.get(loss)),
+            targets=targets,
             precision=precision,
             num_steps=int(num_steps),
             device=device,
@@ -332,13 +339,14 @@ def _child_main(spec_path: str, result_path: str) -> None:
         model = spec["model_fn"]()
     else:
         model = keras.models.load_model(spec["path"], compile=False)
-    model.compile(optimizer=keras.optimizers.deserialize(spec["optimizer"]), loss=spec["loss"])
+    model.compile(optimizer=keras.optimizers.deserialize(spec["optimizer"]),
+                  loss=keras.losses.get(spec["loss"]))
     size = spec["micro_batch_size"]
     rng = np.random.default_rng(0)
     images = rng.uniform(0, 1, (size,) + spec["input_shape"]).astype("float32")
     # A subclassed model has no `output_shape`: its symbolic call gives it.
     output = model.compute_output_spec(keras.KerasTensor((size,) + spec["input_shape"]))
-    targets = np.zeros((size,) + tuple(output.shape[1:]), "float32")
+    targets = _targets(spec["targets"], (size,) + tuple(output.shape[1:]), rng)
     # One batch repeated: the data costs one batch, as a streaming pipeline's current batch does.
     dataset = tf.data.Dataset.from_tensors((images, targets)).repeat(spec["num_steps"])
     if spec["device"] == "cpu" and "path" in spec:
@@ -351,6 +359,13 @@ def _child_main(spec_path: str, result_path: str) -> None:
         peak = memory_cap.status_bytes()["VmHWM"]
     with open(result_path, "w") as result_file:
         json.dump({"peak_bytes": int(peak), "baseline_bytes": int(baseline)}, result_file)
+
+
+def _targets(kind: str, output_shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """The probe's targets for an output of `output_shape` (see `measure`'s `targets`)."""
+    if kind == "class_indices":
+        return rng.integers(0, output_shape[-1], output_shape[:-1]).astype("int32")
+    return np.zeros(output_shape, "float32")
 
 
 def _reset_peak_resident() -> None:
