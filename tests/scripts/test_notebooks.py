@@ -35,8 +35,8 @@ def _text(notebook) -> str:
 
 def test_finetune_notebook_trains_the_demo_above_chance(tmp_path, monkeypatch):
     # On its default backend, TensorFlow: the same calls on JAX (detect, plan, AccumModel.wrap,
-    # image_dataset, fit_resumable) train the demo in tests/scripts/test_finetune.py's
-    # test_demo_trains_on_the_jax_backend.
+    # image_dataset, fit_resumable) train on masks in tests/scripts/test_finetune.py's
+    # test_multi_label_masks_from_an_rle_csv_train_with_dice_on_jax.
     notebook = _execute("finetune_tpu.ipynb", tmp_path, monkeypatch,
                         OUTPUT=str(tmp_path / "run"), EPOCHS=1)
     text = _text(notebook)
