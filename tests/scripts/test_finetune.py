@@ -857,11 +857,11 @@ def _iou(confusion):
 def test_unet_trains_on_masks_above_the_all_background_baseline(finetune_cli,
                                                                segmentation_sets, tmp_path):
     train, held_out = segmentation_sets
-    status, out, stderr = finetune_cli(
-        "--model", "unet", "--task", "segmentation", "--data", train.directory,
-        "--validation-data", held_out.directory, "--global-batch-size", "4", "--epochs", "1",
-        "--image-size", "32", "--learning-rate", "3e-3", "--memory-limit", "none",
-        "--save-every-steps", "32", "--output", str(tmp_path))  # one resume point: the end
+    command = ["--model", "unet", "--task", "segmentation", "--data", train.directory,
+               "--validation-data", held_out.directory, "--global-batch-size", "4",
+               "--image-size", "32", "--learning-rate", "3e-3", "--memory-limit", "none",
+               "--save-every-steps", "32", "--output", str(tmp_path)]  # a point: the end
+    status, out, stderr = finetune_cli(*command, "--epochs", "1")
     assert status == 0, stderr[-3000:]
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     validation = metrics["validation"]
@@ -889,6 +889,14 @@ def test_unet_trains_on_masks_above_the_all_background_baseline(finetune_cli,
     assert (f"finetune: validation mean IoU {validation['mean_iou']:.3f}, pixel accuracy "
             f"{validation['pixel_accuracy']:.3f} after 1 epoch") in out
     assert json.loads((tmp_path / "run.json").read_text())["config"]["task"] == "segmentation"
+
+    # Started again for a second epoch: it resumes from the point at the end of the first and
+    # trains the second only, the first's history kept.
+    status, out, stderr = finetune_cli(*command, "--epochs", "2")
+    assert status == 0, stderr[-3000:]
+    assert f"Resuming from {tmp_path / 'backup'}: epoch 2" in out
+    history = json.loads((tmp_path / "metrics.json").read_text())["history"]
+    assert len(history["loss"]) == 2 and history["loss"][0] == metrics["history"]["loss"][0]
 
 
 def test_a_dry_run_plans_the_segmentation_head_per_pixel(finetune_main, tmp_path, capsys):
