@@ -12,6 +12,14 @@ from tfmem.finetune.config import FinetuneConfig, check_task
 
 # The demo set: 2048 training + 512 held-out shapes (tfmem.make_demo_dataset), 4 classes.
 DEMO_SPLITS = (("train", 2048, 0), ("validation", 512, 1))
+# The segmentation demo, the same shapes as masks: half as many images (a U-Net's step costs
+# many times the small CNN's), one epoch of 64 updates of 16.
+SEGMENTATION_DEMO_SPLITS = (("train", 1024, 0), ("validation", 256, 1))
+
+
+def demo_splits(task: str) -> tuple:
+    """The demo's `(split, images, seed)` for `task`."""
+    return SEGMENTATION_DEMO_SPLITS if task == "segmentation" else DEMO_SPLITS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +58,8 @@ class DataFacts:
         if config.data == "demo":  # written only when training starts
             classes = demo.SEGMENTATION_CLASS_NAMES if task == "segmentation" else (
                 demo.CLASS_NAMES)
-            return cls(True, config.image_size or (32, 32), len(classes), DEMO_SPLITS[0][1],
+            return cls(True, config.image_size or (32, 32), len(classes),
+                       demo_splits(task)[0][1],
                        "demo", "demo", task=task, ignore_value=ignore_value,
                        size_source="--image-size" if config.image_size else "the demo's size")
         num_classes, num_examples, identity, manifest = _dataset_facts(config)
@@ -108,10 +117,12 @@ def check_sizes(config: FinetuneConfig, spec, data: DataFacts) -> None:
 def demo_data(output: str, image_size: tuple[int, int], task: str = "classification") -> dict:
     """Writes the demo train/validation sets (of `task`) once under `output`; returns their
     paths and the masks' ignore value."""
-    paths, variant = [], "" if task == "classification" else f"-{task}"
+    splits = demo_splits(task)
+    paths = []
+    variant = "" if task == "classification" else f"-{task}-{splits[0][1]}"
     height, width = image_size
     size = f"{height}px" if height == width else f"{height}x{width}px"
-    for split, num_examples, seed in DEMO_SPLITS:
+    for split, num_examples, seed in splits:
         path = os.path.join(output, "demo-data", f"{size}{variant}", split)
         try:
             manifest = manifest_lib.read_manifest(path)

@@ -6,7 +6,7 @@ import os
 
 from tfmem.data import demo
 from tfmem.finetune.config import FinetuneConfig
-from tfmem.finetune.data_facts import DEMO_SPLITS, DataFacts
+from tfmem.finetune.data_facts import DataFacts, demo_splits
 from tfmem.runtime import report
 from tfmem.runtime.runtime import Runtime
 from tfmem.training.resume import TrainingDivergedError
@@ -20,7 +20,7 @@ def print_environment(config: FinetuneConfig, runtime: Runtime) -> None:
 
 def demo_line(spec, config: FinetuneConfig, data: DataFacts) -> str:
     """What the demo trains, on what, in one line."""
-    held_out = DEMO_SPLITS[1][1]
+    held_out = demo_splits(data.task)[1][1]
     segmentation = data.task == "segmentation"
     classes = demo.SEGMENTATION_CLASS_NAMES if segmentation else demo.CLASS_NAMES
     return (f"finetune: the demo trains {spec.name} for {config.epochs} epoch"
