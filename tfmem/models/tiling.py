@@ -1,8 +1,9 @@
 """Prediction of a per-pixel model on images of any size, by overlapping tiles.
 
 Tiles of the size the model takes cover the image, each step a multiple of the model's stride
-(so each tile sees the pooling grid the whole image would), the last one flush with the border;
-each output pixel comes from the tile in which it lies farthest from an edge inside the image.
+(so each tile sees the pooling grid the whole image would), the last one flush with the border
+(on that grid only where the image's size less the tile's is a multiple of the stride); each
+output pixel comes from the tile in which it lies farthest from an edge inside the image.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ def predict_tiled(model: keras.Model, images, tile_size: int | tuple[int, int] |
         batch_size: tiles per model call; where there are several calls, the last is filled
             up with zeros to this size (one input shape: one compiled function).
         stride: the model's total downsampling (e.g. 16 for a U-Net that pools 4 times), an
-            int or `(height, width)`: tile offsets are multiples of it, and the step between
-            tiles is `tile - overlap` rounded down to a multiple of it. None: found from the
+            int or `(height, width)`: tile offsets are multiples of it (but the last, flush
+            with the border), the step between them `tile - overlap` rounded down to a
+            multiple of it. None: found from the
             model, as the smallest step between input sizes it maps to outputs of the same
             size.
 
