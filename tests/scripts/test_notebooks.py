@@ -62,13 +62,16 @@ def test_memory_planning_notebook_tabulates_devices_and_draws_the_budget(tmp_pat
 
 def test_segmentation_notebook_trains_a_unet_above_the_all_background_iou(tmp_path,
                                                                           monkeypatch):
-    # 64 updates of 8 images of 16×16: the notebook's calls, in seconds.
+    # 128 updates of 8 images of 16×16: the notebook's calls, in seconds. Training reads its
+    # shards in whichever order they are ready, so the result varies from run to run; it takes
+    # about 128 updates for the batch norms' moving statistics (momentum 0.99) to come near the
+    # data's, and the held-out IoU to stay clear of the bound below whatever the order.
     notebook = _execute("segmentation.ipynb", tmp_path, monkeypatch,
-                        OUTPUT=str(tmp_path / "run"), IMAGE_SIZE=16, NUM_EXAMPLES=512,
+                        OUTPUT=str(tmp_path / "run"), IMAGE_SIZE=16, NUM_EXAMPLES=1024,
                         VALIDATION_EXAMPLES=64, GLOBAL_BATCH_SIZE=8, LEARNING_RATE=3e-3,
                         EPOCHS=1)
     text = _text(notebook)
-    assert ("512 training images with masks, classes background, disk, square, triangle, plus, "
+    assert ("1024 training images with masks, classes background, disk, square, triangle, plus, "
             "ignore value 255") in text
     assert re.search(r"global batch 8 = micro-batch \d+ × \d+ accumulation steps? × 1 replica\n",
                      text), text
@@ -81,7 +84,7 @@ def test_segmentation_notebook_trains_a_unet_above_the_all_background_iou(tmp_pa
                                                                task="segmentation")])
     background = (masks == 0).mean() / len(np.unique(masks))
     assert float(found.group(2)) == pytest.approx(background, abs=5e-4)
-    assert float(found.group(1)) > background + 0.15, text  # about 0.48 against 0.17
+    assert float(found.group(1)) > background + 0.25, text
     assert (tmp_path / "prediction.png").stat().st_size > 5_000
     assert any("image/png" in output.get("data", {}) for cell in notebook.cells
                if cell.cell_type == "code" for output in cell.get("outputs", []))
