@@ -7,6 +7,7 @@ need (it reads shapes).
 """
 
 import functools
+import warnings
 import math
 
 import keras
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 import tfmem
+from tfmem.memory.guard import UnplannedRunWarning
 from tfmem.memory.saved_tensors import traced_saved_tensors
 
 GIB = 2**30
@@ -67,3 +69,63 @@ def test_an_application_with_keras_ops_equals_its_whole_model_trace():
     model = _build("MobileNetV3Small")  # hard-swish and squeeze-excite as keras.ops nodes
     p = tfmem.plan(model, global_batch_size=2, memory_budget=64 * GIB)
     assert p.activation_bytes_per_sample == traced_saved_tensors(model).saved_bytes
+
+
+def _text_classifier(backbone, length: int):
+    """keras-hub's way: a backbone of any length, called on fixed-length token ids."""
+    names = [name for name in ("token_ids", "segment_ids", "padding_mask")
+             if name in backbone.input]
+    inputs = {name: keras.Input((length,), dtype="int32", name=name) for name in names}
+    outputs = backbone(inputs)
+    features = outputs["pooled_output"] if isinstance(outputs, dict) else outputs[:, 0]
+    return keras.Model(inputs, keras.layers.Dense(2)(features))
+
+
+@pytest.mark.parametrize("name", ["BertBackbone", "GPT2Backbone"])
+def test_keras_hub_text_backbones_plan_with_and_without_rematerialization(name):
+    import keras_hub
+
+    backbone = getattr(keras_hub.models, name)(
+        vocabulary_size=64, num_layers=2, num_heads=2, hidden_dim=32, intermediate_dim=64,
+        max_sequence_length=32, dropout=0.0)
+    assert backbone.input["token_ids"].shape == (None, None)  # any length
+    plans = {setting: tfmem.plan(_text_classifier(backbone, 16), global_batch_size=8,
+                                 memory_budget=GIB, **({"rematerialize": setting} if setting
+                                                       else {}))
+             for setting in (None, "full")}
+    # Cut inside the backbone: only the segments' inputs kept, one layer's insides at a time.
+    assert {path for path, _ in plans["full"].rematerialized} == {backbone.name}
+    assert (plans["full"].activation_bytes_per_sample
+            < 0.6 * plans[None].activation_bytes_per_sample)
+    # Twice the tokens: more than twice the bytes (the attention scores grow as its square).
+    longer = tfmem.plan(_text_classifier(backbone, 32), global_batch_size=8, memory_budget=GIB)
+    assert longer.activation_bytes_per_sample > 2 * plans[None].activation_bytes_per_sample
+
+
+def test_a_keras_hub_bert_trains_rematerialized_as_keras_on_the_whole_batch():
+    import keras_hub
+
+    def classifier():
+        keras.utils.set_random_seed(0)
+        return _text_classifier(keras_hub.models.BertBackbone(
+            vocabulary_size=64, num_layers=2, num_heads=2, hidden_dim=32, intermediate_dim=64,
+            max_sequence_length=16, dropout=0.0), 16)
+
+    rng = np.random.default_rng(0)
+    mask = (np.arange(16)[None] < rng.integers(4, 17, (8, 1))).astype("int32")
+    x = {"token_ids": rng.integers(1, 64, (8, 16)).astype("int32") * mask,
+         "segment_ids": np.zeros((8, 16), "int32"), "padding_mask": mask}
+    y = rng.integers(0, 2, (8,))
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    reference = classifier()
+    reference.compile(keras.optimizers.SGD(0.1), loss)
+    reference.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    accum = tfmem.AccumModel.wrap(classifier(), accumulation_steps=2, rematerialize="full")
+    accum.compile(keras.optimizers.SGD(0.1), loss)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnplannedRunWarning)  # planned and checked
+        accum.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+                  memory_budget=4 * GIB)
+    assert accum.rematerialized_segments
+    for ours, theirs in zip(accum.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(ours, theirs, atol=1e-6)

@@ -9,6 +9,7 @@ import pytest
 from keras import ops
 
 import tfmem
+from tfmem.memory.guard import UnplannedRunWarning
 from tfmem.memory.saved_tensors import traced_saved_tensors
 
 GIB = 2**30
@@ -68,6 +69,72 @@ def test_nested_models_count_as_their_flat_twin():
     flat = keras.Model(inputs, flat_x)
     assert _plan(nested).activation_bytes_per_sample == _plan(flat).activation_bytes_per_sample
     _assert_equals_whole_trace(nested)
+
+
+class PositionTable(keras.layers.Layer):
+    """A learned position embedding as long as its input: a size known only at run time."""
+
+    def build(self, shape):
+        self.table = self.add_weight(shape=(32, shape[-1]), name="table")
+
+    def call(self, x):
+        return x + self.table[: ops.shape(x)[1]]
+
+
+def _encoder(length):
+    """A text backbone as keras-hub builds one, on token ids and a padding mask of `length`
+    (None: any length)."""
+    tokens = keras.Input((length,), dtype="int32", name="token_ids")
+    mask = keras.Input((length,), dtype="int32", name="padding_mask")
+    x = PositionTable()(keras.layers.Embedding(100, 16)(tokens))
+    attention = ops.cast(mask, "bool")[:, None, :]
+    x = x + keras.layers.MultiHeadAttention(2, 8)(x, x, attention_mask=attention)
+    x = keras.layers.LayerNormalization()(x)
+    x = keras.layers.Dense(16, activation="gelu")(x)
+    return keras.Model({"token_ids": tokens, "padding_mask": mask}, x, name="encoder")
+
+
+def _classifier(encoder, length=12):
+    tokens = keras.Input((length,), dtype="int32")
+    mask = keras.Input((length,), dtype="int32")
+    x = encoder({"token_ids": tokens, "padding_mask": mask})
+    return keras.Model([tokens, mask], keras.layers.Dense(3)(ops.mean(x, axis=1)))
+
+
+@pytest.mark.parametrize("rematerialize", [None, "full"])
+def test_a_nested_model_of_any_length_plans_at_the_length_it_is_called_with(rematerialize):
+    # Built for any length, called on 12 tokens: planned as the same model built for 12.
+    kwargs = {"rematerialize": rematerialize} if rematerialize else {}
+    planned = [_plan(_classifier(_encoder(length)), **kwargs) for length in (None, 12)]
+    assert planned[0].activation_bytes_per_sample == planned[1].activation_bytes_per_sample > 0
+    assert planned[0].workspace_bytes_per_sample == planned[1].workspace_bytes_per_sample
+    assert planned[0].rematerialized == planned[1].rematerialized
+    assert bool(planned[0].rematerialized) == bool(rematerialize)
+    # Twice the tokens: the sequence's tensors twice the bytes.
+    longer = _plan(_classifier(_encoder(None), length=24), **kwargs)
+    assert longer.activation_bytes_per_sample > 1.8 * planned[0].activation_bytes_per_sample
+
+
+def test_a_nested_model_of_any_length_trains_checked_and_rematerialized_exactly():
+    keras.utils.set_random_seed(0)
+    model = _classifier(_encoder(None))
+    reference = _classifier(_encoder(None))  # plain Keras, on the whole batch
+    reference.set_weights(model.get_weights())
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, 100, (8, 12)).astype("int32")
+    mask = (np.arange(12)[None] < rng.integers(3, 13, (8, 1))).astype("int32")
+    y = rng.normal(size=(8, 3)).astype("float32")
+    accum = tfmem.AccumModel.wrap(model, accumulation_steps=2, rematerialize="full")
+    accum.compile(keras.optimizers.SGD(0.1), "mse")
+    reference.compile(keras.optimizers.SGD(0.1), "mse")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnplannedRunWarning)  # the check ran
+        accum.fit([tokens, mask], y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+                  memory_budget=GIB)
+    reference.fit([tokens, mask], y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert [path for path, _ in accum.rematerialized_segments] == ["encoder"]  # cut inside
+    for ours, theirs in zip(accum.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(ours, theirs, atol=1e-6)
 
 
 def test_a_nested_model_called_twice_counts_twice():

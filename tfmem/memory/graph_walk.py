@@ -14,6 +14,7 @@ import numpy as np
 
 from tfmem import _keras_internals as internals
 from tfmem.memory import gradient_trace, layer_rules
+from tfmem.remat import segments
 from tfmem.remat.graph import node_order, range_inputs
 
 
@@ -281,8 +282,8 @@ class Walker:
         return result.transient_bytes / max(sample_bytes(small, dtype), *result.output_bytes)
 
     def nested(self, node) -> None:
-        inner = self.inner_graphs.get(id(node.operation)) or internals.functional_of(
-            node.operation)
+        inner = self.inner_graphs.get(id(node.operation)) or segments.sized_graph(
+            internals.functional_of(node.operation), node)
         outer_keys = [self.key(t) for t in node.input_tensors]
         outer_context, self.context = self.context, self.context + (id(node),)
         outer_path = self.path

@@ -26,7 +26,7 @@ from collections.abc import Collection, Sequence
 import keras
 
 from tfmem import _keras_internals as internals
-from tfmem.remat.graph import node_order, range_inputs
+from tfmem.remat.graph import node_order, range_inputs, set_node_order
 from tfmem.remat.scope import measured_as_written
 
 
@@ -221,7 +221,7 @@ def flops_of(node, inner_graphs=None) -> int:
     inner = (inner_graphs or {}).get(id(operation))
     if inner is None and (internals.is_graph_network(operation)
                           or isinstance(operation, keras.Sequential)):
-        inner = internals.functional_of(operation)
+        inner = sized_graph(internals.functional_of(operation), node)
     if inner is not None:
         return sum(flops_of(inner_node) for inner_node in node_order(inner))
     elements = sum(math.prod(d for d in t.shape[1:] if d) for t in node.outputs)
@@ -242,7 +242,7 @@ def inner_graph(layer: keras.layers.Layer, node) -> keras.Model | None:
     known only at run time), or takes more than tensors and `training`: then the layer
     stays whole."""
     if internals.is_graph_network(layer) or isinstance(layer, keras.Sequential):
-        return internals.functional_of(layer)
+        return sized_graph(internals.functional_of(layer), node)
     if not isinstance(layer, keras.layers.Layer):  # a Keras op: nothing inside
         return None
     if layer in _INNER:
@@ -258,6 +258,58 @@ def inner_graph(layer: keras.layers.Layer, node) -> keras.Model | None:
             graph = call_graph(layer, inputs, args)
     _INNER[layer] = graph
     return graph
+
+
+# Nested graphs called again on sized inputs, by graph: `{input shapes: graph}`.
+_SIZED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def sized_graph(graph: keras.Model, node) -> keras.Model:
+    """The functional `graph` of a nested model as `node` calls it: `graph` itself where
+    each of its tensors has a known size beyond the batch, else the same calls made again on
+    inputs shaped like `node`'s (a text backbone built for any sequence length, called on
+    fixed-length inputs), their order kept, so that positions in one are positions in the
+    other. `graph` itself where the call's inputs leave a size open too, or the calls cannot
+    be made again."""
+    if _all_sized(graph):
+        return graph
+    shapes = tuple(tuple(t.shape) for t in node.input_tensors)
+    if len(shapes) != len(graph.inputs) or any(None in shape[1:] for shape in shapes):
+        return graph
+    found = _SIZED.setdefault(graph, {})
+    if shapes not in found:
+        found[shapes] = _called_again(graph, shapes)
+    return found[shapes]
+
+
+def _all_sized(graph) -> bool:
+    return all(None not in tuple(t.shape)[1:] for node in node_order(graph)
+               for t in node.outputs)
+
+
+def _called_again(graph: keras.Model, shapes) -> keras.Model:
+    inputs = [keras.Input(batch_shape=shape, dtype=x.dtype, name=x.name)
+              for shape, x in zip(shapes, graph.inputs)]
+    values = {id(x): y for x, y in zip(graph.inputs, inputs)}
+    order = []
+    try:
+        with measured_as_written():
+            for node in node_order(graph):
+                args, kwargs = node.arguments.fill_in(
+                    {id(t): values[id(t)] for t in node.input_tensors})
+                outputs = keras.tree.flatten(node.operation(*args, **kwargs))
+                order.append(internals.node_of(outputs[0]))
+                values.update((id(t), y) for t, y in zip(node.outputs, outputs))
+        inputs_struct, outputs_struct = internals.functional_structs(graph)
+        again = keras.Model(
+            keras.tree.pack_sequence_as(inputs_struct, inputs),
+            keras.tree.pack_sequence_as(outputs_struct, [
+                values[id(t)] for t in keras.tree.flatten(outputs_struct)]),
+            name=graph.name)
+    except Exception:  # noqa: BLE001 - not made again: the graph as it is, sized or not
+        return graph
+    set_node_order(again, order)
+    return again
 
 
 def call_graph(layer: keras.layers.Layer, inputs: list, args: tuple) -> keras.Model | None:
