@@ -237,7 +237,7 @@ _INNER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def inner_graph(layer: keras.layers.Layer, node) -> keras.Model | None:
     """The call of a subclassed `layer` as a functional graph of its sub-layers and Keras ops,
     traced on symbolic inputs shaped like `node`'s: what lets a cut fall inside it. A nested
-    functional model is its own graph. None when the call cannot be traced so (it has weights
+    functional model is its own graph, sized at `node`'s inputs (`sized_graph`). None when the call cannot be traced so (it has weights
     of its own, uses backend ops or Python control flow on values, or its tensors' shapes are
     known only at run time), or takes more than tensors and `training`: then the layer
     stays whole."""
