@@ -366,6 +366,12 @@ def test_pairs_and_full_are_planned_by_hand_counts():
     again = 2 * hidden + out
     assert abs(full.recompute_fraction - again / (3 * forward)) < 1e-9
     assert note.endswith("≈ +25% compute")
+    # On a CPU each recomputed segment's forward is traced again in its gradient: the runtime
+    # term grows by 0.7 MiB per variable the segments use (a kernel and a bias per Dense:
+    # 10 in full's 5 layers, 8 in the pairs' 4).
+    plain = _planned(None)
+    assert full.runtime_bytes - plain.runtime_bytes == 10 * int(0.7 * 2**20)
+    assert pairs.runtime_bytes - plain.runtime_bytes == 8 * int(0.7 * 2**20)
     # `tfmem.plan` takes the setting for any Keras model, and it overrides the model's own.
     chain = _dense_chain()
     plain_keras = keras.Model(chain.inputs, chain.outputs)

@@ -63,6 +63,9 @@ _CPU_BYTES_PER_VARIABLE = int(1.63 * 2**20)
 # kh·kw × C_in × C_out (block-diagonal), made at every call whatever the batch. On JAX the
 # compiled step holds the same buffers, and its memory analysis counts them.
 _CPU_XLA_RUNTIME_BYTES = 100 * 2**20
+# A recomputed segment's forward is traced again inside its gradient function: its ops, once
+# more, per variable the segment uses (measured: ConvNeXtTiny, keras-hub's ViT, 64 px).
+_CPU_BYTES_PER_RECOMPUTED_VARIABLE = int(0.7 * 2**20)
 _GROUPED_ON_XLA_CALLS = backend.choose(tensorflow=True, jax=False)
 
 _MIXED = ("mixed_float16", "mixed_bfloat16")
@@ -213,9 +216,15 @@ def estimate(model: keras.Model, settings: PlanSettings,
     fraction = (remat_search.recompute_fraction(model, ranges, override, frozen, analyses)
                 if ranges else 0.0)
     held = _loss_and_metrics(model, settings, saved)
-    grouped = _grouped_convolutions(model, override) if budget.kind == "cpu" else None
+    cpu = budget.kind == "cpu"
+    grouped = _grouped_convolutions(model, override) if cpu else None
+    retraced = (_CPU_BYTES_PER_RECOMPUTED_VARIABLE
+                * remat_search.recomputed_variables(model, counted_ranges) if cpu else 0)
+    runtime_notes = ((grouped.note,) if grouped else ()) + (
+        (f"framework runtime includes {format_bytes(retraced)} for the recomputed segments' "
+         "forward, traced again in their gradient",) if retraced else ())
     notes = _notes(model, settings, saved, override, recomputed, ranges, saves, fraction,
-                   held.notes + (grouped.note,) if grouped else held.notes)
+                   held.notes + runtime_notes)
     return MemoryPlan(
         model_name=model.name,
         num_parameters=int(model.count_params()),
@@ -241,8 +250,8 @@ def estimate(model: keras.Model, settings: PlanSettings,
         mixed_precision_bytes=int(mixed),
         runtime_bytes=(_CPU_IMPORT_BYTES + _CPU_GRAPH_BASE_BYTES
                        + _CPU_BYTES_PER_VARIABLE * len(model.variables)
-                       + (grouped.nbytes if grouped else 0)
-                       if budget.kind == "cpu" else 0),
+                       + (grouped.nbytes if grouped else 0) + retraced
+                       if cpu else 0),
         input_bytes_per_sample=saved.input_bytes,
         activation_bytes_per_sample=saved.saved_bytes + saved.recomputed_bytes,
         # What the call running at the peak holds next to the kept tensors: its gradients
