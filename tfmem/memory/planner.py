@@ -268,7 +268,7 @@ def estimate(model: keras.Model, settings: PlanSettings,
 
 
 @dataclasses.dataclass(frozen=True)
-class GroupedConvolutions:
+class _GroupedConvolutions:
     """What the grouped convolutions run through XLA add to a CPU plan's runtime term."""
 
     nbytes: int  # XLA's runtime + the largest dense kernel
@@ -283,7 +283,7 @@ class GroupedConvolutions:
                 f"{self.layer_name}, {format_bytes(self.dense_kernel_bytes)})")
 
 
-def _grouped_convolutions(model: keras.Model, override) -> GroupedConvolutions | None:
+def _grouped_convolutions(model: keras.Model, override) -> _GroupedConvolutions | None:
     """The grouped convolutions' XLA term of a CPU plan (None: none, or not XLA calls)."""
     if not _GROUPED_ON_XLA_CALLS:
         return None
@@ -296,7 +296,7 @@ def _grouped_convolutions(model: keras.Model, override) -> GroupedConvolutions |
     if not dense:
         return None
     nbytes, name = max(dense, key=lambda entry: entry[0])
-    return GroupedConvolutions(_CPU_XLA_RUNTIME_BYTES + nbytes, nbytes, name)
+    return _GroupedConvolutions(_CPU_XLA_RUNTIME_BYTES + nbytes, nbytes, name)
 
 
 def _loss_and_metrics(model: keras.Model, settings: PlanSettings,
