@@ -70,6 +70,7 @@ from tfmem import models  # noqa: E402
 from tfmem.memory.probe import measure  # noqa: E402
 
 GIB, MIB = 2**30, 2**20
+_IMPORT = 750 * MIB  # the planner's own import term (tfmem/memory/planner.py)
 
 
 IGNORE_VALUE = 255  # of the segmentation masks: a value no random mask holds
@@ -250,6 +251,8 @@ def row(args, setting: str | None, batches: tuple[int, int], budget: float, live
     fixed = growth[small] - per_sample * small
     plan = tfmem.plan(accum, global_batch_size=small, memory_budget=int(20 * GIB))
     return dict(setting=setting or "none",
+                # The plan's whole peak less its import term, against the growth above import.
+                planned_growth={b: plan.peak_bytes(b, 1) - _IMPORT for b in batches},
                 segments=sum(len(ranges) for _, ranges in plan.rematerialized),
                 growth=growth, per_sample=per_sample,
                 fits=int((budget * GIB - fixed) // per_sample),
@@ -486,6 +489,8 @@ def main(argv=None):
                 f"{r['planned'] / r['per_sample']:.2f}")
         if args.live:
             line += f", planned / live {r['planned'] / r['live']:.2f}"
+        line += "; planned / measured growth " + ", ".join(
+            f"@{b} {r['planned_growth'][b] / r['growth'][b]:.2f}" for b in batches)
         if r is not plain:
             line += f"; / {plain['setting']}: micro-batch {r['fits'] / plain['fits']:.2f}×"
             if r["seconds"] is not None and plain["seconds"] is not None:

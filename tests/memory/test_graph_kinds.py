@@ -365,3 +365,34 @@ def test_a_grouped_convolution_reserves_its_patch_matrix():
     p = _plan(keras.Model(inputs, keras.layers.Conv2D(4, 3, padding="same", groups=2)(x)))
     assert p.workspace_bytes_per_sample == 3 * 3 * _floats(6, 6, 4)  # kh·kw × its input
     assert p.activation_bytes_per_sample == 2 * _floats(6, 6, 4)  # each conv keeps its input
+
+
+def test_grouped_convolutions_on_a_cpu_add_xla_and_the_dense_kernel_it_makes():
+    import re
+
+    import tensorflow as tf
+
+    # A depthwise (32-group) 3×3 convolution's forward and kernel gradient, compiled by XLA
+    # as Keras's TensorFlow backend compiles a grouped convolution: the largest buffer of
+    # XLA:CPU's optimised program is the dense kernel, 3·3 × 32 × 32 (not 3·3 × 1 × 32).
+    x, kernel = tf.zeros((2, 5, 5, 32)), tf.zeros((3, 3, 1, 32))
+
+    @tf.function(jit_compile=True)
+    def step(x, kernel):
+        with tf.GradientTape() as tape:
+            tape.watch(kernel)
+            y = tf.nn.convolution(x, kernel, padding="SAME")
+        return tape.gradient(y, kernel)
+
+    hlo = step.experimental_get_compiler_ir(x, kernel)(stage="optimized_hlo")
+    largest = max(math.prod(int(d) for d in dims.split(","))
+                  for dims in re.findall(r"f32\[([\d,]+)\]", hlo))
+    assert largest == 3 * 3 * 32 * 32
+    inputs = keras.Input((5, 5, 32))
+    grouped = keras.Model(inputs, keras.layers.Conv2D(32, 3, padding="same", groups=32)(inputs))
+    depthwise = keras.Model(inputs, keras.layers.DepthwiseConv2D(3, padding="same")(inputs))
+    # The same variables (kernel, bias); on a CPU the grouped one adds XLA's runtime and the
+    # dense kernel, whatever the batch; an accelerator's plan has no runtime term.
+    added = _plan(grouped).runtime_bytes - _plan(depthwise).runtime_bytes
+    assert added == 100 * 2**20 + 4 * largest
+    assert tfmem.plan(grouped, global_batch_size=4, device="t4").runtime_bytes == 0

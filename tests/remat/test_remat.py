@@ -17,6 +17,7 @@ from tfmem.memory import remat_search
 from tfmem.remat import segments
 from tfmem.remat.graph import node_order, range_inputs
 from tfmem.remat.spec import Ranges, RematSpec
+from tfmem.runtime.budget import Budget
 
 CASES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "training", "remat_cases.py")
 
@@ -339,8 +340,15 @@ def _dense_chain(rematerialize=None):
 
 
 def _planned(rematerialize, **arguments):
-    arguments.setdefault("memory_budget", 2**30)
+    if "budget" not in arguments:
+        arguments.setdefault("memory_budget", 2**30)
     return tfmem.plan(_dense_chain(rematerialize), global_batch_size=8, **arguments)
+
+
+def _accelerator(memory):
+    """A GPU's budget: no host runtime term, whose retraced segments would outweigh the few
+    kilobytes recomputing saves in these small models."""
+    return Budget("gpu", "gpu", memory, 1)
 
 
 def test_pairs_and_full_are_planned_by_hand_counts():
@@ -366,6 +374,12 @@ def test_pairs_and_full_are_planned_by_hand_counts():
     again = 2 * hidden + out
     assert abs(full.recompute_fraction - again / (3 * forward)) < 1e-9
     assert note.endswith("≈ +25% compute")
+    # On a CPU each recomputed segment's forward is traced again in its gradient: the runtime
+    # term grows by 0.7 MiB per variable the segments use (a kernel and a bias per Dense:
+    # 10 in full's 5 layers, 8 in the pairs' 4).
+    plain = _planned(None)
+    assert full.runtime_bytes - plain.runtime_bytes == 10 * int(0.7 * 2**20)
+    assert pairs.runtime_bytes - plain.runtime_bytes == 8 * int(0.7 * 2**20)
     # `tfmem.plan` takes the setting for any Keras model, and it overrides the model's own.
     chain = _dense_chain()
     plain_keras = keras.Model(chain.inputs, chain.outputs)
@@ -679,13 +693,14 @@ def test_a_stack_made_again_trains_to_the_same_weights(precision):
 
 
 def test_auto_rematerializes_only_when_the_target_micro_batch_does_not_fit():
-    plain, full = _planned(None), _planned("full")
+    roomy = _accelerator(2**30)
+    plain, full = _planned(None, budget=roomy), _planned("full", budget=roomy)
     # A device whose 80% lies between the two peaks at micro-batch 8 (the whole batch).
     memory = int((plain.peak_bytes(8, 1) + full.peak_bytes(8, 1)) / 2 / 0.8)
     # Without: nothing fits (a smaller micro-batch adds k > 1's accumulation buffers, far
     # more than the activations it saves on this small model).
-    assert not _planned(None, memory_budget=memory).fits
-    auto = _planned("auto", memory_budget=memory)
+    assert not _planned(None, budget=_accelerator(memory)).fits
+    auto = _planned("auto", budget=_accelerator(memory))
     assert (auto.micro_batch_size, auto.accumulation_steps) == (8, 1)
     assert auto.rematerialized == full.rematerialized
     assert auto.notes[-1] == ("rematerialize auto: nothing fits without it; with 2 of 2 "
@@ -697,13 +712,14 @@ def test_auto_rematerializes_only_when_the_target_micro_batch_does_not_fit():
 
 def test_auto_takes_the_segments_inside_a_nested_layer_one_by_one():
     model = remat_cases.dense()
-    plain, full = (tfmem.plan(model, global_batch_size=8, memory_budget=2**30,
+    plain, full = (tfmem.plan(model, global_batch_size=8, budget=_accelerator(2**30),
                               rematerialize=setting) for setting in (None, "full"))
     (path, spans), = full.rematerialized
     assert path == "backbone/dense" and len(spans) == 3
     # A device where micro-batch 8 fits with some of the dense block's segments, not none.
     memory = int((0.3 * full.peak_bytes(8, 1) + 0.7 * plain.peak_bytes(8, 1)) / 0.8)
-    auto = tfmem.plan(model, global_batch_size=8, memory_budget=memory, rematerialize="auto")
+    auto = tfmem.plan(model, global_batch_size=8, budget=_accelerator(memory),
+                      rematerialize="auto")
     (auto_path, chosen), = auto.rematerialized
     assert auto_path == path and len(chosen) == 2 and set(chosen) < set(spans)
     assert (auto.micro_batch_size, auto.accumulation_steps) == (8, 1)
@@ -770,9 +786,10 @@ def test_full_that_cuts_nothing_says_so_in_the_plan_and_at_fit():
 
 
 def test_nothing_fits_tries_rematerialization_first():
-    plain, full = _planned(None), _planned("full")
+    roomy = _accelerator(2**30)
+    plain, full = _planned(None, budget=roomy), _planned("full", budget=roomy)
     memory = int((plain.peak_bytes(8, 1) + full.peak_bytes(8, 1)) / 2 / 0.8)
-    p = _planned(None, memory_budget=memory)
+    p = _planned(None, budget=_accelerator(memory))
     assert not p.fits and p.alternative.changes == ("rematerialize full",)
     assert p.alternative.tried == ("rematerialize full",)
 

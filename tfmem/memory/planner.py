@@ -31,6 +31,8 @@ import keras
 import numpy as np
 
 from tfmem import _keras_internals as internals
+from tfmem import backend
+from tfmem._sizes import format_bytes
 from tfmem.memory import levers, loss_trace, remat_search
 from tfmem.memory.memory_plan import MemoryPlan, MemoryPlanError, choose
 from tfmem.memory.optimizer_state import optimizer_slot_bytes
@@ -55,6 +57,16 @@ __all__ = ["Budget", "MemoryPlan", "MemoryPlanError", "PlanSettings", "check", "
 _CPU_IMPORT_BYTES = 750 * 2**20
 _CPU_GRAPH_BASE_BYTES = 15 * 2**20
 _CPU_BYTES_PER_VARIABLE = int(1.63 * 2**20)
+# Keras's TensorFlow backend runs each grouped convolution as an XLA call of its own
+# (`keras/src/backend/tensorflow/nn.py`, `conv`): the first one starts XLA's CPU runtime
+# (compiler, executables, thread pools), and XLA:CPU runs each one on its dense kernel,
+# kh·kw × C_in × C_out (block-diagonal), made at every call whatever the batch. On JAX the
+# compiled step holds the same buffers, and its memory analysis counts them.
+_CPU_XLA_RUNTIME_BYTES = 100 * 2**20
+# A recomputed segment's forward is traced again inside its gradient function: its ops, once
+# more, per variable the segment uses (measured: ConvNeXtTiny, keras-hub's ViT, 64 px).
+_CPU_BYTES_PER_RECOMPUTED_VARIABLE = int(0.7 * 2**20)
+_GROUPED_ON_XLA_CALLS = backend.choose(tensorflow=True, jax=False)
 
 _MIXED = ("mixed_float16", "mixed_bfloat16")
 _PRECISIONS = ("auto", "float32") + _MIXED
@@ -204,8 +216,15 @@ def estimate(model: keras.Model, settings: PlanSettings,
     fraction = (remat_search.recompute_fraction(model, ranges, override, frozen, analyses)
                 if ranges else 0.0)
     held = _loss_and_metrics(model, settings, saved)
+    cpu = budget.kind == "cpu"
+    grouped = _grouped_convolutions(model, override) if cpu else None
+    retraced = (_CPU_BYTES_PER_RECOMPUTED_VARIABLE
+                * remat_search.recomputed_variables(model, counted_ranges) if cpu else 0)
+    runtime_notes = ((grouped.note,) if grouped else ()) + (
+        (f"framework runtime includes {format_bytes(retraced)} for the recomputed segments' "
+         "forward, traced again in their gradient",) if retraced else ())
     notes = _notes(model, settings, saved, override, recomputed, ranges, saves, fraction,
-                   held.notes)
+                   held.notes + runtime_notes)
     return MemoryPlan(
         model_name=model.name,
         num_parameters=int(model.count_params()),
@@ -231,7 +250,8 @@ def estimate(model: keras.Model, settings: PlanSettings,
         mixed_precision_bytes=int(mixed),
         runtime_bytes=(_CPU_IMPORT_BYTES + _CPU_GRAPH_BASE_BYTES
                        + _CPU_BYTES_PER_VARIABLE * len(model.variables)
-                       if budget.kind == "cpu" else 0),
+                       + (grouped.nbytes if grouped else 0) + retraced
+                       if cpu else 0),
         input_bytes_per_sample=saved.input_bytes,
         activation_bytes_per_sample=saved.saved_bytes + saved.recomputed_bytes,
         # What the call running at the peak holds next to the kept tensors: its gradients
@@ -245,6 +265,38 @@ def estimate(model: keras.Model, settings: PlanSettings,
         rematerialized=tuple(ranges),
         recompute_fraction=fraction,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _GroupedConvolutions:
+    """What the grouped convolutions run through XLA add to a CPU plan's runtime term."""
+
+    nbytes: int  # XLA's runtime + the largest dense kernel
+    dense_kernel_bytes: int
+    layer_name: str  # the layer of the largest dense kernel
+
+    @property
+    def note(self) -> str:
+        return (f"grouped convolutions run through XLA: framework runtime includes "
+                f"{format_bytes(self.nbytes)} (XLA's runtime "
+                f"{format_bytes(_CPU_XLA_RUNTIME_BYTES)} + the dense kernel of "
+                f"{self.layer_name}, {format_bytes(self.dense_kernel_bytes)})")
+
+
+def _grouped_convolutions(model: keras.Model, override) -> _GroupedConvolutions | None:
+    """The grouped convolutions' XLA term of a CPU plan (None: none, or not XLA calls)."""
+    if not _GROUPED_ON_XLA_CALLS:
+        return None
+    dense = [(math.prod(layer.kernel_size) * layer.kernel.shape[-2] * layer.groups
+              * layer.filters
+              * np.dtype(override or keras.backend.standardize_dtype(layer.compute_dtype))
+              .itemsize, layer.name)
+             for layer in internals.flatten_layers(model)
+             if getattr(layer, "groups", 1) > 1 and getattr(layer, "kernel", None) is not None]
+    if not dense:
+        return None
+    nbytes, name = max(dense, key=lambda entry: entry[0])
+    return _GroupedConvolutions(_CPU_XLA_RUNTIME_BYTES + nbytes, nbytes, name)
 
 
 def _loss_and_metrics(model: keras.Model, settings: PlanSettings,

@@ -130,3 +130,14 @@ def recompute_fraction(model: keras.Model, spec, compute_dtype=None, frozen=froz
             again = {p for start, stop in ranges for p in range(start, stop + 1)}
         recomputed += sum(segments.flops_of(nodes[p], graphs) for p in again)
     return recomputed / total if total else 0.0
+
+
+def recomputed_variables(model: keras.Model, spec) -> int:
+    """How many variables the calls inside `spec`'s segments use (each counted once)."""
+    seen: set[int] = set()
+    for path, ranges in spec:
+        nodes = node_order(plan.graph_of(model, path))
+        for start, stop in ranges:
+            for node in nodes[start:stop + 1]:
+                seen.update(id(v) for v in getattr(node.operation, "variables", ()))
+    return len(seen)
