@@ -63,8 +63,8 @@ _CPU_BYTES_PER_VARIABLE = int(1.63 * 2**20)
 # kh·kw × C_in × C_out (block-diagonal), made at every call whatever the batch. On JAX the
 # compiled step holds the same buffers, and its memory analysis counts them.
 _CPU_XLA_RUNTIME_BYTES = 100 * 2**20
-# A recomputed segment's forward is traced again inside its gradient function: its ops, once
-# more, per variable the segment uses (measured: ConvNeXtTiny, keras-hub's ViT, 64 px).
+# A recomputed segment's forward is traced again inside its gradient function: its ops once
+# more, counted per variable the segment uses, as the traced step is.
 _CPU_BYTES_PER_RECOMPUTED_VARIABLE = int(0.7 * 2**20)
 _GROUPED_ON_XLA_CALLS = backend.choose(tensorflow=True, jax=False)
 
