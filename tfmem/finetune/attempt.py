@@ -122,12 +122,13 @@ def _train(config: FinetuneConfig, spec, runtime: Runtime, precision: str, outpu
         # Skipped records would end the epoch early: an epoch is steps_per_epoch updates.
         return dataset.repeat() if config.skip_corrupt else dataset
 
-    trainers = []  # the AccumModel the memory check compiled, which the run trains
+    accum = None  # the AccumModel the memory check compiled, which the run trains
 
     def trainer(model, optimizer, memory_plan):
-        if not trainers:
-            trainers.append(_trainer(config, runtime, data, model, optimizer, memory_plan))
-        return trainers[0]
+        nonlocal accum
+        if accum is None:
+            accum = _trainer(config, runtime, data, model, optimizer, memory_plan)
+        return accum
 
     model, optimizer, run_plan = build_and_plan(config, spec, runtime, precision, data,
                                                 attempt, train_data=make_dataset(0),

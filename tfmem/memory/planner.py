@@ -28,7 +28,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
-import numpy as np
 
 from tfmem import _keras_internals as internals
 from tfmem import backend
@@ -37,6 +36,7 @@ from tfmem.memory import levers, loss_trace, remat_search
 from tfmem.memory.memory_plan import MemoryPlan, MemoryPlanError, choose
 from tfmem.memory.optimizer_state import optimizer_slot_bytes
 from tfmem.memory.plan_settings import PlanSettings
+from tfmem.memory.graph_walk import itemsize
 from tfmem.memory.saved_tensors import model_outputs, saved_tensors
 from tfmem.remat import plan as remat_plan
 from tfmem.remat import runner
@@ -163,12 +163,8 @@ def _resolve_precision(precision: str, budget: Budget) -> tuple[str, str | None]
                     f"{budget.device} (bf16 on TPU, fp16 on GPUs of compute capability ≥ 7)")
 
 
-def _itemsize(variable) -> int:
-    return np.dtype(keras.backend.standardize_dtype(variable.dtype)).itemsize
-
-
 def _nbytes(variables) -> int:
-    return sum(math.prod(v.shape) * _itemsize(v) for v in variables)
+    return sum(math.prod(v.shape) * itemsize(v.dtype) for v in variables)
 
 
 def _check_optimizer(optimizer: Any) -> None:
@@ -288,9 +284,7 @@ def _grouped_convolutions(model: keras.Model, override) -> _GroupedConvolutions 
     if not _GROUPED_ON_XLA_CALLS:
         return None
     dense = [(math.prod(layer.kernel_size) * layer.kernel.shape[-2] * layer.groups
-              * layer.filters
-              * np.dtype(override or keras.backend.standardize_dtype(layer.compute_dtype))
-              .itemsize, layer.name)
+              * layer.filters * itemsize(override or layer.compute_dtype), layer.name)
              for layer in internals.flatten_layers(model)
              if getattr(layer, "groups", 1) > 1 and getattr(layer, "kernel", None) is not None]
     if not dense:

@@ -24,7 +24,7 @@ import keras
 
 from tfmem import _keras_internals as internals
 from tfmem.remat import segments
-from tfmem.remat.graph import node_order, set_node_order
+from tfmem.remat.graph import call_again, node_order, set_node_order
 from tfmem.remat.scope import measured_as_written
 
 
@@ -126,14 +126,9 @@ def _inline(graph, path, spec, inlined, values, order, paths, ranges) -> bool:
             for t, x in zip(node.outputs, keras.tree.flatten(inner.outputs)):
                 values[id(t)] = inner_values[id(x)]
         else:
-            args, kwargs = node.arguments.fill_in(
-                {id(t): values[id(t)] for t in node.input_tensors})
-            outputs = keras.tree.flatten(layer(*args, **kwargs))
-            made = internals.node_of(outputs[0])
+            made = call_again(node, values)
             order.append(made)
             paths[id(made)] = path
-            for t, y in zip(node.outputs, outputs):
-                values[id(t)] = y
         last[position] = len(order) - 1
     ranges.extend((first[start], last[stop]) for start, stop in own)
     return True

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import weakref
 
+import keras
+
 from tfmem import _keras_internals as internals
 
 
@@ -27,6 +29,15 @@ def set_node_order(graph, nodes) -> None:
     """Makes `nodes` (all of `graph`'s calls, in a topological order) the order `node_order`
     gives for `graph`: a graph made of several graphs' calls keeps each one's together."""
     _ORDERS[graph] = tuple(nodes)
+
+
+def call_again(node, values: dict):
+    """Makes `node`'s call again on `values` (by id of the symbolic tensors it takes), adds
+    what it makes to `values` under the ids of `node`'s outputs, and returns the new call."""
+    args, kwargs = node.arguments.fill_in({id(t): values[id(t)] for t in node.input_tensors})
+    outputs = keras.tree.flatten(node.operation(*args, **kwargs))
+    values.update((id(t), y) for t, y in zip(node.outputs, outputs))
+    return internals.node_of(outputs[0])
 
 
 def range_inputs(nodes, ranges) -> dict[int, tuple[list, list]]:

@@ -26,7 +26,7 @@ from collections.abc import Collection, Sequence
 import keras
 
 from tfmem import _keras_internals as internals
-from tfmem.remat.graph import node_order, range_inputs, set_node_order
+from tfmem.remat.graph import call_again, node_order, range_inputs, set_node_order
 from tfmem.remat.scope import measured_as_written
 
 
@@ -291,15 +291,9 @@ def _called_again(graph: keras.Model, shapes) -> keras.Model:
     inputs = [keras.Input(batch_shape=shape, dtype=x.dtype, name=x.name)
               for shape, x in zip(shapes, graph.inputs)]
     values = {id(x): y for x, y in zip(graph.inputs, inputs)}
-    order = []
     try:
         with measured_as_written():
-            for node in node_order(graph):
-                args, kwargs = node.arguments.fill_in(
-                    {id(t): values[id(t)] for t in node.input_tensors})
-                outputs = keras.tree.flatten(node.operation(*args, **kwargs))
-                order.append(internals.node_of(outputs[0]))
-                values.update((id(t), y) for t, y in zip(node.outputs, outputs))
+            order = [call_again(node, values) for node in node_order(graph)]
         inputs_struct, outputs_struct = internals.functional_structs(graph)
         again = keras.Model(
             keras.tree.pack_sequence_as(inputs_struct, inputs),
