@@ -165,8 +165,8 @@ def test_auto_takes_the_largest_micro_batch_whose_compiled_step_fits(accumulatio
 def test_auto_moves_down_when_the_compiled_step_of_the_plans_split_does_not_fit(accumulation):
     result = accumulation["guard_with_xla"]["accepted"]
     runtime = result["runtime_bytes"]
-    # The plan accepts micro-batch 32 (it puts two convolutions under XLA:CPU's figure); XLA
-    # does not fit it.
+    # The plan accepts micro-batch 32 (it puts two pooled convolution blocks under XLA:CPU's
+    # figure); XLA does not fit it.
     assert result["plan_steps"] == 1
     assert result["planned"] <= result["budget_bytes"] < result["compiled_32"] + runtime
     # Moved before any step to a smaller micro-batch whose compiled step fits.

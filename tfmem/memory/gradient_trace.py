@@ -378,10 +378,15 @@ def _trace_jax(call, specs, differentiable, trainable, non_trainable, *, batch) 
     num_outputs = len(shapes[0])
     input_vars = {id(v): i for i, v in enumerate(jaxpr.invars[:len(specs)])}
     output_vars = {id(v): i for i, v in enumerate(jaxpr.outvars[:num_outputs])}
+    # A scalar broadcast to a residual's shape (relu's zeros) is fused into the backward op
+    # that reads it: XLA holds no buffer for it.
+    broadcasts = {id(v) for eqn in jaxpr.eqns if eqn.primitive.name == "broadcast_in_dim"
+                  and not getattr(getattr(eqn.invars[0], "aval", None), "shape", ())
+                  for v in eqn.outvars}
     kept_inputs, kept_outputs, internal = set(), set(), {}
     for position, var in enumerate(jaxpr.outvars[num_outputs:]):
         aval = getattr(var, "aval", None)
-        if aval is None or not getattr(aval, "shape", ()):
+        if aval is None or not getattr(aval, "shape", ()) or id(var) in broadcasts:
             continue
         if id(var) in input_vars:
             kept_inputs.add(input_vars[id(var)])

@@ -13,7 +13,7 @@ import keras
 import numpy as np
 
 from tfmem import _keras_internals as internals
-from tfmem.memory import gradient_trace, layer_rules
+from tfmem.memory import gradient_trace, layer_rules, xla_rules
 from tfmem.remat import segments
 from tfmem.remat.graph import node_order, range_inputs
 
@@ -56,7 +56,9 @@ class Walker:
 
     def __init__(self, compute_dtype: str | None, frozen: Collection[int],
                  trace_call: Callable, recomputed: Collection[int] = (),
-                 ranges=(), inner_graphs: dict | None = None):
+                 ranges=(), inner_graphs: dict | None = None, xla: bool = False):
+        self.xla = xla  # the step is one XLA program (JAX): `xla_rules` adds what it keeps
+        self.fused: set = set()  # keys XLA recomputes from kept tensors (`xla_rules`)
         self.override = compute_dtype  # the plan's compute dtype for a float32-built model
         self.frozen = frozenset(frozen)  # ids of layers the plan treats as not trainable
         self.trace_call = trace_call  # the backend's half of gradient_trace
@@ -327,6 +329,8 @@ class Walker:
         for nbytes, dtype in result.internal:
             if dtype == "float32":
                 nbytes = nbytes * scale[0] // scale[1]
+            if self.xla:
+                nbytes = xla_rules.residual_bytes(nbytes, dtype, self.override)
             self.keep_bytes(nbytes * repeat)
         self.largest = max(self.largest, result.largest_bytes)
         self.transient = max(self.transient, result.transient_bytes * scale[0] // scale[1])

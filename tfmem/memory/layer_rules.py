@@ -25,6 +25,8 @@ import math
 
 import keras
 
+from tfmem.memory import xla_rules
+
 _KEEPS_OUTPUT = {"relu", "relu6", "sigmoid", "tanh", "softmax", "log_softmax", "elu", "selu",
                  "exponential", "hard_sigmoid"}
 _KEEPS_INPUT = {"silu", "swish", "softplus", "softsign", "leaky_relu"}
@@ -59,6 +61,8 @@ def activation_name(activation) -> str:
 def _activation(walker, name: str, output, pre_activation=None) -> bool:
     """Keeps what activation `name` reads (`pre_activation` None: a tensor inside the layer)."""
     if name == "linear":
+        return True
+    if walker.xla and xla_rules.activation(walker, name, output, pre_activation):
         return True
     if name in _KEEPS_OUTPUT:
         walker.keep(output)
@@ -109,9 +113,13 @@ def apply(walker, layer, inputs, outputs, has_trainable: bool) -> bool:
     if kind is keras.layers.BatchNormalization:
         if layer.trainable and not walker.is_frozen(layer):
             walker.keep(inputs[0], "float32")
+            if walker.xla:
+                xla_rules.batch_normalization(walker, inputs, out)
         return True
     if kind is keras.layers.Activation:
         return _activation(walker, activation_name(layer.activation), out, inputs[0])
+    if kind in (keras.layers.ReLU, keras.layers.ELU) and walker.xla:
+        return xla_rules.activation(walker, "relu", out, inputs[0])
     if kind in (keras.layers.ReLU, keras.layers.ELU, keras.layers.Softmax):
         walker.keep(out)
         return True

@@ -22,7 +22,7 @@ import keras
 
 from tfmem import _keras_internals as internals
 from tfmem import backend
-from tfmem.memory import gradient_trace
+from tfmem.memory import gradient_trace, xla_rules
 from tfmem.memory.graph_walk import Walker, itemsize, sample_bytes
 from tfmem.remat import flat_graph, segments
 from tfmem.remat.graph import last_uses, node_order
@@ -38,7 +38,8 @@ class SavedTensors:
         saved_bytes: bytes of the distinct tensors the backward pass reads, for one sample.
         largest_tensor_bytes: bytes of the largest single tensor of the forward pass (one sample).
         workspace_bytes: the largest transient a step needs besides the kept tensors, for
-            one sample: two tensors of the largest size (an op's output and input gradients),
+            one sample: two tensors of the largest size (an op's output and input gradients;
+            three on XLA, `xla_rules`),
             one call's own transient (its gradients and temporaries, from its traced graph:
             `gradient_trace.transient_bytes`), or a grouped convolution's patch matrix,
             whichever is the largest.
@@ -214,7 +215,8 @@ def traced_saved_tensors(model: keras.Model, *, compute_dtype: str | None = None
 def _walker(compute_dtype, frozen, recomputed=(), ranges=(), inner_graphs=None) -> Walker:
     trace_call = backend.choose(tensorflow=gradient_trace.trace_call_tensorflow,
                                 jax=gradient_trace.trace_call_jax)
-    return Walker(compute_dtype, frozen, trace_call, recomputed, ranges, inner_graphs)
+    return Walker(compute_dtype, frozen, trace_call, recomputed, ranges, inner_graphs,
+                  xla=backend.choose(tensorflow=False, jax=True))
 
 
 def _walked(graph, compute_dtype, frozen, recomputed, ranges, inner_graphs,
@@ -232,7 +234,8 @@ def _result(walker: Walker, inputs, outputs=()) -> SavedTensors:
     return SavedTensors(
         saved_bytes=int(sum(walker.sizes.values())),
         largest_tensor_bytes=int(walker.largest),
-        workspace_bytes=int(max(2 * walker.largest, walker.patches, walker.transient)),
+        workspace_bytes=int(max(xla_rules.workspace_tensors(walker.xla) * walker.largest,
+                                walker.patches, walker.transient)),
         input_bytes=int(sum(sample_bytes(t.shape, t.dtype) for t in inputs)),
         fallback_calls=tuple(sorted(walker.fallbacks)),
         traced_calls=tuple(sorted(walker.traced)),

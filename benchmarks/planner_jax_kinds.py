@@ -1,0 +1,130 @@
+"""The plan against XLA per layer kind: bytes per sample of one train step, on JAX.
+
+    KERAS_BACKEND=jax python benchmarks/planner_jax_kinds.py                 # every kind
+    KERAS_BACKEND=jax python benchmarks/planner_jax_kinds.py --kinds conv_relu,attention
+
+Each kind is a small model of four blocks (3×3 convolutions on 32×32×32, or 256 tokens of
+64 features) with a pooled Dense head, Adam, float32. For each: the per-sample slope of XLA's
+compiled figure of `train_step` (`tfmem.memory.probe_jax.compiled_step_memory`, between
+batches 16 and 32) and of the planner's peak for an accelerator (one batch in flight), and
+their ratio. The fixed parts agree within a few KiB, so the slope is where the kinds differ.
+The rules drawn from it: `tfmem/memory/xla_rules.py`; the table: docs/planning.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+import jax  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import tfmem  # noqa: E402
+from tfmem.memory import probe_jax  # noqa: E402
+
+L = keras.layers
+BATCHES = (16, 32)
+
+
+def _head(x):
+    pool = L.GlobalAveragePooling2D() if len(x.shape) == 4 else L.GlobalAveragePooling1D()
+    return L.Dense(10)(pool(x))
+
+
+def _convolutions(activation=None, batch_norm=False, bias=True, depthwise=False):
+    def build():
+        inputs = keras.Input((32, 32, 32))
+        x = inputs
+        for _ in range(4):
+            x = (L.DepthwiseConv2D(3, padding="same", use_bias=bias) if depthwise
+                 else L.Conv2D(32, 3, padding="same", use_bias=bias))(x)
+            if batch_norm:
+                x = L.BatchNormalization()(x)
+            if activation:
+                x = L.Activation(activation)(x)
+        return keras.Model(inputs, _head(x))
+    return build
+
+
+def _concatenations():
+    inputs = keras.Input((32, 32, 32))
+    x = inputs
+    for _ in range(4):
+        x = L.Concatenate()([x, L.Conv2D(16, 3, padding="same", activation="relu")(x)])
+    return keras.Model(inputs, _head(x))
+
+
+def _dense_gelu():
+    inputs = keras.Input((256, 64))
+    x = inputs
+    for _ in range(4):
+        x = L.Dense(64)(L.Dense(256, activation="gelu")(x))
+    return keras.Model(inputs, _head(x))
+
+
+def _attention():
+    inputs = keras.Input((256, 64))
+    x = inputs
+    for _ in range(2):
+        x = L.LayerNormalization()(L.MultiHeadAttention(4, 16)(x, x))
+    return keras.Model(inputs, _head(x))
+
+
+KINDS = {
+    "conv": _convolutions(),
+    "conv_relu": _convolutions("relu"),
+    "conv_bn": _convolutions(batch_norm=True),
+    "conv_bn_relu": _convolutions("relu", True),
+    "conv_bn_relu_no_bias": _convolutions("relu", True, bias=False),
+    "conv_swish": _convolutions("swish"),
+    "conv_bn_swish": _convolutions("swish", True),
+    "depthwise_bn_relu": _convolutions("relu", True, depthwise=True),
+    "concatenate": _concatenations,
+    "dense_gelu": _dense_gelu,
+    "attention": _attention,
+}
+
+
+def slopes(name: str) -> tuple[float, float]:
+    """Bytes per sample of XLA's figure and of the plan, between the two batches."""
+    model = KINDS[name]()
+    model.compile(optimizer="adam", loss="mse")
+    shape = tuple(model.input_shape[1:])
+    model.train_on_batch(np.zeros((2,) + shape, "float32"), np.zeros((2, 10), "float32"))
+    xla, planned = [], []
+    for batch in BATCHES:
+        data = (jax.ShapeDtypeStruct((batch,) + shape, np.float32),
+                jax.ShapeDtypeStruct((batch, 10), np.float32))
+        xla.append(probe_jax.compiled_step_memory(model, data)["peak_bytes"])
+        plan = tfmem.plan(model, global_batch_size=batch, optimizer=model.optimizer,
+                          device="a100-80gb", input_batches_in_flight=1)
+        planned.append(plan.peak_bytes(batch, 1))
+    keras.backend.clear_session()
+    step = BATCHES[1] - BATCHES[0]
+    return (xla[1] - xla[0]) / step, (planned[1] - planned[0]) / step
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated kinds")
+    args = parser.parse_args(argv)
+    if keras.backend.backend() != "jax":
+        raise SystemExit("error: run with KERAS_BACKEND=jax; this compares with XLA's analysis")
+    began = time.time()
+    print(f"Per-sample bytes of one train step, batches {BATCHES}, Adam, float32, "
+          f"{jax.devices()[0].platform}\n")
+    print("| kind | XLA KiB/sample | plan KiB/sample | plan / XLA |")
+    print("|---|---:|---:|---:|")
+    for name in args.kinds.split(","):
+        xla, planned = slopes(name)
+        print(f"| {name} | {xla / 1024:.0f} | {planned / 1024:.0f} | {planned / xla:.2f} |",
+              flush=True)
+    print(f"\n{(time.time() - began) / 60:.1f} min, load average {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
