@@ -50,6 +50,15 @@ def _convolutions(activation=None, batch_norm=False, bias=True, depthwise=False)
     return build
 
 
+def _max_pooling():
+    inputs = keras.Input((32, 32, 32))
+    x = inputs
+    for _ in range(4):
+        x = L.Activation("relu")(L.Conv2D(32, 3, padding="same")(x))
+        x = L.MaxPooling2D(3, strides=1, padding="same")(x)
+    return keras.Model(inputs, _head(x))
+
+
 def _concatenations():
     inputs = keras.Input((32, 32, 32))
     x = inputs
@@ -83,6 +92,7 @@ KINDS = {
     "conv_swish": _convolutions("swish"),
     "conv_bn_swish": _convolutions("swish", True),
     "depthwise_bn_relu": _convolutions("relu", True, depthwise=True),
+    "conv_relu_max_pool": _max_pooling,
     "concatenate": _concatenations,
     "dense_gelu": _dense_gelu,
     "attention": _attention,
