@@ -34,9 +34,9 @@ import planner_accuracy as zoo  # noqa: E402
 MIB = 2**20
 
 
-def compare(name: str, batch: int) -> dict:
+def compare(name: str, batch: int, device: str) -> dict:
     """The plan and XLA's analysis of one model's train step at `batch`."""
-    model = zoo.ZOO[name]()
+    model = {**zoo.ZOO, **zoo.HELD_OUT}[name]()
     model.compile(optimizer=keras.optimizers.Adam(), loss="mse")
     output = model.compute_output_spec(keras.KerasTensor((2,) + zoo.IMAGE))
     model.train_on_batch(np.zeros((2,) + zoo.IMAGE, "float32"),
@@ -44,21 +44,29 @@ def compare(name: str, batch: int) -> dict:
     batch_x = jax.ShapeDtypeStruct((batch,) + zoo.IMAGE, np.float32)
     batch_y = jax.ShapeDtypeStruct((batch,) + tuple(output.shape[1:]), np.float32)
     xla = probe_jax.compiled_step_memory(model, (batch_x, batch_y))
-    # An accelerator plan (no host runtime term) with the batch held once, as XLA's arguments.
+    # The plan for the device XLA compiled for ("cpu": XLA:CPU's rules), with the batch held
+    # once, as XLA's arguments; without the host's framework runtime, which XLA's figure
+    # does not hold.
+    where = dict(memory_budget=2**40) if device == "cpu" else dict(device=device)
     plan = tfmem.plan(model, global_batch_size=batch, optimizer=model.optimizer,
-                      device="a100-80gb", input_batches_in_flight=1)
+                      input_batches_in_flight=1, **where)
     rows = plan.breakdown(batch, 1)
     state = plan.parameter_bytes + plan.gradient_bytes + plan.optimizer_bytes
-    per_batch = plan.peak_bytes(batch, 1) - sum(rows.values()) + sum(
-        v for t, v in rows.items() if t.per_micro_batch)
+    per_batch = sum(v for t, v in rows.items() if t.per_micro_batch)
+    planned = plan.peak_bytes(batch, 1) - plan.runtime_bytes
     return dict(name=name, batch=batch, xla=xla, state=state,
-                kept=per_batch, planned=plan.peak_bytes(batch, 1), notes=plan.notes)
+                kept=per_batch, planned=planned, notes=plan.notes)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(zoo.ZOO), help="comma-separated zoo names")
+    parser.add_argument("--models", default=",".join(zoo.ZOO),
+                        help="comma-separated names of the zoo, or of "
+                        f"{', '.join(zoo.HELD_OUT)} (needs keras-hub)")
     parser.add_argument("--batches", default="32", help="comma-separated batch sizes")
+    parser.add_argument("--device", default="cpu",
+                        help='the device the plan is for: "cpu" (XLA:CPU, what compiles here) '
+                        "or a name of tfmem's device table (an accelerator plan)")
     args = parser.parse_args(argv)
     if keras.backend.backend() != "jax":
         raise SystemExit("error: run with KERAS_BACKEND=jax; this compares with XLA's analysis")
@@ -70,7 +78,7 @@ def main(argv=None):
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in args.models.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
-            r = compare(name, batch)
+            r = compare(name, batch, args.device)
             xla = r["xla"]
             print(f"| {name} | {batch} | {xla['argument_bytes'] / MIB:.0f} MiB | "
                   f"{xla['temp_bytes'] / MIB:.0f} MiB | {xla['peak_bytes'] / MIB:.0f} MiB | "

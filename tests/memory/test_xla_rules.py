@@ -1,5 +1,6 @@
-"""On JAX the plan counts what XLA keeps (`tfmem.memory.xla_rules`): checked against XLA:CPU's
-memory analysis of the compiled train step and against a hand count, in a JAX process."""
+"""On JAX a plan for a CPU counts what XLA:CPU keeps (`tfmem.memory.xla_rules`): checked
+against XLA:CPU's memory analysis of the compiled train step and against a hand count, in a
+JAX process; a plan for a GPU counts what `layer_rules` says."""
 
 import json
 import os
@@ -25,16 +26,22 @@ inputs = keras.Input(SHAPE)
 x = L.Activation("relu")(L.BatchNormalization()(L.Conv2D(16, 3, padding="same")(inputs)))
 x = L.Conv2D(16, 3, padding="same", activation="swish")(x)
 x = ops.relu(L.Conv2D(16, 3, padding="same")(x))
+# A U-Net's level: pooled, convolved, upsampled and concatenated with what was pooled.
+y = L.UpSampling2D()(L.Conv2D(16, 3, padding="same")(L.MaxPooling2D()(x)))
+x = L.Conv2D(16, 3, padding="same")(L.Concatenate()([y, x]))
 model = keras.Model(inputs, L.Dense(4)(L.GlobalAveragePooling2D()(x)))
 model.compile(optimizer="sgd", loss="mse")
 model.optimizer.build(model.trainable_variables)
 batch = (np.zeros((BATCH,) + SHAPE, "float32"), np.zeros((BATCH, 4), "float32"))
-plan = tfmem.plan(model, global_batch_size=BATCH, optimizer="sgd", device="t4",
-                  input_batches_in_flight=1)
+plans = {kind: tfmem.plan(model, global_batch_size=BATCH, optimizer="sgd",
+                         input_batches_in_flight=1, **where)
+         for kind, where in (("cpu", {"memory_budget": 2**34}), ("gpu", {"device": "t4"}))}
 print(json.dumps({"backend": keras.backend.backend(),
                   "xla": probe_jax.compiled_step_memory(model, batch)["peak_bytes"],
-                  "plan": plan.peak_bytes(BATCH, 1),
-                  "activations": plan.activation_bytes_per_sample}))
+                  # XLA's buffers, not the host's framework runtime a CPU plan adds
+                  "plan": plans["cpu"].peak_bytes(BATCH, 1) - plans["cpu"].runtime_bytes,
+                  **{f"{kind}_{term}": getattr(plan, f"{term}_bytes_per_sample")
+                     for kind, plan in plans.items() for term in ("activation", "workspace")}}))
 """
 
 
@@ -52,18 +59,38 @@ def on_jax():
     return results
 
 
-def test_the_plan_of_a_gpu_is_within_the_band_of_xlas_compiled_step(on_jax):
-    # The planned peak for an XLA device against XLA:CPU's own figure of the same step
-    # (conv → BN → relu, conv with silu, conv → keras.ops.relu): within ±15%, never more
-    # than 10% under.
+def test_the_plan_of_a_cpu_is_within_the_band_of_xlas_compiled_step(on_jax):
+    # The planned peak for XLA:CPU against XLA:CPU's own figure of the same step (conv → BN
+    # → relu, conv with silu, conv → keras.ops.relu, max pooling, a concatenation into a
+    # convolution): within ±15%, never more than 10% under.
     assert 0.90 * on_jax["xla"] <= on_jax["plan"] <= 1.15 * on_jax["xla"]
 
 
-def test_xla_keeps_the_pre_activation_and_silus_gate(on_jax):
-    feature_map = 16 * 16 * 16 * 4  # bytes per sample
+FEATURE_MAP = 16 * 16 * 16 * 4  # bytes per sample
+
+
+def test_xla_cpu_keeps_the_pre_activation_silus_gate_and_the_pooling_indices(on_jax):
     # The model's input (the first convolution's); BatchNormalization's input, which is
     # also relu's pre-activation's source; relu's input (XLA recomputes the mask from it)
     # and output (the next convolution's input); silu's input and gate, its output (the
-    # last convolution's input); ops.relu's pre-activation (JAX's mask, held as the float
-    # it compares; its broadcast zeros hold nothing); the Dense layer's 16 inputs.
-    assert on_jax["activations"] == 8 * feature_map + 16 * 4
+    # third convolution's input); ops.relu's pre-activation (JAX's mask, held as the float
+    # it compares; its broadcast zeros hold nothing): 8 feature maps. Max pooling's int32
+    # index per axis (4) and output element (a quarter of the map's): 1. The pooled map (a
+    # convolution's input): 1/4. The concatenation's operands, not its output: 2. The Dense
+    # layer's 16 inputs.
+    assert on_jax["cpu_activation"] == 11 * FEATURE_MAP + FEATURE_MAP // 4 + 16 * 4
+    # Max pooling's forward: an int32 iota of its input per axis, its indices and output.
+    elements = FEATURE_MAP // 4
+    assert on_jax["cpu_workspace"] == 4 * 4 * (elements + elements // 4) + FEATURE_MAP // 4
+
+
+def test_a_gpu_plan_counts_what_tensorflows_gradients_read(on_jax):
+    # XLA:CPU's rules are not applied: the model's input, BatchNormalization's input, relu's
+    # output (the next convolution's input), silu's input inside its convolution and output
+    # (the third convolution's input), ops.relu's boolean mask, one byte an element, and the
+    # zeros it compares with; max pooling's input and output (a convolution's input); the
+    # concatenation (the last convolution's input, two maps); the Dense layer's 16 inputs.
+    assert on_jax["gpu_activation"] == (
+        9 * FEATURE_MAP + FEATURE_MAP // 4 + FEATURE_MAP // 4 + 16 * 4)
+    # An op's output and input gradients, of the largest tensor (the concatenation).
+    assert on_jax["gpu_workspace"] == 2 * 2 * FEATURE_MAP

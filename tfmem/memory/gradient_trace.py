@@ -47,6 +47,12 @@ class TracedCall:
         transient_bytes: what the call's forward and backward hold at their peak besides the
             kept tensors, per sample: its output's incoming gradient, its input's outgoing
             one, and the temporaries between (`transient_bytes` below); 0 where not known.
+        broadcasts: `(bytes per sample, dtype)` of each internal tensor that is a scalar
+            broadcast to a shape (relu's zeros in a JAX trace), which a compiler may fuse
+            into what reads it (`xla_rules`); not in `internal`.
+        windows: `(primitive, input elements, output elements, itemsize, rank)` per sample
+            of each convolution and max pooling of a JAX trace, whose transients depend on
+            the compiler (`xla_rules.traced_transient`).
     """
 
     kept_inputs: tuple[int, ...]
@@ -56,6 +62,8 @@ class TracedCall:
     output_bytes: tuple[int, ...] = ()
     has_loop: bool = False
     transient_bytes: int = 0
+    windows: tuple[tuple[str, int, int, int, int], ...] = ()
+    broadcasts: tuple[tuple[int, str], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +76,7 @@ class _Trace:
     has_loop: bool
     ambiguous: bool = False  # a symbolic-batch trace that cannot say what is per sample
     transient: int = 0  # `transient_bytes` of the whole trace (per sample only if `batch` None)
+    windows: tuple = ()  # `TracedCall.windows`, at the trace's batch
 
 
 def trace_call_tensorflow(call: Callable, specs: Sequence[tuple[tuple, str]], *,
@@ -121,19 +130,23 @@ def _per_sample(trace, arguments) -> TracedCall:
 
     small_internal = {name: nbytes for name, (nbytes, _) in small.internal.items()}
     large_internal = {name: nbytes for name, (nbytes, _) in large.internal.items()}
-    internal = []
+    internal, broadcasts = [], []
     for name, (_, dtype) in large.internal.items():
         nbytes = per_sample(name, small_internal, large_internal)
         if nbytes > 0:  # zero: a weight or a cast of one, not an activation
-            internal.append((nbytes, dtype))
+            (broadcasts if name.startswith(_BROADCAST) else internal).append((nbytes, dtype))
     largest = max((per_sample(name, small.forward, large.forward) for name in large.forward),
                   default=0)
     outputs = tuple((big - little) // (_BATCHES[1] - _BATCHES[0])
                     for big, little in zip(large.outputs, small.outputs))
     transient = (large.transient - small.transient) // (_BATCHES[1] - _BATCHES[0])
+    windows = tuple((name, (big_in - little_in) // (_BATCHES[1] - _BATCHES[0]),
+                     (big_out - little_out) // (_BATCHES[1] - _BATCHES[0]), itemsize, rank)
+                    for (name, big_in, big_out, itemsize, rank),
+                    (_, little_in, little_out, _, _) in zip(large.windows, small.windows))
     return TracedCall(tuple(sorted(large.kept_inputs)), tuple(sorted(large.kept_outputs)),
                       tuple(internal), max(largest, 0), outputs, large.has_loop,
-                      max(transient, 0))
+                      max(transient, 0), windows, tuple(broadcasts))
 
 
 def _map_variables(trainable, non_trainable, trainable_values, non_trainable_values):
@@ -378,17 +391,19 @@ def _trace_jax(call, specs, differentiable, trainable, non_trainable, *, batch) 
     num_outputs = len(shapes[0])
     input_vars = {id(v): i for i, v in enumerate(jaxpr.invars[:len(specs)])}
     output_vars = {id(v): i for i, v in enumerate(jaxpr.outvars[:num_outputs])}
-    # A scalar broadcast to a residual's shape (relu's zeros) is fused into the backward op
-    # that reads it: XLA holds no buffer for it.
+    # A scalar broadcast to a residual's shape (relu's zeros): named apart (`broadcasts`).
     broadcasts = {id(v) for eqn in jaxpr.eqns if eqn.primitive.name == "broadcast_in_dim"
                   and not getattr(getattr(eqn.invars[0], "aval", None), "shape", ())
                   for v in eqn.outvars}
     kept_inputs, kept_outputs, internal = set(), set(), {}
     for position, var in enumerate(jaxpr.outvars[num_outputs:]):
         aval = getattr(var, "aval", None)
-        if aval is None or not getattr(aval, "shape", ()) or id(var) in broadcasts:
+        if aval is None or not getattr(aval, "shape", ()):
             continue
-        if id(var) in input_vars:
+        if id(var) in broadcasts:
+            internal[f"{_BROADCAST}{position}"] = (math.prod(aval.shape) * aval.dtype.itemsize,
+                                                   str(aval.dtype))
+        elif id(var) in input_vars:
             kept_inputs.add(input_vars[id(var)])
         elif id(var) in output_vars:
             kept_outputs.add(output_vars[id(var)])
@@ -400,6 +415,26 @@ def _trace_jax(call, specs, differentiable, trainable, non_trainable, *, batch) 
                if hasattr(v.aval, "shape")}
     outputs = tuple(math.prod(v.aval.shape) * v.aval.dtype.itemsize
                     for v in jaxpr.outvars[:num_outputs])
+    windows = tuple((eqn.primitive.name, math.prod(eqn.invars[0].aval.shape),
+                     math.prod(eqn.outvars[0].aval.shape), eqn.outvars[0].aval.dtype.itemsize,
+                     len(eqn.outvars[0].aval.shape))
+                    for eqn in _equations(jaxpr) if eqn.primitive.name in _WINDOWS)
     return _Trace(frozenset(kept_inputs), frozenset(kept_outputs), internal, forward, outputs,
-                  False)
+                  False, windows=windows)
+
+
+# The name of a JAX trace's residual that is a broadcast scalar (`TracedCall.broadcasts`).
+_BROADCAST = "broadcast"
+# The forward ops whose transients depend on the compiler (`TracedCall.windows`).
+_WINDOWS = ("conv_general_dilated", "reduce_window_max")
+
+
+def _equations(jaxpr):
+    """The equations of `jaxpr` and of the jaxprs inside them (a nested jit's), in order."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            inner = getattr(value, "jaxpr", value)
+            if hasattr(inner, "eqns"):
+                yield from _equations(inner)
 

@@ -56,8 +56,10 @@ class Walker:
 
     def __init__(self, compute_dtype: str | None, frozen: Collection[int],
                  trace_call: Callable, recomputed: Collection[int] = (),
-                 ranges=(), inner_graphs: dict | None = None, xla: bool = False):
-        self.xla = xla  # the step is one XLA program (JAX): `xla_rules` adds what it keeps
+                 ranges=(), inner_graphs: dict | None = None, target: str | None = None):
+        # The device kind XLA compiles the step for (JAX; None: TensorFlow's graph, or no
+        # device given): `xla_rules` adds what it keeps there.
+        self.target = target
         self.fused: set = set()  # keys XLA recomputes from kept tensors (`xla_rules`)
         self.override = compute_dtype  # the plan's compute dtype for a float32-built model
         self.frozen = frozenset(frozen)  # ids of layers the plan treats as not trainable
@@ -326,14 +328,17 @@ class Walker:
         """Keeps the call's internal tensors (`repeat` times: once per timestep) and notes
         its largest tensor and its transient (held once: one call runs at a time)."""
         scale = (itemsize(self.override), 4) if self.override else (1, 1)
-        for nbytes, dtype in result.internal:
+        broadcasts = tuple(entry for entry in result.broadcasts
+                           if not xla_rules.holds("broadcast", self.target))
+        for nbytes, dtype in result.internal + broadcasts:
             if dtype == "float32":
                 nbytes = nbytes * scale[0] // scale[1]
-            if self.xla:
-                nbytes = xla_rules.residual_bytes(nbytes, dtype, self.override)
+            nbytes = xla_rules.residual_bytes(self.target, nbytes, dtype, self.override)
             self.keep_bytes(nbytes * repeat)
         self.largest = max(self.largest, result.largest_bytes)
-        self.transient = max(self.transient, result.transient_bytes * scale[0] // scale[1])
+        self.transient = max(self.transient, result.transient_bytes * scale[0] // scale[1],
+                             xla_rules.traced_transient(self.target, result.windows)
+                             * scale[0] // scale[1])
 
     def recurrent(self, layer, sequence, has_trainable: bool) -> None:
         """A recurrent layer keeps what one step of its cell keeps, once per timestep."""

@@ -62,7 +62,7 @@ def _activation(walker, name: str, output, pre_activation=None) -> bool:
     """Keeps what activation `name` reads (`pre_activation` None: a tensor inside the layer)."""
     if name == "linear":
         return True
-    if walker.xla and xla_rules.activation(walker, name, output, pre_activation):
+    if xla_rules.activation(walker, name, output, pre_activation):
         return True
     if name in _KEEPS_OUTPUT:
         walker.keep(output)
@@ -101,7 +101,7 @@ def apply(walker, layer, inputs, outputs, has_trainable: bool) -> bool:
     if kind in _KERNEL_LAYERS:
         if not _known_activation(layer):
             return False
-        if has_trainable:
+        if has_trainable and not xla_rules.convolution(walker, layer, inputs[0], out, compute):
             walker.keep(inputs[0], compute)
         if getattr(layer, "groups", 1) > 1:
             # Keras's TensorFlow backend runs grouped convolutions through XLA; their backward
@@ -113,13 +113,13 @@ def apply(walker, layer, inputs, outputs, has_trainable: bool) -> bool:
     if kind is keras.layers.BatchNormalization:
         if layer.trainable and not walker.is_frozen(layer):
             walker.keep(inputs[0], "float32")
-            if walker.xla:
-                xla_rules.batch_normalization(walker, inputs, out)
+            xla_rules.batch_normalization(walker, inputs, out)
         return True
     if kind is keras.layers.Activation:
         return _activation(walker, activation_name(layer.activation), out, inputs[0])
-    if kind in (keras.layers.ReLU, keras.layers.ELU) and walker.xla:
-        return xla_rules.activation(walker, "relu", out, inputs[0])
+    if kind in (keras.layers.ReLU, keras.layers.ELU) and xla_rules.activation(
+            walker, "relu", out, inputs[0]):
+        return True
     if kind in (keras.layers.ReLU, keras.layers.ELU, keras.layers.Softmax):
         walker.keep(out)
         return True
@@ -131,6 +131,8 @@ def apply(walker, layer, inputs, outputs, has_trainable: bool) -> bool:
     if kind is keras.layers.UpSampling2D:
         if layer.interpolation != "nearest":
             walker.keep(inputs[0])  # ResizeBilinearGrad reads the original image
+        return True
+    if xla_rules.max_pooling(walker, layer, inputs, out):
         return True
     if kind in _MAX_POOLS:
         walker.keep(inputs[0])

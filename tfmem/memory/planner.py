@@ -198,13 +198,14 @@ def estimate(model: keras.Model, settings: PlanSettings,
     # Where it saves nothing, what is recomputed is planned as kept (the run still cuts it).
     saves = runner.saves_memory(budget.kind)
     counted, counted_ranges = (recomputed, ranges) if saves else ((), ())
-    key = (id(model), override, frozenset(frozen), counted, counted_ranges)
+    key = (id(model), override, frozenset(frozen), counted, counted_ranges, budget.kind)
     if key not in analyses:
         analyses[key] = saved_tensors(model, compute_dtype=override, frozen=frozen,
                                       input_shapes=settings.input_shape,
                                       recomputed=counted, ranges=counted_ranges,
                                       inner_graphs=remat_plan.inner_graphs(model,
-                                                                           counted_ranges))
+                                                                           counted_ranges),
+                                      device_kind=budget.kind)
     saved = analyses[key]
     trainable = [v for v in model.trainable_variables if id(v) not in frozen]
     num_trainable = sum(math.prod(v.shape) for v in trainable)

@@ -22,7 +22,7 @@ import keras
 
 from tfmem import _keras_internals as internals
 from tfmem import backend
-from tfmem.memory import gradient_trace, xla_rules
+from tfmem.memory import gradient_trace
 from tfmem.memory.graph_walk import Walker, itemsize, sample_bytes
 from tfmem.remat import flat_graph, segments
 from tfmem.remat.graph import last_uses, node_order
@@ -38,8 +38,7 @@ class SavedTensors:
         saved_bytes: bytes of the distinct tensors the backward pass reads, for one sample.
         largest_tensor_bytes: bytes of the largest single tensor of the forward pass (one sample).
         workspace_bytes: the largest transient a step needs besides the kept tensors, for
-            one sample: two tensors of the largest size (an op's output and input gradients;
-            three on XLA, `xla_rules`),
+            one sample: two tensors of the largest size (an op's output and input gradients),
             one call's own transient (its gradients and temporaries, from its traced graph:
             `gradient_trace.transient_bytes`), or a grouped convolution's patch matrix,
             whichever is the largest.
@@ -74,7 +73,8 @@ class SavedTensors:
 def saved_tensors(model: keras.Model, *, compute_dtype: str | None = None,
                   frozen: Collection[int] = (), input_shapes=None,
                   recomputed: Collection[int] = (), ranges=(),
-                  inner_graphs: dict | None = None) -> SavedTensors:
+                  inner_graphs: dict | None = None,
+                  device_kind: str | None = None) -> SavedTensors:
     """Per-sample bytes the backward pass of `model` keeps.
 
     Args:
@@ -89,6 +89,8 @@ def saved_tensors(model: keras.Model, *, compute_dtype: str | None = None,
         ranges: rematerialized ranges of the functional graph's calls, and of the graphs
             inside its layers (a spec of `tfmem.remat.plan`).
         inner_graphs: `id(layer) → graph` of the subclassed layers `ranges` cuts inside.
+        device_kind: the kind of device the step runs on ("cpu", "gpu", "tpu"): on JAX,
+            the XLA target whose rules apply (`xla_rules`); None applies none of them.
 
     Raises:
         ValueError: a tensor has an unknown non-batch dimension, or a subclassed model was
@@ -101,16 +103,18 @@ def saved_tensors(model: keras.Model, *, compute_dtype: str | None = None,
     if not internals.is_graph_network(graph):
         called = _called_as_graph(model, input_shapes) if recomputed else None
         if called is not None:  # its named layers keep their inputs: walked as a graph
-            walker = _walked(called, compute_dtype, frozen, recomputed, (), None)
+            walker = _walked(called, compute_dtype, frozen, recomputed, (), None,
+                             device_kind=device_kind)
             return _result(walker, called.inputs, called.outputs)
         return traced_saved_tensors(model, compute_dtype=compute_dtype, frozen=frozen,
-                                    input_shapes=input_shapes)
+                                    input_shapes=input_shapes, device_kind=device_kind)
     flat = flat_graph.flattened(model, ranges) if ranges else None
     if flat is not None:  # the layers cut inside made part of the graph, as AccumModel runs
         walker = _walked(flat.graph, compute_dtype, frozen, recomputed, (("", flat.ranges),),
-                         None, flat.paths)
+                         None, flat.paths, device_kind=device_kind)
         return _result(walker, flat.graph.inputs, flat.graph.outputs)
-    walker = _walked(graph, compute_dtype, frozen, recomputed, ranges, inner_graphs)
+    walker = _walked(graph, compute_dtype, frozen, recomputed, ranges, inner_graphs,
+                     device_kind=device_kind)
     return _result(walker, graph.inputs, graph.outputs)
 
 
@@ -168,7 +172,8 @@ def _graph_facts(walker: Walker, graph) -> GraphFacts:
 
 
 def traced_saved_tensors(model: keras.Model, *, compute_dtype: str | None = None,
-                         frozen: Collection[int] = (), input_shapes=None) -> SavedTensors:
+                         frozen: Collection[int] = (), input_shapes=None,
+                         device_kind: str | None = None) -> SavedTensors:
     """The same, from one trace of the whole model's forward and backward (`gradient_trace`).
 
     What `saved_tensors` does for a subclassed model; for a functional one, the reference
@@ -177,7 +182,7 @@ def traced_saved_tensors(model: keras.Model, *, compute_dtype: str | None = None
     Raises:
         ValueError: the model cannot be traced (the message says why).
     """
-    walker = _walker(compute_dtype, frozen)
+    walker = _walker(compute_dtype, frozen, device_kind=device_kind)
     graph = internals.functional_of(model)
     if graph is not None and internals.is_graph_network(graph):
         inputs = list(graph.inputs)
@@ -212,17 +217,19 @@ def traced_saved_tensors(model: keras.Model, *, compute_dtype: str | None = None
     return dataclasses.replace(_result(walker, inputs), kept_output_bytes=kept_outputs)
 
 
-def _walker(compute_dtype, frozen, recomputed=(), ranges=(), inner_graphs=None) -> Walker:
+def _walker(compute_dtype, frozen, recomputed=(), ranges=(), inner_graphs=None,
+            device_kind=None) -> Walker:
     trace_call = backend.choose(tensorflow=gradient_trace.trace_call_tensorflow,
                                 jax=gradient_trace.trace_call_jax)
+    # On JAX the step is one XLA program compiled for the plan's device kind.
     return Walker(compute_dtype, frozen, trace_call, recomputed, ranges, inner_graphs,
-                  xla=backend.choose(tensorflow=False, jax=True))
+                  target=backend.choose(tensorflow=None, jax=device_kind))
 
 
 def _walked(graph, compute_dtype, frozen, recomputed, ranges, inner_graphs,
-            node_paths=None) -> Walker:
+            node_paths=None, device_kind=None) -> Walker:
     """A walker that has walked the functional `graph` node by node."""
-    walker = _walker(compute_dtype, frozen, recomputed, ranges, inner_graphs)
+    walker = _walker(compute_dtype, frozen, recomputed, ranges, inner_graphs, device_kind)
     walker.node_paths = node_paths or {}
     walker.model_inputs = {walker.key(t) for t in graph.inputs}
     with measured_as_written():  # what each layer keeps inside; the walk counts the recompute
@@ -234,8 +241,7 @@ def _result(walker: Walker, inputs, outputs=()) -> SavedTensors:
     return SavedTensors(
         saved_bytes=int(sum(walker.sizes.values())),
         largest_tensor_bytes=int(walker.largest),
-        workspace_bytes=int(max(xla_rules.workspace_tensors(walker.xla) * walker.largest,
-                                walker.patches, walker.transient)),
+        workspace_bytes=int(max(2 * walker.largest, walker.patches, walker.transient)),
         input_bytes=int(sum(sample_bytes(t.shape, t.dtype) for t in inputs)),
         fallback_calls=tuple(sorted(walker.fallbacks)),
         traced_calls=tuple(sorted(walker.traced)),

@@ -2,8 +2,10 @@
 
 `layer_rules` writes down what TensorFlow's registered gradients read. On JAX the whole step
 is one XLA program, which keeps a different set around element-wise activations and
-normalizations (each rule measured on XLA:CPU against XLA's own memory analysis,
-`tfmem.memory.probe_jax.compiled_step_memory`; the per-kind table is in docs/planning.md):
+normalizations. Each rule holds for the XLA targets it was measured on (`holds`: the device
+kind of the plan, "cpu" for XLA:CPU, against XLA's own memory analysis,
+`tfmem.memory.probe_jax.compiled_step_memory`; the per-kind table is in docs/planning.md);
+a plan for another target counts what `layer_rules` says:
 
 - A piecewise activation (relu, relu6, elu, selu, hard_sigmoid) is differentiated on its
   input, not its output (TensorFlow's `ReluGrad` reads the output): XLA fuses the mask into
@@ -13,32 +15,64 @@ normalizations (each rule measured on XLA:CPU against XLA's own memory analysis,
   reads it (a following relu's mask too); a bias added just before it is not fused into
   the convolution or Dense, whose output before the bias stays alive as well.
 - silu (swish) keeps its gate, sigmoid(x), beside its input.
-- The backward's workspace is three tensors of the largest size, not two: a convolution's
-  output gradient, its input gradient, and a copy of its input in the layout its kernel
-  gradient reads.
+- A trained convolution's kernel gradient reads a copy of its input in another layout, made
+  in the backward: its workspace there is that copy and its input's and output's gradients.
+  A concatenation it reads is made again inside that copy, so the concatenation's operands
+  are kept, not its output (an operand XLA recomputes from kept tensors not even those).
+- Max pooling's backward scatters through the window positions its forward recorded: one
+  int32 index per axis and output element is kept, not the input and output; the forward
+  holds an int32 iota of the input per axis and its outputs while it runs.
 - A boolean residual of JAX's own gradient (the mask of a comparison, in a traced call) is
-  held as the tensor it compares, in the compute dtype, for the same reason.
+  held as the tensor it compares, in the compute dtype, for the same reason; a residual
+  that is a scalar broadcast (relu's zeros) is fused into what reads it and holds nothing.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+import keras
+
 from tfmem import _keras_internals as internals
 
 PIECEWISE = frozenset({"relu", "relu6", "elu", "selu", "hard_sigmoid"})
 _GATED = frozenset({"silu", "swish"})
 
+# The XLA targets (a plan's device kind) each rule holds for: where it was measured.
+_XLA_CPU = frozenset({"cpu"})
+_TARGETS = {
+    "activation": _XLA_CPU,
+    "batch_normalization": _XLA_CPU,
+    "boolean_residual": _XLA_CPU,
+    "broadcast": _XLA_CPU,
+    "convolution": _XLA_CPU,
+    "max_pooling": _XLA_CPU,
+}
+_CONVOLUTIONS = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D,
+                 keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose,
+                 keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D)
+_MAX_POOLS = (keras.layers.MaxPooling1D, keras.layers.MaxPooling2D, keras.layers.MaxPooling3D)
+_INDEX_BYTES = 4  # int32
+
+
+def holds(rule: str, target: str | None) -> bool:
+    """Whether `rule` (a key of `_TARGETS`) holds for a step XLA compiles for `target`
+    ("cpu", "gpu", "tpu"; None: not one XLA program, or no device given)."""
+    return target in _TARGETS[rule]
+
 
 def activation(walker, name: str, output, pre_activation=None) -> bool:
     """Keeps what XLA holds for activation `name` (`pre_activation` None: a tensor inside
     the layer); False where it holds what `layer_rules` says."""
-    if name not in PIECEWISE and name not in _GATED:
+    if not holds("activation", walker.target) or (name not in PIECEWISE
+                                                  and name not in _GATED):
         return False
     if pre_activation is None:
         walker.keep_new(output.shape, walker.dtype_of(output))
     elif name in _GATED or walker.key(pre_activation) not in walker.fused:
         walker.keep(pre_activation)
+    else:  # made again from what its pre-activation is made from
+        walker.fused.add(walker.key(output))
     if name in _GATED:
         walker.keep_new(output.shape, walker.dtype_of(output))  # sigmoid(x)
     return True
@@ -48,6 +82,8 @@ def batch_normalization(walker, inputs, output) -> None:
     """What XLA holds for a training BatchNormalization besides its input (`layer_rules`):
     its output is recomputed from that input wherever the backward reads it; a biased
     convolution or Dense before it keeps its output before the bias too."""
+    if not holds("batch_normalization", walker.target):
+        return
     walker.fused.add(walker.key(output))
     producer = internals.node_of(inputs[0]).operation
     activation = getattr(producer, "activation", None)
@@ -56,14 +92,69 @@ def batch_normalization(walker, inputs, output) -> None:
         walker.keep_new(inputs[0].shape, walker.dtype_of(inputs[0]))
 
 
-def residual_bytes(nbytes: int, dtype: str, compute_dtype: str | None) -> int:
+def residual_bytes(target: str | None, nbytes: int, dtype: str,
+                   compute_dtype: str | None) -> int:
     """Bytes XLA holds for a residual of `nbytes` in `dtype` that JAX's gradient keeps: a
     boolean mask as the compared tensor in `compute_dtype` (default float32)."""
-    if dtype != "bool":
+    if dtype != "bool" or not holds("boolean_residual", target):
         return nbytes
     return nbytes * np.dtype(compute_dtype or "float32").itemsize
 
 
-def workspace_tensors(xla: bool) -> int:
-    """How many tensors of the largest size the backward's workspace holds at least."""
-    return 3 if xla else 2
+def convolution(walker, layer, tensor, output, dtype: str) -> bool:
+    """Keeps what XLA holds of trained convolution `layer`'s input `tensor` (in `dtype`) and
+    notes its workspace; False where `layer_rules`' own rule holds."""
+    if not holds("convolution", walker.target) or type(layer) not in _CONVOLUTIONS:
+        return False
+    input_bytes = walker.sample_bytes(tensor, dtype)
+    walker.transient = max(walker.transient,
+                           convolution_workspace(input_bytes, walker.sample_bytes(output)))
+    found = (internals.concatenation(internals.node_of(tensor))
+             if dtype == walker.dtype_of(tensor) else None)
+    if found is None:
+        walker.keep(tensor, dtype)
+        return True
+    for operand in found[1]:
+        if walker.key(operand) not in walker.fused:
+            walker.keep(operand)
+    return True
+
+
+def convolution_workspace(input_bytes: int, output_bytes: int) -> int:
+    """A convolution's backward: its input's copy and gradient, its output's gradient."""
+    return 2 * input_bytes + output_bytes
+
+
+def max_pooling(walker, layer, inputs, output) -> bool:
+    """Keeps what XLA holds for max pooling `layer` and notes its forward's transient;
+    False where `layer_rules`' own rule holds."""
+    if not holds("max_pooling", walker.target) or type(layer) not in _MAX_POOLS:
+        return False
+    rank = len(output.shape)
+    walker.keep_new(tuple(output.shape) + (rank,), "int32")
+    walker.transient = max(walker.transient, max_pooling_transient(
+        walker.sample_bytes(inputs[0], "int8"), walker.sample_bytes(output, "int8"),
+        walker.sample_bytes(output), rank))
+    return True
+
+
+def max_pooling_transient(input_elements: int, output_elements: int, output_bytes: int,
+                          rank: int) -> int:
+    """What max pooling's forward holds while it runs on XLA:CPU, besides its input: an
+    int32 iota of the input per axis, its output, and an int32 index per axis and output
+    element."""
+    return rank * _INDEX_BYTES * (input_elements + output_elements) + output_bytes
+
+
+def traced_transient(target: str | None, windows) -> int:
+    """The largest of the transients above among a traced call's `windows`
+    (`gradient_trace.TracedCall.windows`); 0 where the rules do not hold."""
+    largest = 0
+    for primitive, input_elements, output_elements, itemsize, rank in windows:
+        if primitive == "conv_general_dilated" and holds("convolution", target):
+            largest = max(largest, convolution_workspace(input_elements * itemsize,
+                                                         output_elements * itemsize))
+        elif primitive == "reduce_window_max" and holds("max_pooling", target):
+            largest = max(largest, max_pooling_transient(
+                input_elements, output_elements, output_elements * itemsize, rank))
+    return largest
