@@ -6,8 +6,9 @@
 Each kind is a small model of four blocks (3×3 convolutions on 32×32×32, or 256 tokens of
 64 features) with a pooled Dense head, Adam, float32. For each: the per-sample slope of XLA's
 compiled figure of `train_step` (`tfmem.memory.probe_jax.compiled_step_memory`, between
-batches 16 and 32) and of the planner's peak for an accelerator (one batch in flight), and
-their ratio. The fixed parts agree within a few KiB, so the slope is where the kinds differ.
+batches 16 and 32) and of the planner's peak (one batch in flight) for a GPU, which counts
+what TensorFlow's gradients read, and for this CPU, which adds XLA:CPU's rules, with their
+ratios. The fixed parts agree within a few KiB, so the slope is where the kinds differ.
 The rules drawn from it: `tfmem/memory/xla_rules.py`; the table: docs/planning.md.
 """
 
@@ -91,6 +92,7 @@ KINDS = {
     "conv_bn_relu_no_bias": _convolutions("relu", True, bias=False),
     "conv_swish": _convolutions("swish"),
     "conv_bn_swish": _convolutions("swish", True),
+    "conv_bn_hard_swish": _convolutions("hard_swish", True, bias=False),
     "depthwise_bn_relu": _convolutions("relu", True, depthwise=True),
     "conv_relu_max_pool": _max_pooling,
     "concatenate": _concatenations,
@@ -99,23 +101,26 @@ KINDS = {
 }
 
 
-def slopes(name: str) -> tuple[float, float]:
-    """Bytes per sample of XLA's figure and of the plan, between the two batches."""
+def slopes(name: str) -> tuple[float, float, float]:
+    """Bytes per sample of XLA's figure and of the plans for a GPU (no XLA:CPU rules) and
+    for this CPU (XLA:CPU's), between the two batches."""
     model = KINDS[name]()
     model.compile(optimizer="adam", loss="mse")
     shape = tuple(model.input_shape[1:])
     model.train_on_batch(np.zeros((2,) + shape, "float32"), np.zeros((2, 10), "float32"))
-    xla, planned = [], []
+    xla, gpu, cpu = [], [], []
     for batch in BATCHES:
         data = (jax.ShapeDtypeStruct((batch,) + shape, np.float32),
                 jax.ShapeDtypeStruct((batch, 10), np.float32))
         xla.append(probe_jax.compiled_step_memory(model, data)["peak_bytes"])
-        plan = tfmem.plan(model, global_batch_size=batch, optimizer=model.optimizer,
-                          device="a100-80gb", input_batches_in_flight=1)
-        planned.append(plan.peak_bytes(batch, 1))
+        for planned, where in ((gpu, dict(device="a100-80gb")),
+                               (cpu, dict(memory_budget=2**40))):
+            plan = tfmem.plan(model, global_batch_size=batch, optimizer=model.optimizer,
+                              input_batches_in_flight=1, **where)
+            planned.append(plan.peak_bytes(batch, 1))
     keras.backend.clear_session()
     step = BATCHES[1] - BATCHES[0]
-    return (xla[1] - xla[0]) / step, (planned[1] - planned[0]) / step
+    return tuple((figures[1] - figures[0]) / step for figures in (xla, gpu, cpu))
 
 
 def main(argv=None):
@@ -127,12 +132,12 @@ def main(argv=None):
     began = time.time()
     print(f"Per-sample bytes of one train step, batches {BATCHES}, Adam, float32, "
           f"{jax.devices()[0].platform}\n")
-    print("| kind | XLA KiB/sample | plan KiB/sample | plan / XLA |")
+    print("| kind | XLA KiB/sample | plan for a GPU | plan for XLA:CPU |")
     print("|---|---:|---:|---:|")
     for name in args.kinds.split(","):
-        xla, planned = slopes(name)
-        print(f"| {name} | {xla / 1024:.0f} | {planned / 1024:.0f} | {planned / xla:.2f} |",
-              flush=True)
+        xla, gpu, cpu = slopes(name)
+        print(f"| {name} | {xla / 1024:.0f} | {gpu / 1024:.0f} ({gpu / xla:.2f}) | "
+              f"{cpu / 1024:.0f} ({cpu / xla:.2f}) |", flush=True)
     print(f"\n{(time.time() - began) / 60:.1f} min, load average {os.getloadavg()[0]:.1f}")
 
 

@@ -24,6 +24,9 @@ L = keras.layers
 SHAPE, BATCH = (16, 16, 16), 32
 inputs = keras.Input(SHAPE)
 x = L.Activation("relu")(L.BatchNormalization()(L.Conv2D(16, 3, padding="same")(inputs)))
+# MobileNetV3's block: a depthwise convolution, BatchNormalization and hard-swish.
+x = L.DepthwiseConv2D(3, padding="same", use_bias=False)(x)
+x = L.Activation("hard_swish")(L.BatchNormalization()(x))
 x = L.Conv2D(16, 3, padding="same", activation="swish")(x)
 x = ops.relu(L.Conv2D(16, 3, padding="same")(x))
 # A U-Net's level: pooled, convolved, upsampled and concatenated with what was pooled.
@@ -41,7 +44,9 @@ print(json.dumps({"backend": keras.backend.backend(),
                   # XLA's buffers, not the host's framework runtime a CPU plan adds
                   "plan": plans["cpu"].peak_bytes(BATCH, 1) - plans["cpu"].runtime_bytes,
                   **{f"{kind}_{term}": getattr(plan, f"{term}_bytes_per_sample")
-                     for kind, plan in plans.items() for term in ("activation", "workspace")}}))
+                     for kind, plan in plans.items() for term in ("activation", "workspace")},
+                  **{f"{kind}_fixed_workspace": plan.workspace_fixed_bytes
+                     for kind, plan in plans.items()}}))
 """
 
 
@@ -61,8 +66,8 @@ def on_jax():
 
 def test_the_plan_of_a_cpu_is_within_the_band_of_xlas_compiled_step(on_jax):
     # The planned peak for XLA:CPU against XLA:CPU's own figure of the same step (conv → BN
-    # → relu, conv with silu, conv → keras.ops.relu, max pooling, a concatenation into a
-    # convolution): within ±15%, never more than 10% under.
+    # → relu, depthwise conv → BN → hard-swish, conv with silu, conv → keras.ops.relu, max
+    # pooling, a concatenation into a convolution): within ±15%, never more than 10% under.
     assert 0.90 * on_jax["xla"] <= on_jax["plan"] <= 1.15 * on_jax["xla"]
 
 
@@ -72,25 +77,31 @@ FEATURE_MAP = 16 * 16 * 16 * 4  # bytes per sample
 def test_xla_cpu_keeps_the_pre_activation_silus_gate_and_the_pooling_indices(on_jax):
     # The model's input (the first convolution's); BatchNormalization's input, which is
     # also relu's pre-activation's source; relu's input (XLA recomputes the mask from it)
-    # and output (the next convolution's input); silu's input and gate, its output (the
-    # third convolution's input); ops.relu's pre-activation (JAX's mask, held as the float
-    # it compares; its broadcast zeros hold nothing): 8 feature maps. Max pooling's int32
-    # index per axis (4) and output element (a quarter of the map's): 1. The pooled map (a
-    # convolution's input): 1/4. The concatenation's operands, not its output: 2. The Dense
-    # layer's 16 inputs.
-    assert on_jax["cpu_activation"] == 11 * FEATURE_MAP + FEATURE_MAP // 4 + 16 * 4
+    # and output (the depthwise convolution's input); the second BatchNormalization's input
+    # (hard-swish after it keeps nothing) and hard-swish's output (the next convolution's
+    # input); silu's input and gate, its output (the third convolution's input); ops.relu's
+    # pre-activation (JAX's mask, held as the float it compares; its broadcast zeros hold
+    # nothing): 10 feature maps. Max pooling's int32 index per axis (4) and output element
+    # (a quarter of the map's): 1. The pooled map (a convolution's input): 1/4. The
+    # concatenation's operands, not its output: 2. The Dense layer's 16 inputs.
+    assert on_jax["cpu_activation"] == 13 * FEATURE_MAP + FEATURE_MAP // 4 + 16 * 4
     # Max pooling's forward: an int32 iota of its input per axis, its indices and output.
     elements = FEATURE_MAP // 4
     assert on_jax["cpu_workspace"] == 4 * 4 * (elements + elements // 4) + FEATURE_MAP // 4
+    # The depthwise kernel's gradient as a dense 3×3×16×16 kernel, and its diagonal's copy.
+    assert on_jax["cpu_fixed_workspace"] == 2 * 3 * 3 * 16 * 16 * 4
 
 
 def test_a_gpu_plan_counts_what_tensorflows_gradients_read(on_jax):
     # XLA:CPU's rules are not applied: the model's input, BatchNormalization's input, relu's
-    # output (the next convolution's input), silu's input inside its convolution and output
-    # (the third convolution's input), ops.relu's boolean mask, one byte an element, and the
-    # zeros it compares with; max pooling's input and output (a convolution's input); the
+    # output (the depthwise convolution's input), the second BatchNormalization's input and
+    # output, hard-swish's traced residuals (a boolean mask, a quarter of a map, and two
+    # maps) and output (the next convolution's input), silu's input inside its convolution
+    # and output (the third convolution's input), ops.relu's boolean mask and the zeros it
+    # compares with; max pooling's input and output (a convolution's input); the
     # concatenation (the last convolution's input, two maps); the Dense layer's 16 inputs.
     assert on_jax["gpu_activation"] == (
-        9 * FEATURE_MAP + FEATURE_MAP // 4 + FEATURE_MAP // 4 + 16 * 4)
+        14 * FEATURE_MAP + 3 * (FEATURE_MAP // 4) + 16 * 4)
     # An op's output and input gradients, of the largest tensor (the concatenation).
     assert on_jax["gpu_workspace"] == 2 * 2 * FEATURE_MAP
+    assert on_jax["gpu_fixed_workspace"] == 0

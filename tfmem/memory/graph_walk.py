@@ -73,6 +73,7 @@ class Walker:
         self.largest = 0
         self.patches = 0  # the largest grouped-convolution patch matrix, bytes per sample
         self.transient = 0  # the largest call's own transient, bytes per sample
+        self.fixed_transient = 0  # the largest call's transient of a weight's size, bytes
         self.fallbacks: set[str] = set()
         self.traced: set[str] = set()
         self.loops: set[str] = set()
@@ -317,6 +318,8 @@ class Walker:
         if result is None:
             for tensor in list(inputs) + list(node.outputs):
                 self.keep(tensor)
+            return
+        if xla_rules.element_wise(self, inputs, node.outputs, result):
             return
         for index in result.kept_inputs:
             self.keep(inputs[index])

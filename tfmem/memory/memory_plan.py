@@ -90,7 +90,9 @@ class MemoryPlan:
     global batch and splits it inside the step), `activation_bytes_per_sample` and
     `workspace_bytes_per_sample` and `loss_bytes_per_sample` (× the micro-batch; the loss's
     temporaries and the output's gradient it makes, or a metric update's, beyond the output
-    the activations count). `measured`, when set by `tfmem.probe`,
+    the activations count); the workspace adds `workspace_fixed_bytes`, the part of a call's
+    transient that is the size of a weight (on XLA:CPU, a depthwise convolution's kernel
+    gradient made as a dense kernel), which does not grow with the micro-batch. `measured`, when set by `tfmem.probe`,
     replaces the estimated runtime, state and per-sample terms with a measured line.
     `rematerialized`: the segments recomputed in the backward pass ("full", "auto",
     `(first, last)` pairs) as `(path, ranges)` pairs (`tfmem.remat.plan`), and
@@ -123,6 +125,7 @@ class MemoryPlan:
     workspace_bytes_per_sample: int
     input_batches_in_flight: int = 2
     loss_bytes_per_sample: int = 0
+    workspace_fixed_bytes: int = 0
     micro_batch_size: int = 0
     accumulation_steps: int = 0
     measured: MeasuredLine | None = None
@@ -180,7 +183,7 @@ class MemoryPlan:
             Term.RUNTIME: self.runtime_bytes,
             Term.INPUT: inputs,
             Term.ACTIVATIONS: self.activation_bytes_per_sample * b,
-            Term.WORKSPACE: self.workspace_bytes_per_sample * b,
+            Term.WORKSPACE: self.workspace_bytes_per_sample * b + self.workspace_fixed_bytes,
             Term.LOSS: self.loss_bytes_per_sample * b,
         }
 
@@ -198,7 +201,8 @@ class MemoryPlan:
     def fixed_bytes(self, accumulation_steps: int = 1) -> int:
         """Bytes that do not grow with the micro-batch (at micro-batch 1 with k steps)."""
         rows = self.breakdown(1, accumulation_steps)
-        return sum(value for term, value in rows.items() if not term.per_micro_batch)
+        return self.workspace_fixed_bytes + sum(value for term, value in rows.items()
+                                                if not term.per_micro_batch)
 
     @property
     def max_micro_batch(self) -> int:

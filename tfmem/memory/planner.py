@@ -254,6 +254,7 @@ def estimate(model: keras.Model, settings: PlanSettings,
         # What the call running at the peak holds next to the kept tensors: its gradients
         # and temporaries (or a grouped convolution its patch matrix).
         workspace_bytes_per_sample=saved.workspace_bytes,
+        workspace_fixed_bytes=saved.workspace_fixed_bytes,
         # Held next to every kept activation when the loss runs; counted besides the
         # workspace (the backward's largest call runs after the loss, an upper bound).
         loss_bytes_per_sample=held.per_sample,

@@ -42,6 +42,8 @@ class SavedTensors:
             one call's own transient (its gradients and temporaries, from its traced graph:
             `gradient_trace.transient_bytes`), or a grouped convolution's patch matrix,
             whichever is the largest.
+        workspace_fixed_bytes: the part of the largest transient that does not grow with
+            the batch (`xla_rules`: a depthwise kernel's gradient on XLA:CPU).
         input_bytes: bytes of one sample of the model's inputs, as fed.
         fallback_calls: calls counted as keeping their inputs and outputs (an upper bound),
             each with the reason the general path failed on it.
@@ -63,6 +65,7 @@ class SavedTensors:
     loop_calls: tuple[str, ...] = ()
     segments: tuple[tuple[str, int], ...] = ()
     kept_output_bytes: int = 0
+    workspace_fixed_bytes: int = 0
 
     @property
     def recomputed_bytes(self) -> int:
@@ -249,6 +252,7 @@ def _result(walker: Walker, inputs, outputs=()) -> SavedTensors:
         segments=tuple(walker.segments),
         kept_output_bytes=int(sum(walker.sizes.get(walker.key(t), 0)
                                   for t in {id(t): t for t in outputs}.values())),
+        workspace_fixed_bytes=int(walker.fixed_transient),
     )
 
 

@@ -14,11 +14,17 @@ a plan for another target counts what `layer_rules` says:
 - A training BatchNormalization's output is recomputed from its input in each fusion that
   reads it (a following relu's mask too); a bias added just before it is not fused into
   the convolution or Dense, whose output before the bias stays alive as well.
-- silu (swish) keeps its gate, sigmoid(x), beside its input.
+- silu (swish) keeps its gate, sigmoid(x), beside its input (its input not where XLA
+  recomputes that). An element-wise call (an add of a constant, a multiply) of recomputed
+  tensors keeps none of them and is recomputed in turn: hard-swish after
+  BatchNormalization keeps nothing.
 - A trained convolution's kernel gradient reads a copy of its input in another layout, made
   in the backward: its workspace there is that copy and its input's and output's gradients.
   A concatenation it reads is made again inside that copy, so the concatenation's operands
   are kept, not its output (an operand XLA recomputes from kept tensors not even those).
+  A depthwise convolution's kernel gradient is made as a dense kernel (every input channel
+  to every output channel), whose diagonal is then copied out: two dense kernels while it
+  runs, whatever the batch.
 - Max pooling's backward scatters through the window positions its forward recorded: one
   int32 index per axis and output element is kept, not the input and output; the forward
   holds an int32 iota of the input per axis and its outputs while it runs.
@@ -29,9 +35,10 @@ a plan for another target counts what `layer_rules` says:
 
 from __future__ import annotations
 
-import numpy as np
+import math
 
 import keras
+import numpy as np
 
 from tfmem import _keras_internals as internals
 
@@ -46,11 +53,13 @@ _TARGETS = {
     "boolean_residual": _XLA_CPU,
     "broadcast": _XLA_CPU,
     "convolution": _XLA_CPU,
+    "element_wise": _XLA_CPU,
     "max_pooling": _XLA_CPU,
 }
 _CONVOLUTIONS = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D,
                  keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose,
                  keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D)
+_DEPTHWISE = (keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D)
 _MAX_POOLS = (keras.layers.MaxPooling1D, keras.layers.MaxPooling2D, keras.layers.MaxPooling3D)
 _INDEX_BYTES = 4  # int32
 
@@ -67,11 +76,12 @@ def activation(walker, name: str, output, pre_activation=None) -> bool:
     if not holds("activation", walker.target) or (name not in PIECEWISE
                                                   and name not in _GATED):
         return False
+    fused = pre_activation is not None and walker.key(pre_activation) in walker.fused
     if pre_activation is None:
         walker.keep_new(output.shape, walker.dtype_of(output))
-    elif name in _GATED or walker.key(pre_activation) not in walker.fused:
+    elif not fused:
         walker.keep(pre_activation)
-    else:  # made again from what its pre-activation is made from
+    elif name in PIECEWISE:  # made again from what its pre-activation is made from
         walker.fused.add(walker.key(output))
     if name in _GATED:
         walker.keep_new(output.shape, walker.dtype_of(output))  # sigmoid(x)
@@ -101,6 +111,28 @@ def residual_bytes(target: str | None, nbytes: int, dtype: str,
     return nbytes * np.dtype(compute_dtype or "float32").itemsize
 
 
+def element_wise(walker, inputs, outputs, result) -> bool:
+    """An element-wise call (traced: `result`) of a tensor XLA recomputes is fused into what
+    reads it: it keeps none of the recomputed tensors; where all its inputs are kept or
+    recomputed, none of its own (hard-swish's) either, and its outputs are recomputed too.
+    False where it keeps what it traced."""
+    if not holds("element_wise", walker.target) or result.kept_outputs or not inputs:
+        return False
+    shapes = {tuple(tensor.shape) for tensor in inputs}
+    keys = [walker.key(tensor) for tensor in inputs]
+    if (not all(tuple(tensor.shape) in shapes for tensor in outputs)
+            or not any(key in walker.fused for key in keys)):
+        return False
+    for index in result.kept_inputs:
+        if keys[index] not in walker.fused:
+            walker.keep(inputs[index])
+    if all(key in walker.fused or key in walker.sizes for key in keys):
+        walker.fused.update(walker.key(tensor) for tensor in outputs)
+    else:
+        walker.keep_internal(result)
+    return True
+
+
 def convolution(walker, layer, tensor, output, dtype: str) -> bool:
     """Keeps what XLA holds of trained convolution `layer`'s input `tensor` (in `dtype`) and
     notes its workspace; False where `layer_rules`' own rule holds."""
@@ -109,6 +141,11 @@ def convolution(walker, layer, tensor, output, dtype: str) -> bool:
     input_bytes = walker.sample_bytes(tensor, dtype)
     walker.transient = max(walker.transient,
                            convolution_workspace(input_bytes, walker.sample_bytes(output)))
+    if type(layer) in _DEPTHWISE:
+        kernel = layer.kernel.shape  # (*window, channels, multiplier)
+        itemsize = input_bytes // walker.sample_bytes(tensor, "int8")
+        walker.fixed_transient = max(walker.fixed_transient,
+                                     2 * math.prod(kernel) * kernel[-2] * itemsize)
     found = (internals.concatenation(internals.node_of(tensor))
              if dtype == walker.dtype_of(tensor) else None)
     if found is None:
