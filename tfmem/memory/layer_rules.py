@@ -101,9 +101,10 @@ def apply(walker, layer, inputs, outputs, has_trainable: bool) -> bool:
     if kind in _KERNEL_LAYERS:
         if not _known_activation(layer):
             return False
-        if has_trainable and not xla_rules.convolution(walker, layer, inputs[0], out, compute):
+        by_xla = has_trainable and xla_rules.convolution(walker, layer, inputs[0], out, compute)
+        if has_trainable and not by_xla:
             walker.keep(inputs[0], compute)
-        if getattr(layer, "groups", 1) > 1:
+        if getattr(layer, "groups", 1) > 1 and not by_xla:
             # Keras's TensorFlow backend runs grouped convolutions through XLA; their backward
             # materialises the input's kh·kw patch matrix (measured ≈ 40-49 × the input per
             # sample on CPU, docs/planning.md), a transient that is not in the gradient graph.

@@ -22,9 +22,9 @@ a plan for another target counts what `layer_rules` says:
   in the backward: its workspace there is that copy and its input's and output's gradients.
   A concatenation it reads is made again inside that copy, so the concatenation's operands
   are kept, not its output (an operand XLA recomputes from kept tensors not even those).
-  A depthwise convolution's kernel gradient is made as a dense kernel (every input channel
-  to every output channel), whose diagonal is then copied out: two dense kernels while it
-  runs, whatever the batch.
+  A grouped (or depthwise) convolution's kernel gradient is made as a dense kernel (every
+  input channel to every output channel), whose groups are then copied out: two dense
+  kernels while it runs, whatever the batch (and no patch matrix, `layer_rules`).
 - Max pooling's backward scatters through the window positions its forward recorded: one
   int32 index per axis and output element is kept, not the input and output; the forward
   holds an int32 iota of the input per axis and its outputs while it runs.
@@ -141,11 +141,14 @@ def convolution(walker, layer, tensor, output, dtype: str) -> bool:
     input_bytes = walker.sample_bytes(tensor, dtype)
     walker.transient = max(walker.transient,
                            convolution_workspace(input_bytes, walker.sample_bytes(output)))
-    if type(layer) in _DEPTHWISE:
-        kernel = layer.kernel.shape  # (*window, channels, multiplier)
+    # Grouped (a depthwise convolution's groups are its channels): its kernel's gradient
+    # is made for every input channel to every output channel, `groups` times the kernel.
+    kernel = layer.kernel.shape  # (*window, channels per group, outputs or multiplier)
+    groups = kernel[-2] if type(layer) in _DEPTHWISE else getattr(layer, "groups", 1)
+    if groups > 1:
         itemsize = input_bytes // walker.sample_bytes(tensor, "int8")
         walker.fixed_transient = max(walker.fixed_transient,
-                                     2 * math.prod(kernel) * kernel[-2] * itemsize)
+                                     2 * math.prod(kernel) * groups * itemsize)
     found = (internals.concatenation(internals.node_of(tensor))
              if dtype == walker.dtype_of(tensor) else None)
     if found is None:
