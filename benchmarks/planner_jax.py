@@ -30,18 +30,42 @@ from tfmem.memory import probe_jax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import planner_accuracy as zoo  # noqa: E402
+import text_backbones  # noqa: E402
 
 MIB = 2**20
 
 
+def build(name: str) -> keras.Model:
+    """A model of the zoo, of its held-out models, or keras-hub's BERT ("hub-bert": 4 layers,
+    width 256, 128 tokens, as `benchmarks/text_backbones.py` builds it)."""
+    if name == "hub-bert":
+        return text_backbones.build("bert", 128, 4, 256, 2048)[0]
+    return {**zoo.ZOO, **zoo.HELD_OUT}[name]()
+
+
+def inputs(model: keras.Model, batch: int) -> list:
+    """`(shape, dtype)` of each of the model's inputs at `batch` (a subclassed model: an
+    image of the zoo's size)."""
+    try:
+        tensors = list(model.inputs or ())
+    except AttributeError:  # a subclassed model has no symbolic inputs
+        tensors = []
+    if not tensors:
+        return [((batch,) + zoo.IMAGE, "float32")]
+    return [((batch,) + tuple(t.shape[1:]), keras.backend.standardize_dtype(t.dtype))
+            for t in tensors]
+
+
 def compare(name: str, batch: int, device: str) -> dict:
     """The plan and XLA's analysis of one model's train step at `batch`."""
-    model = {**zoo.ZOO, **zoo.HELD_OUT}[name]()
+    model = build(name)
     model.compile(optimizer=keras.optimizers.Adam(), loss="mse")
-    output = model.compute_output_spec(keras.KerasTensor((2,) + zoo.IMAGE))
-    model.train_on_batch(np.zeros((2,) + zoo.IMAGE, "float32"),
+    small = [keras.KerasTensor(shape, dtype) for shape, dtype in inputs(model, 2)]
+    output = model.compute_output_spec(small[0] if len(small) == 1 else small)
+    model.train_on_batch([np.zeros(shape, dtype) for shape, dtype in inputs(model, 2)],
                          np.zeros((2,) + tuple(output.shape[1:]), "float32"))
-    batch_x = jax.ShapeDtypeStruct((batch,) + zoo.IMAGE, np.float32)
+    batch_x = [jax.ShapeDtypeStruct(shape, np.dtype(dtype))
+               for shape, dtype in inputs(model, batch)]
     batch_y = jax.ShapeDtypeStruct((batch,) + tuple(output.shape[1:]), np.float32)
     xla = probe_jax.compiled_step_memory(model, (batch_x, batch_y))
     # The plan for the device XLA compiled for ("cpu": XLA:CPU's rules), with the batch held
@@ -62,7 +86,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(zoo.ZOO),
                         help="comma-separated names of the zoo, or of "
-                        f"{', '.join(zoo.HELD_OUT)} (needs keras-hub)")
+                        f"{', '.join(zoo.HELD_OUT)}, hub-bert (need keras-hub)")
     parser.add_argument("--batches", default="32", help="comma-separated batch sizes")
     parser.add_argument("--device", default="cpu",
                         help='the device the plan is for: "cpu" (XLA:CPU, what compiles here) '

@@ -29,8 +29,9 @@ a plan for another target counts what `layer_rules` says:
   int32 index per axis and output element is kept, not the input and output; the forward
   holds an int32 iota of the input per axis and its outputs while it runs.
 - A boolean residual of JAX's own gradient (the mask of a comparison, in a traced call) is
-  held as the tensor it compares, in the compute dtype, for the same reason; a residual
-  that is a scalar broadcast (relu's zeros) is fused into what reads it and holds nothing.
+  held as the tensor it compares, in the compute dtype: XLA recomputes the mask from it; a
+  residual that is a scalar broadcast (relu's zeros) is fused into what reads it and holds
+  nothing.
 """
 
 from __future__ import annotations
