@@ -168,8 +168,10 @@ def test_plan_without_tensorflow_equals_the_tensorflow_plan(results):
               "loss_bytes_per_sample"}
     assert {k: v for k, v in results["plan"].items() if k not in traced} == \
         {k: v for k, v in expected.items() if k not in traced}
+    # A plan for a CPU on JAX counts what XLA:CPU keeps besides: the convolution's relu its
+    # pre-activation next to its output (14 × 14 × 8 floats, `tfmem.memory.xla_rules`).
     assert results["plan"]["activation_bytes_per_sample"] == pytest.approx(
-        expected["activation_bytes_per_sample"], rel=0.25)
+        expected["activation_bytes_per_sample"] + 14 * 14 * 8 * 4, rel=0.25)
     # The logits' gradient and one temporary at least: 3 float32 a sample each.
     assert results["plan"]["loss_bytes_per_sample"] >= 2 * 3 * 4
     assert results["plan_notes"] == ["measured by tracing their backward pass: GatedDense"]

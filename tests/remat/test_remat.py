@@ -134,7 +134,8 @@ def test_on_the_jax_backend_too():
     cpu, gpu = found["planned"]["cpu"], found["planned"]["gpu"]
     assert (cpu["kind"], gpu["kind"]) == ("cpu", "gpu")
     assert cpu["segments"] == gpu["segments"] == 3
-    assert cpu["activations"][1] == cpu["activations"][0] == gpu["activations"][0]
+    # (A plan for a CPU counts what XLA:CPU keeps, a plan for a GPU what `layer_rules` says.)
+    assert cpu["activations"][1] == cpu["activations"][0]
     assert gpu["activations"][1] < gpu["activations"][0] / 1.5
     assert ("rematerialized layers planned as kept: on JAX on a CPU, XLA runs the "
             "recomputation where it saves no memory (only time)") in cpu["notes"]
