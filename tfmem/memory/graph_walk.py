@@ -10,16 +10,12 @@ import math
 from collections.abc import Callable, Collection
 
 import keras
-import numpy as np
 
 from tfmem import _keras_internals as internals
+from tfmem._sizes import itemsize
 from tfmem.memory import gradient_trace, layer_rules
 from tfmem.remat import segments
 from tfmem.remat.graph import node_order, range_inputs
-
-
-def itemsize(dtype) -> int:
-    return np.dtype(keras.backend.standardize_dtype(dtype)).itemsize
 
 
 class UnknownSizeError(ValueError):
