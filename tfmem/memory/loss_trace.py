@@ -4,9 +4,10 @@ The loss runs once the forward pass is done, with every kept activation alive: i
 and backward (log-probabilities, one-hot or gathered targets, an ignore mask, Dice's
 products, and the gradient of the output it hands to the model) are held on top of them. A
 metric updates after the backward pass, from the same output: the output is held through
-the loss when a metric or the model's backward reads it, else freed at its last use there. Both are traced like a layer
-(`gradient_trace`): the loss forward and backward with respect to one sample of the output,
-a metric's `stateless_update_state` forward, each counted at its peak. A loss or metric that
+the loss when a metric or the model's backward reads it, else freed at its last use there.
+Both are traced like a layer (`gradient_trace`): the loss forward and backward with respect
+to one sample of the output, a metric's `stateless_update_state` forward, each counted at
+its peak. A loss or metric that
 cannot be traced, or no loss at all (an uncompiled model planned without `loss`), counts as
 `BOUND_TENSORS` tensors of the output's size, named in the plan's notes.
 """

@@ -29,8 +29,8 @@ class Term(enum.Enum):
                False)
     INPUT = ("input data", "global batch per replica × in-flight batches", False)
     ACTIVATIONS = ("activations", "tensors the backward reads, from the model graph", True)
-    WORKSPACE = ("backward workspace", "the largest call's transient, beside what is alive then",
-                 True)
+    WORKSPACE = ("backward workspace",
+                 "the largest call's transient, beside what is alive then", True)
     LOSS = ("loss and metrics", "the loss's forward + backward (or a metric update), traced, "
             "beyond the workspace", True)
     MEASURED_FIXED = ("measured fixed (probe)", "tfmem.probe: intercept of the measured line",
