@@ -22,7 +22,8 @@ with `--task segmentation` on sparse cross-entropy (ignoring 255) to random int 
   measure`), above its baseline after importing TensorFlow, at two micro-batches (the median
   of `--repeats` processes each); from them the bytes per sample and the largest micro-batch
   whose growth fits `--budget`;
-- the planner's bytes per sample for the same model (its activations and workspace);
+- the planner's bytes per sample for the same model (its activations, workspace, and the run's
+  loss beyond the workspace);
 - seconds per sample over `--steps` timed steps at the larger micro-batch (after one untimed;
   the smaller one times per-call overheads more than the compute), each setting in fresh
   processes that take turns, the median of `--time-rounds`;
@@ -249,14 +250,16 @@ def row(args, setting: str | None, batches: tuple[int, int], budget: float, live
     small, large = batches
     per_sample = (growth[large] - growth[small]) / (large - small)
     fixed = growth[small] - per_sample * small
-    plan = tfmem.plan(accum, global_batch_size=small, memory_budget=int(20 * GIB))
+    plan = tfmem.plan(accum, global_batch_size=small, memory_budget=int(20 * GIB),
+                      loss=task_loss(args.task))  # the run's loss, traced
     return dict(setting=setting or "none",
                 # The plan's whole peak less its import term, against the growth above import.
                 planned_growth={b: plan.peak_bytes(b, 1) - _IMPORT for b in batches},
                 segments=sum(len(ranges) for _, ranges in plan.rematerialized),
                 growth=growth, per_sample=per_sample,
                 fits=int((budget * GIB - fixed) // per_sample),
-                planned=plan.activation_bytes_per_sample + plan.workspace_bytes_per_sample,
+                planned=(plan.activation_bytes_per_sample + plan.workspace_bytes_per_sample
+                         + plan.loss_row_bytes_per_sample),
                 live=(live_per_sample(args, setting or "none", batches, serial=live == "serial")
                       if live else None),
                 seconds=None)  # timed afterwards, alone: `timed`

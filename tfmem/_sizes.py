@@ -1,4 +1,13 @@
-"""The one wording of a size in bytes, for every message and report tfmem prints."""
+"""Sizes in bytes: the bytes of one element of a dtype, and the one wording of a size for
+every message and report tfmem prints."""
+
+import keras
+import numpy as np
+
+
+def itemsize(dtype) -> int:
+    """Bytes of one element of `dtype` (any spelling Keras accepts, bfloat16 included)."""
+    return np.dtype(keras.backend.standardize_dtype(dtype)).itemsize
 
 
 def format_bytes(num_bytes: float) -> str:

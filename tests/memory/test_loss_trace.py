@@ -1,6 +1,8 @@
 """The plan's "loss and metrics" term: what a per-pixel loss and metric hold next to the model's
 output, counted in tensors of the output's size and checked against hand counts."""
 
+import dataclasses
+
 import keras
 import numpy as np
 import pytest
@@ -41,9 +43,42 @@ def test_a_traced_loss_counts_its_tensors_beyond_the_kept_output():
     # gradient t · that broadcast: 4 tensors of the output's size at the peak, of which the
     # activations count p already.
     assert p.loss_bytes_per_sample == 3 * _output_bytes(8, 12)
-    assert p.breakdown(2, 2)[Term.LOSS] == 2 * 3 * _output_bytes(8, 12)
+    # The backward's workspace, two tensors of the output's size (the largest: its gradient
+    # and the convolution's), runs after the loss, never beside it: the row is the excess.
+    assert p.workspace_bytes_per_sample == 2 * _output_bytes(8, 12)
+    assert p.breakdown(2, 2)[Term.LOSS] == 2 * (3 - 2) * _output_bytes(8, 12)
     assert p.peak_bytes(2, 2) == sum(p.breakdown(2, 2).values())
     assert not [note for note in p.notes if "loss" in note]
+
+
+def test_an_output_nothing_reads_after_the_loss_is_freed_there():
+    inputs = keras.Input((8, 12, 2))
+    linear = keras.Model(inputs, keras.layers.Conv2D(C, 1)(inputs))  # its backward reads x
+    metric = keras.metrics.MeanSquaredError()
+    alone, with_metric = (_plan(linear, loss=_dot, metrics=metrics).loss_bytes_per_sample
+                          for metrics in ([], [metric]))
+    # sum(t · p), one op at a time: p, t and t · p in the forward; the sum's gradient
+    # broadcast to p's shape, t and their product in the backward, p freed after its last
+    # use (3 tensors of the output's size). A metric reads p after the backward pass, so
+    # with one p is held throughout (4).
+    assert (alone, with_metric) == (3 * _output_bytes(8, 12), 4 * _output_bytes(8, 12))
+
+
+def test_the_loss_and_the_recomputed_segment_are_not_held_together():
+    # A hand-made plan, MiB a sample: activations 10, of which a recomputed segment holds 6
+    # again while it is recomputed; the backward's workspace 2. The loss runs before the
+    # backward, beside the 4 kept but not the segment: the peak's per-sample part is
+    # 4 + max(loss, 6 + 2).
+    mib = 2**20
+    base = _plan(_per_pixel(8, 12), loss=_dot)
+    for loss, per_sample in ((5, 12), (8, 12), (9, 13)):
+        p = dataclasses.replace(base, activation_bytes_per_sample=10 * mib,
+                                recomputed_bytes_per_sample=6 * mib,
+                                workspace_bytes_per_sample=2 * mib,
+                                loss_bytes_per_sample=loss * mib)
+        rows = p.breakdown(3, 1)
+        assert sum(rows[t] for t in (Term.ACTIVATIONS, Term.WORKSPACE, Term.LOSS)) == (
+            3 * per_sample * mib)
 
 
 def test_without_a_loss_the_term_is_the_bound_and_says_so():

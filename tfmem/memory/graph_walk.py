@@ -10,16 +10,12 @@ import math
 from collections.abc import Callable, Collection
 
 import keras
-import numpy as np
 
 from tfmem import _keras_internals as internals
+from tfmem._sizes import itemsize
 from tfmem.memory import gradient_trace, layer_rules, xla_rules
 from tfmem.remat import segments
 from tfmem.remat.graph import node_order, range_inputs
-
-
-def itemsize(dtype) -> int:
-    return np.dtype(keras.backend.standardize_dtype(dtype)).itemsize
 
 
 class UnknownSizeError(ValueError):
@@ -70,7 +66,8 @@ class Walker:
         self.new_tensors = 0  # tensors kept that have no key of their own so far
         self.needs_grad: set = set()
         self.model_inputs: set = set()
-        self.largest = 0
+        self.largest = 0  # outside the rematerialized ranges, bytes per sample
+        self.largest_anywhere = 0  # inside them (the largest outside is `largest`)
         self.patches = 0  # the largest grouped-convolution patch matrix, bytes per sample
         self.transient = 0  # the largest call's own transient, bytes per sample
         self.fixed_transient = 0  # the largest call's transient of a weight's size, bytes
@@ -87,6 +84,9 @@ class Walker:
         self.node_paths: dict = {}  # id(node) -> its graph's path, in a flattened graph
         self.inner_peaks: list[int] = []  # per top-level call: the largest range inside it
         self.segments: list[tuple[str, int]] = []  # (name, bytes it keeps inside) per one
+        # Per rematerialized range: what it keeps inside + the workspace of its own calls,
+        # held together while it is recomputed (its calls' workspace is not the others').
+        self.recompute_peaks: list[int] = []
         self.touched: set = set()  # keys kept by the call now walked
         self.node_keys: list[frozenset] = []  # keys each top-level call keeps, in order
 
@@ -187,14 +187,26 @@ class Walker:
         """Walks `nodes` and drops what they keep but their `inputs`, which are kept across
         the passes instead; returns the bytes dropped (held again while recomputed)."""
         before = set(self.sizes)
+        outer = self.largest, self.patches, self.transient
+        self.largest = self.patches = self.transient = 0
         for node in nodes:
             call(node)
         input_keys = {self.key(t) for t in inputs}
         inside = sum(self.sizes.pop(key) for key in set(self.sizes) - before
                      if key not in input_keys)
+        self.recompute_peaks.append(inside + self.workspace)
+        self.largest_anywhere = max(self.largest_anywhere, self.largest)
+        self.largest, self.patches, self.transient = outer
         for tensor in inputs:
             self.keep(tensor)
         return inside
+
+    @property
+    def workspace(self) -> int:
+        """What the largest call walked (outside the ranges walked since) holds while it
+        runs besides the kept tensors: two tensors of the largest size (its output's and
+        input's gradients), its own transient, or a grouped convolution's patch matrix."""
+        return max(2 * self.largest, self.patches, self.transient)
 
     def call(self, node) -> None:
         operation = node.operation

@@ -3,9 +3,11 @@
 The loss runs once the forward pass is done, with every kept activation alive: its forward
 and backward (log-probabilities, one-hot or gathered targets, an ignore mask, Dice's
 products, and the gradient of the output it hands to the model) are held on top of them. A
-metric updates after the backward pass, from the same output. Both are traced like a layer
-(`gradient_trace`): the loss forward and backward with respect to one sample of the output,
-a metric's `stateless_update_state` forward, each counted at its peak. A loss or metric that
+metric updates after the backward pass, from the same output: the output is held through
+the loss when a metric or the model's backward reads it, else freed at its last use there.
+Both are traced like a layer (`gradient_trace`): the loss forward and backward with respect
+to one sample of the output, a metric's `stateless_update_state` forward, each counted at
+its peak. A loss or metric that
 cannot be traced, or no loss at all (an uncompiled model planned without `loss`), counts as
 `BOUND_TENSORS` tensors of the output's size, named in the plan's notes.
 """
@@ -75,7 +77,8 @@ def loss_bytes(outputs, output_names, loss, metrics, kept_output_bytes: int) -> 
         # Each output's loss in turn, the gradients of the earlier ones still held: their sum.
         total = 0
         for item, output in zip(losses, outputs):
-            peak = _traced(item, output, _loss_call)
+            peak = _traced(item, output, _loss_call,
+                           hold_output=bool(metrics) or kept_output_bytes > 0)
             if peak is None:
                 notes.append(f"loss {_name(item)} could not be traced: counted as "
                              f"{BOUND_TENSORS} tensors of the output's size")
@@ -87,7 +90,7 @@ def loss_bytes(outputs, output_names, loss, metrics, kept_output_bytes: int) -> 
         metric = _metric(given)
         if isinstance(metric, keras.metrics.Metric):
             state += sum(_bytes(v.shape, v.dtype) for v in metric.variables)
-        peak = _traced(given, outputs[0], _metric_call)
+        peak = _traced(given, outputs[0], _metric_call, hold_output=True)
         if peak is None:
             notes.append(f"metric {_name(given)} could not be traced: counted as "
                          f"{BOUND_TENSORS} tensors of the output's size")
@@ -140,14 +143,15 @@ def _metric_call(metric):
     return call, [False, False], list(metric.variables)
 
 
-def _traced(item, output, make_call) -> int | None:
+def _traced(item, output, make_call, hold_output: bool) -> int | None:
     """Peak bytes per sample of `item` traced on `output` (inputs included), or None: with
     the targets shaped as the output, else as its class indices (the output's shape without
     the class axis, int32)."""
     shape = tuple(output.shape[1:])
     dtype = keras.backend.standardize_dtype(output.dtype)
     # A name by its value; an object by identity, kept alive with its trace.
-    key = (item if isinstance(item, str) else id(item), shape, dtype, make_call.__name__)
+    key = (item if isinstance(item, str) else id(item), shape, dtype, make_call.__name__,
+           hold_output)
     if key in _TRACES and (isinstance(item, str) or _TRACES[key][0] is item):
         return _TRACES[key][1]
     trace = backend.choose(tensorflow=gradient_trace.trace_call_tensorflow,
@@ -158,12 +162,12 @@ def _traced(item, output, make_call) -> int | None:
         try:
             call, differentiable, variables = make_call(item)
             traced = trace(call, specs, differentiable=differentiable, trainable=[],
-                           non_trainable=variables, held=[0])  # the output: the step's
+                           non_trainable=variables, held=[0] if hold_output else [])
         except Exception:  # noqa: BLE001 - targets of the other form, or not traceable
             continue
         inputs = [_bytes(*spec) for spec in specs]
         internal = sum(nbytes for nbytes, _ in traced.internal)
-        if traced.transient_bytes:  # TensorFlow: its ops one at a time, the output held
+        if traced.transient_bytes:  # TensorFlow: its ops one at a time
             peak = (traced.transient_bytes + internal
                     + sum(inputs[i] for i in traced.kept_inputs)
                     + sum(traced.output_bytes[i] for i in traced.kept_outputs))

@@ -29,10 +29,10 @@ class Term(enum.Enum):
                False)
     INPUT = ("input data", "global batch per replica × in-flight batches", False)
     ACTIVATIONS = ("activations", "tensors the backward reads, from the model graph", True)
-    WORKSPACE = ("backward workspace", "the largest call's transient, ≥ 2 × largest tensor",
-                 True)
-    LOSS = ("loss and metrics", "the loss's forward + backward (or a metric update), traced",
-            True)
+    WORKSPACE = ("backward workspace",
+                 "the largest call's transient, beside what is alive then", True)
+    LOSS = ("loss and metrics", "the loss's forward + backward (or a metric update), traced, "
+            "beyond the workspace", True)
     MEASURED_FIXED = ("measured fixed (probe)", "tfmem.probe: intercept of the measured line",
                       False)
     MEASURED_PER_SAMPLE = ("measured per-sample × micro-batch",
@@ -90,9 +90,14 @@ class MemoryPlan:
     global batch and splits it inside the step), `activation_bytes_per_sample` and
     `workspace_bytes_per_sample` and `loss_bytes_per_sample` (× the micro-batch; the loss's
     temporaries and the output's gradient it makes, or a metric update's, beyond the output
-    the activations count); the workspace adds `workspace_fixed_bytes`, the part of a call's
-    transient that is the size of a weight (on XLA:CPU, a depthwise convolution's kernel
-    gradient made as a dense kernel), which does not grow with the micro-batch. `measured`, when set by `tfmem.probe`,
+    the activations count). Of the activations, `recomputed_bytes_per_sample` are a
+    rematerialized segment's, held again only while it is recomputed. The loss runs before the
+    backward pass, with no segment recomputed: the peak holds the larger of the loss and the
+    workspace with the recomputed segment, so the breakdown's loss row is only the loss's
+    excess over those two (`loss_row_bytes_per_sample`). The workspace adds
+    `workspace_fixed_bytes`, the part of a call's transient that is the size of a weight (on
+    XLA:CPU, a grouped convolution's kernel gradient made as a dense kernel), which does not
+    grow with the micro-batch. `measured`, when set by `tfmem.probe`,
     replaces the estimated runtime, state and per-sample terms with a measured line.
     `rematerialized`: the segments recomputed in the backward pass ("full", "auto",
     `(first, last)` pairs) as `(path, ranges)` pairs (`tfmem.remat.plan`), and
@@ -125,6 +130,7 @@ class MemoryPlan:
     workspace_bytes_per_sample: int
     input_batches_in_flight: int = 2
     loss_bytes_per_sample: int = 0
+    recomputed_bytes_per_sample: int = 0
     workspace_fixed_bytes: int = 0
     micro_batch_size: int = 0
     accumulation_steps: int = 0
@@ -148,6 +154,16 @@ class MemoryPlan:
     def fits(self) -> bool:
         """Whether some micro-batch × k reaches the global batch within the budget."""
         return self.micro_batch_size > 0
+
+    @property
+    def loss_row_bytes_per_sample(self) -> int:
+        """What the loss holds beyond the backward pass's peak call, per sample.
+
+        The two are never held together: the loss runs when the forward pass is done, every
+        kept activation alive and no segment recomputed; the backward's largest call runs
+        after it, beside the same activations and the segment it recomputes."""
+        return max(self.loss_bytes_per_sample - self.workspace_bytes_per_sample
+                   - self.recomputed_bytes_per_sample, 0)
 
     @property
     def state_bytes(self) -> int:
@@ -184,7 +200,7 @@ class MemoryPlan:
             Term.INPUT: inputs,
             Term.ACTIVATIONS: self.activation_bytes_per_sample * b,
             Term.WORKSPACE: self.workspace_bytes_per_sample * b + self.workspace_fixed_bytes,
-            Term.LOSS: self.loss_bytes_per_sample * b,
+            Term.LOSS: self.loss_row_bytes_per_sample * b,
         }
 
     def peak_bytes(self, micro_batch_size: int, accumulation_steps: int | None = None) -> int:

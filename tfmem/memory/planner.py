@@ -255,9 +255,10 @@ def estimate(model: keras.Model, settings: PlanSettings,
         # and temporaries (or a grouped convolution its patch matrix).
         workspace_bytes_per_sample=saved.workspace_bytes,
         workspace_fixed_bytes=saved.workspace_fixed_bytes,
-        # Held next to every kept activation when the loss runs; counted besides the
-        # workspace (the backward's largest call runs after the loss, an upper bound).
+        # Held next to every kept activation when the loss runs, before the backward pass:
+        # the plan's row is what it holds beyond the backward's workspace and recomputation.
         loss_bytes_per_sample=held.per_sample,
+        recomputed_bytes_per_sample=saved.recomputed_bytes,
         input_batches_in_flight=settings.input_batches_in_flight,
         notes=notes,
         rematerialized=tuple(ranges),

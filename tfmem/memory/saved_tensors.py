@@ -37,13 +37,16 @@ class SavedTensors:
     Attributes:
         saved_bytes: bytes of the distinct tensors the backward pass reads, for one sample.
         largest_tensor_bytes: bytes of the largest single tensor of the forward pass (one sample).
-        workspace_bytes: the largest transient a step needs besides the kept tensors, for
-            one sample: two tensors of the largest size (an op's output and input gradients),
-            one call's own transient (its gradients and temporaries, from its traced graph:
-            `gradient_trace.transient_bytes`), or a grouped convolution's patch matrix,
-            whichever is the largest.
-        workspace_fixed_bytes: the part of the largest transient that does not grow with
-            the batch (`xla_rules`: a depthwise kernel's gradient on XLA:CPU).
+        workspace_bytes: the largest transient a step needs besides the kept tensors and
+            the largest recomputed range's (`recomputed_bytes`), for one sample. A call's
+            own is the largest of two tensors of its largest size (an op's output and input
+            gradients), its own transient (its gradients and temporaries, from its traced
+            graph: `gradient_trace.transient_bytes`), or a grouped convolution's patch
+            matrix; a call inside a rematerialized range runs beside that range's tensors,
+            recomputed, one outside beside none.
+        workspace_fixed_bytes: the part of the backward's largest transient that does not
+            grow with the batch (`xla_rules`: a grouped convolution's kernel gradient on
+            XLA:CPU).
         input_bytes: bytes of one sample of the model's inputs, as fed.
         fallback_calls: calls counted as keeping their inputs and outputs (an upper bound),
             each with the reason the general path failed on it.
@@ -241,10 +244,14 @@ def _walked(graph, compute_dtype, frozen, recomputed, ranges, inner_graphs,
 
 
 def _result(walker: Walker, inputs, outputs=()) -> SavedTensors:
+    recomputed = max((nbytes for _, nbytes in walker.segments), default=0)
+    # The backward's largest call runs beside the kept tensors and, inside a recomputed
+    # range, that range's own: beyond the largest range, the larger of the two.
+    backward = max([walker.workspace] + walker.recompute_peaks)
     return SavedTensors(
         saved_bytes=int(sum(walker.sizes.values())),
-        largest_tensor_bytes=int(walker.largest),
-        workspace_bytes=int(max(2 * walker.largest, walker.patches, walker.transient)),
+        largest_tensor_bytes=int(max(walker.largest, walker.largest_anywhere)),
+        workspace_bytes=int(backward - recomputed),
         input_bytes=int(sum(sample_bytes(t.shape, t.dtype) for t in inputs)),
         fallback_calls=tuple(sorted(walker.fallbacks)),
         traced_calls=tuple(sorted(walker.traced)),

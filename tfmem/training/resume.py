@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # only in annotations: resuming needs no TensorFlow of its ow
     import tensorflow as tf
 
 from tfmem import _keras_internals as internals
+from tfmem._sizes import itemsize
 from tfmem.runtime.current import current_runtime, processes
 from tfmem.training import recovery, run_directory
 from tfmem.training.accumulation import global_batch_size
@@ -105,17 +106,12 @@ def _fsync_directory(directory: str) -> None:
         os.close(descriptor)
 
 
-def _itemsize(dtype) -> int:
-    name = keras.backend.standardize_dtype(dtype)
-    return 2 if name == "bfloat16" else np.dtype(name).itemsize
-
-
 def _state_bytes(model: keras.Model) -> int:
     """Bytes of the weights and optimizer variables: about the size of a weights file."""
     variables = list(model.weights)
     if model.optimizer is not None:
         variables += list(model.optimizer.variables)
-    return sum(math.prod(v.shape) * _itemsize(v.dtype) for v in variables)
+    return sum(math.prod(v.shape) * itemsize(v.dtype) for v in variables)
 
 
 class _Saver(keras.callbacks.Callback):
