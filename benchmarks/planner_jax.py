@@ -11,7 +11,7 @@ without the host's framework runtime, and `tfmem.memory.probe_jax.compiled_step_
 model's jitted `train_step` at the same batch: what XLA's buffer assignment holds at once
 (arguments + outputs − donated aliases + temporaries). Nothing runs but one tiny step that
 builds the optimizer; on a CPU host this is XLA:CPU's plan. Prints both and the ratio
-(2026-11-28, 2 shared cores: 0.98–1.12 for the zoo and keras-hub's ViT, 1.23 for BERT; the
+(2026-11-28, 2 shared cores: 0.98–1.10 for the zoo and keras-hub's ViT, 1.23 for BERT; the
 zoo takes about 16 min). Where and why they differ: docs/planning.md.
 """
 
@@ -63,12 +63,15 @@ def compare(name: str, batch: int, device: str) -> dict:
     """The plan and XLA's analysis of one model's train step at `batch`."""
     model = build(name)
     model.compile(optimizer=keras.optimizers.Adam(), loss="mse")
-    small = [keras.KerasTensor(shape, dtype) for shape, dtype in inputs(model, 2)]
-    output = model.compute_output_spec(small[0] if len(small) == 1 else small)
-    model.train_on_batch([np.zeros(shape, dtype) for shape, dtype in inputs(model, 2)],
+    def one_or_all(values):  # a model of one input takes it alone (a subclassed call too)
+        return values[0] if len(values) == 1 else values
+
+    output = model.compute_output_spec(one_or_all(
+        [keras.KerasTensor(shape, dtype) for shape, dtype in inputs(model, 2)]))
+    model.train_on_batch(one_or_all([np.zeros(shape, dtype) for shape, dtype in inputs(model, 2)]),
                          np.zeros((2,) + tuple(output.shape[1:]), "float32"))
-    batch_x = [jax.ShapeDtypeStruct(shape, np.dtype(dtype))
-               for shape, dtype in inputs(model, batch)]
+    batch_x = one_or_all([jax.ShapeDtypeStruct(shape, np.dtype(dtype))
+                          for shape, dtype in inputs(model, batch)])
     batch_y = jax.ShapeDtypeStruct((batch,) + tuple(output.shape[1:]), np.float32)
     xla = probe_jax.compiled_step_memory(model, (batch_x, batch_y))
     # The plan for the device XLA compiled for ("cpu": XLA:CPU's rules), with the batch held
