@@ -163,7 +163,8 @@ def test_several_inputs_and_outputs():
     joined = keras.layers.Concatenate()([features, scalars])
     outputs = [keras.layers.Dense(2, activation="softmax")(joined), keras.layers.Dense(1)(joined)]
     p = _assert_equals_whole_trace(keras.Model([image, scalars], outputs))
-    assert p.input_bytes_per_sample == _floats(4, 4, 2) + _floats(3)
+    # Both inputs, and no loss given: targets shaped as the outputs.
+    assert p.input_bytes_per_sample == _floats(4, 4, 2) + _floats(3) + _floats(2) + _floats(1)
     # conv keeps the image; both Dense keep the 6-wide concatenation; softmax its output.
     assert p.activation_bytes_per_sample == _floats(4, 4, 2) + _floats(6) + _floats(2)
 
@@ -216,7 +217,7 @@ def test_subclassed_model_plans_like_its_functional_twin():
     assert p.activation_bytes_per_sample == _plan(twin).activation_bytes_per_sample == (
         _floats(10, 10, 3) + _floats(8, 8, 8) + _floats(8))  # conv in, relu out, head in
     assert p.num_parameters == twin.count_params()
-    assert p.input_bytes_per_sample == _floats(10, 10, 3)
+    assert p.input_bytes_per_sample == _floats(10, 10, 3) + _floats(3)  # targets as output
     with pytest.raises(ValueError, match=r"not been built.*input_shape=\(H, W, C\)"):
         _plan(SmallCNN())
     unbuilt = SmallCNN()

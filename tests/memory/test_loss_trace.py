@@ -124,3 +124,17 @@ def test_the_term_grows_with_the_pixels(loss, tolerance):
                     for h, w in ((16, 24), (32, 48)))
     assert small >= 2 * _output_bytes(16, 24)  # more than the output's gradient and targets
     assert large == pytest.approx(4 * small, rel=tolerance)  # 4× the pixels
+
+
+def test_the_input_row_counts_the_targets_the_loss_reads():
+    # A global batch of targets comes with the images: per pixel, sparse targets are one
+    # int32 class index, dense (one-hot or multi-label) targets one float32 per class.
+    model = _per_pixel(8, 12)
+    image = 8 * 12 * 2 * 4
+    sparse = keras.losses.SparseCategoricalCrossentropy(ignore_class=255)
+    for loss, target in ((sparse, 8 * 12 * 4), (keras.losses.BinaryCrossentropy(),
+                                                 _output_bytes(8, 12))):
+        p = _plan(model, loss=loss)
+        assert p.input_bytes_per_sample == image + target
+        # The global batch, 1 × 4 samples, twice: one batch in the step, one coming.
+        assert p.breakdown(1, 4)[Term.INPUT] == 4 * 2 * (image + target)

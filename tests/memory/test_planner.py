@@ -74,8 +74,10 @@ def test_accumulation_buffers_only_when_k_above_one():
     p = tfmem.plan(small_model(), global_batch_size=8, optimizer="sgd", memory_budget=GIB)
     assert p.breakdown(8, 1)[Term.ACCUMULATION] == 0
     assert p.breakdown(2, 4)[Term.ACCUMULATION] == 4 * TRAINABLE
-    # AccumModel holds the whole global batch: input data scales with b × k, not b.
-    assert p.breakdown(2, 4)[Term.INPUT] == p.breakdown(8, 1)[Term.INPUT] == 8 * 8 * 8 * 3 * 4 * 2
+    # AccumModel holds the whole global batch: input data scales with b × k, not b. With no
+    # loss given, each sample's targets are counted shaped as the output (5 floats).
+    assert p.breakdown(2, 4)[Term.INPUT] == p.breakdown(8, 1)[Term.INPUT] == (
+        8 * (8 * 8 * 3 + 5) * 4 * 2)
 
 
 def test_accumulation_buffers_of_float64_weights_are_float64():
@@ -135,7 +137,7 @@ def test_activation_bytes_equal_hand_count_float32():
     # The workspace: the largest call's own transient, swish's (sigmoid, product and their
     # gradients), from TensorFlow's gradient graph of that layer alone at its size.
     assert p.workspace_bytes_per_sample == _own_transients(model)["activation"] > 2 * big
-    assert p.input_bytes_per_sample == 16 * 16 * 3 * 4
+    assert p.input_bytes_per_sample == 16 * 16 * 3 * 4 + 10 * 4  # the image, targets as output
 
 
 def test_activation_bytes_mixed_float16_hand_count():

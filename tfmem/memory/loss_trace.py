@@ -44,11 +44,16 @@ class LossBytes:
             model's outputs the activations count already.
         state_bytes: the metrics' variables (a confusion matrix: classes × classes).
         notes: what was bounded instead of traced, for the plan's notes.
+        target_bytes: bytes per sample of the targets the losses read, in the form each
+            was traced with (shaped as the output, or its class indices in int32); an
+            untraced loss's as the output. They come with the inputs, a global batch of
+            them at a time.
     """
 
     per_sample: int
     state_bytes: int = 0
     notes: tuple[str, ...] = ()
+    target_bytes: int = 0
 
 
 def loss_bytes(outputs, output_names, loss, metrics, kept_output_bytes: int) -> LossBytes:
@@ -66,6 +71,7 @@ def loss_bytes(outputs, output_names, loss, metrics, kept_output_bytes: int) -> 
     output_bytes = sum(_bytes(t.shape[1:], t.dtype) for t in outputs)
     bound = BOUND_TENSORS * output_bytes
     notes, peaks = [], []
+    targets = output_bytes  # untraced: a target shaped as each output
     losses = _per_output(loss, len(outputs), output_names)
     if losses is None:
         notes.append((f"no loss given: loss and metrics counted as {BOUND_TENSORS} tensors of "
@@ -75,22 +81,23 @@ def loss_bytes(outputs, output_names, loss, metrics, kept_output_bytes: int) -> 
         peaks.append(bound)
     else:
         # Each output's loss in turn, the gradients of the earlier ones still held: their sum.
-        total = 0
+        total = targets = 0
         for item, output in zip(losses, outputs):
-            peak = _traced(item, output, _loss_call,
-                           hold_output=bool(metrics) or kept_output_bytes > 0)
+            peak, target = _traced(item, output, _loss_call,
+                                   hold_output=bool(metrics) or kept_output_bytes > 0)
             if peak is None:
                 notes.append(f"loss {_name(item)} could not be traced: counted as "
                              f"{BOUND_TENSORS} tensors of the output's size")
                 peak = BOUND_TENSORS * _bytes(output.shape[1:], output.dtype)
             total += peak
+            targets += target
         peaks.append(total)
     state = 0
     for given in metrics or ():
         metric = _metric(given)
         if isinstance(metric, keras.metrics.Metric):
             state += sum(_bytes(v.shape, v.dtype) for v in metric.variables)
-        peak = _traced(given, outputs[0], _metric_call, hold_output=True)
+        peak, _ = _traced(given, outputs[0], _metric_call, hold_output=True)
         if peak is None:
             notes.append(f"metric {_name(given)} could not be traced: counted as "
                          f"{BOUND_TENSORS} tensors of the output's size")
@@ -98,7 +105,8 @@ def loss_bytes(outputs, output_names, loss, metrics, kept_output_bytes: int) -> 
         peaks.append(peak)
     # The loss's tensors and a metric's are never alive together (the metric updates after
     # the backward pass): the larger of them, less the outputs counted as activations.
-    return LossBytes(max(max(peaks, default=0) - kept_output_bytes, 0), state, tuple(notes))
+    return LossBytes(max(max(peaks, default=0) - kept_output_bytes, 0), state, tuple(notes),
+                     targets)
 
 
 def _per_output(loss, num_outputs: int, names) -> list | None:
@@ -143,10 +151,11 @@ def _metric_call(metric):
     return call, [False, False], list(metric.variables)
 
 
-def _traced(item, output, make_call, hold_output: bool) -> int | None:
-    """Peak bytes per sample of `item` traced on `output` (inputs included), or None: with
-    the targets shaped as the output, else as its class indices (the output's shape without
-    the class axis, int32)."""
+def _traced(item, output, make_call, hold_output: bool) -> tuple[int | None, int]:
+    """Peak bytes per sample of `item` traced on `output` (inputs included), or None, and the
+    bytes of one sample's targets: shaped as the output, else as its class indices (the
+    output's shape without the class axis, int32), whichever traces first (the first for
+    None)."""
     shape = tuple(output.shape[1:])
     dtype = keras.backend.standardize_dtype(output.dtype)
     # A name by its value; an object by identity, kept alive with its trace.
@@ -156,7 +165,7 @@ def _traced(item, output, make_call, hold_output: bool) -> int | None:
         return _TRACES[key][1]
     trace = backend.choose(tensorflow=gradient_trace.trace_call_tensorflow,
                            jax=gradient_trace.trace_call_jax)
-    peak = None
+    peak, target_bytes = None, _bytes(shape, dtype)
     for target in ((shape, dtype), (shape[:-1], "int32")):
         specs = [(shape, dtype), target]
         try:
@@ -175,9 +184,10 @@ def _traced(item, output, make_call, hold_output: bool) -> int | None:
             # Its inputs, what its backward keeps, and two tensors of the largest size (the
             # output's gradient and one temporary).
             peak = sum(inputs) + internal + 2 * traced.largest_bytes
+        target_bytes = inputs[1]
         break
-    _TRACES[key] = (item, peak)
-    return peak
+    _TRACES[key] = (item, (peak, target_bytes))
+    return peak, target_bytes
 
 
 def _bytes(shape, dtype) -> int:

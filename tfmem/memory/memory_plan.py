@@ -86,7 +86,7 @@ class MemoryPlan:
     `accumulation_bytes` (float32 buffers, float64 for float64 weights, only when
     `accumulation_steps > 1`),
     `mixed_precision_bytes`, `runtime_bytes`. Per-sample terms: `input_bytes_per_sample`
-    (× the global batch per replica × `input_batches_in_flight`: AccumModel receives the whole
+    (a sample's inputs and targets, × the global batch per replica × `input_batches_in_flight`: AccumModel receives the whole
     global batch and splits it inside the step), `activation_bytes_per_sample` and
     `workspace_bytes_per_sample` and `loss_bytes_per_sample` (× the micro-batch; the loss's
     temporaries and the output's gradient it makes, or a metric update's, beyond the output

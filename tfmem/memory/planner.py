@@ -249,7 +249,8 @@ def estimate(model: keras.Model, settings: PlanSettings,
                        + _CPU_BYTES_PER_VARIABLE * len(model.variables)
                        + (grouped.nbytes if grouped else 0) + retraced
                        if cpu else 0),
-        input_bytes_per_sample=saved.input_bytes,
+        # The model's inputs and the targets the loss reads: both come a global batch at a time.
+        input_bytes_per_sample=saved.input_bytes + held.target_bytes,
         activation_bytes_per_sample=saved.saved_bytes + saved.recomputed_bytes,
         # What the call running at the peak holds next to the kept tensors: its gradients
         # and temporaries (or a grouped convolution its patch matrix).
