@@ -18,9 +18,9 @@ import dataclasses
 import math
 
 import keras
-import numpy as np
 
 from tfmem import backend
+from tfmem._sizes import itemsize
 from tfmem.memory import gradient_trace
 
 # The bound for a loss or metric that is not traced, in tensors of the output's size. With
@@ -191,7 +191,7 @@ def _traced(item, output, make_call, hold_output: bool) -> tuple[int | None, int
 
 
 def _bytes(shape, dtype) -> int:
-    return math.prod(shape) * np.dtype(keras.backend.standardize_dtype(dtype)).itemsize
+    return math.prod(shape) * itemsize(dtype)
 
 
 def _name(item) -> str:

@@ -39,9 +39,9 @@ from __future__ import annotations
 import math
 
 import keras
-import numpy as np
 
 from tfmem import _keras_internals as internals
+from tfmem._sizes import itemsize
 
 PIECEWISE = frozenset({"relu", "relu6", "elu", "selu", "hard_sigmoid"})
 _GATED = frozenset({"silu", "swish"})
@@ -109,7 +109,7 @@ def residual_bytes(target: str | None, nbytes: int, dtype: str,
     boolean mask as the compared tensor in `compute_dtype` (default float32)."""
     if dtype != "bool" or not holds("boolean_residual", target):
         return nbytes
-    return nbytes * np.dtype(compute_dtype or "float32").itemsize
+    return nbytes * itemsize(compute_dtype or "float32")
 
 
 def element_wise(walker, inputs, outputs, result) -> bool:
@@ -147,9 +147,8 @@ def convolution(walker, layer, tensor, output, dtype: str) -> bool:
     kernel = layer.kernel.shape  # (*window, channels per group, outputs or multiplier)
     groups = kernel[-2] if type(layer) in _DEPTHWISE else getattr(layer, "groups", 1)
     if groups > 1:
-        itemsize = input_bytes // walker.sample_bytes(tensor, "int8")
         walker.fixed_transient = max(walker.fixed_transient,
-                                     2 * math.prod(kernel) * groups * itemsize)
+                                     2 * math.prod(kernel) * groups * itemsize(dtype))
     found = (internals.concatenation(internals.node_of(tensor))
              if dtype == walker.dtype_of(tensor) else None)
     if found is None:
@@ -191,11 +190,11 @@ def traced_transient(target: str | None, windows) -> int:
     """The largest of the transients above among a traced call's `windows`
     (`gradient_trace.TracedCall.windows`); 0 where the rules do not hold."""
     largest = 0
-    for primitive, input_elements, output_elements, itemsize, rank in windows:
+    for primitive, input_elements, output_elements, size, rank in windows:
         if primitive == "conv_general_dilated" and holds("convolution", target):
-            largest = max(largest, convolution_workspace(input_elements * itemsize,
-                                                         output_elements * itemsize))
+            largest = max(largest, convolution_workspace(input_elements * size,
+                                                         output_elements * size))
         elif primitive == "reduce_window_max" and holds("max_pooling", target):
             largest = max(largest, max_pooling_transient(
-                input_elements, output_elements, output_elements * itemsize, rank))
+                input_elements, output_elements, output_elements * size, rank))
     return largest
