@@ -29,7 +29,6 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 MIB = 2**20
-_IMPORT = 750 * MIB  # the planner's own import term (tfmem/memory/planner.py)
 HEAPS = {"default": {}, "fixed": {"MALLOC_MMAP_THRESHOLD_": str(MIB)}}
 
 
@@ -91,11 +90,12 @@ def measured(args, batch: int, setting: str, heap: str) -> dict:
 
 def planned(args, batches: list[int], setting: str) -> dict[int, float]:
     import tfmem
+    from tfmem.memory.planner import CPU_IMPORT_BYTES
 
     accum = tfmem.AccumModel.wrap(build(args.model, args.image_size), accumulation_steps=1,
                                   rematerialize=None if setting == "none" else setting)
     plan = tfmem.plan(accum, global_batch_size=batches[0], memory_budget=64 * 2**30, loss="mse")
-    return {b: plan.peak_bytes(b, 1) - _IMPORT for b in batches}
+    return {b: plan.peak_bytes(b, 1) - CPU_IMPORT_BYTES for b in batches}
 
 
 def main() -> None:

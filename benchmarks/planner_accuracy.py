@@ -41,13 +41,13 @@ import time
 import keras
 
 import tfmem
+from tfmem.memory.planner import CPU_IMPORT_BYTES  # subtracted to compare
 from tfmem.memory.probe import measure
 
 IMAGE = (64, 64, 3)
 GIB, MIB = 2**30, 2**20
 SMALL = 16  # one small batch, where the fixed terms dominate
 GLOBAL = 4096  # large enough not to cap the probe's sizes or the recommendation
-_IMPORT = 750 * MIB  # the planner's own import term (tfmem/memory/planner.py), subtracted to compare
 
 
 def resnet50():
@@ -261,7 +261,7 @@ def print_accuracy(rows, began):
         ratio = predicted / truth.peak_bytes
         worst = max(worst, ratio, 1 / ratio)
         print(f"| {name} | {b} | {_gib(truth.peak_bytes)} | {_gib(predicted)} | {ratio:.2f} | "
-              f"{grown / MIB:.0f} MiB | {(predicted - _IMPORT) / grown:.2f} |")
+              f"{grown / MIB:.0f} MiB | {(predicted - CPU_IMPORT_BYTES) / grown:.2f} |")
     verdict = "within" if worst <= 1.2 else "NOT within"
     print(f"\nEvery row {verdict} ±20% of the measured peak (worst ratio {worst:.2f} either "
           f"way); {(time.time() - began) / 60:.1f} min, load average {os.getloadavg()[0]:.1f}")
@@ -319,7 +319,7 @@ def main(argv=None):
             cal_grown = (f"{(fitted - truth.baseline_bytes) / grown:.2f}" if fitted is not None
                          else "")
             print(f"| {name} | {b} | {_gib(peak)} | {_gib(predicted)} | {predicted / peak:.2f} | "
-                  f"{cal} | {grown / MIB:.0f} MiB | {(predicted - _IMPORT) / grown:.2f} | "
+                  f"{cal} | {grown / MIB:.0f} MiB | {(predicted - CPU_IMPORT_BYTES) / grown:.2f} | "
                   f"{cal_grown} |")
     print("\nProbe lines (total RSS = fixed + per-sample × batch):\n")
     for name, (_, _, _, line, _) in results.items():

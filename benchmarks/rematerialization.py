@@ -68,10 +68,10 @@ import numpy as np  # noqa: E402
 
 import tfmem  # noqa: E402
 from tfmem import models  # noqa: E402
+from tfmem.memory.planner import CPU_IMPORT_BYTES  # noqa: E402
 from tfmem.memory.probe import measure  # noqa: E402
 
 GIB, MIB = 2**30, 2**20
-_IMPORT = 750 * MIB  # the planner's own import term (tfmem/memory/planner.py)
 
 
 IGNORE_VALUE = 255  # of the segmentation masks: a value no random mask holds
@@ -254,7 +254,7 @@ def row(args, setting: str | None, batches: tuple[int, int], budget: float, live
                       loss=task_loss(args.task))  # the run's loss, traced
     return dict(setting=setting or "none",
                 # The plan's whole peak less its import term, against the growth above import.
-                planned_growth={b: plan.peak_bytes(b, 1) - _IMPORT for b in batches},
+                planned_growth={b: plan.peak_bytes(b, 1) - CPU_IMPORT_BYTES for b in batches},
                 segments=sum(len(ranges) for _, ranges in plan.rematerialized),
                 growth=growth, per_sample=per_sample,
                 fits=int((budget * GIB - fixed) // per_sample),

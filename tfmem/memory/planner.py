@@ -54,7 +54,7 @@ __all__ = ["Budget", "MemoryPlan", "MemoryPlanError", "PlanSettings", "check", "
 # variable its traced step's ops, Python objects and allocator pools (not a tensor count, so
 # it dominates small models). Fitted on one CPU build (docs/planning.md, docs/benchmarks.md);
 # `tfmem.probe` measures the whole term instead.
-_CPU_IMPORT_BYTES = 750 * 2**20
+CPU_IMPORT_BYTES = 750 * 2**20
 _CPU_GRAPH_BASE_BYTES = 15 * 2**20
 _CPU_BYTES_PER_VARIABLE = int(1.63 * 2**20)
 # Keras's TensorFlow backend runs each grouped convolution as an XLA call of its own
@@ -245,7 +245,7 @@ def estimate(model: keras.Model, settings: PlanSettings,
         # variable's own dtype where that is wider (float64).
         accumulation_bytes=sum(accumulator_nbytes(v.shape, v.dtype) for v in trainable),
         mixed_precision_bytes=int(mixed),
-        runtime_bytes=(_CPU_IMPORT_BYTES + _CPU_GRAPH_BASE_BYTES
+        runtime_bytes=(CPU_IMPORT_BYTES + _CPU_GRAPH_BASE_BYTES
                        + _CPU_BYTES_PER_VARIABLE * len(model.variables)
                        + (grouped.nbytes if grouped else 0) + retraced
                        if cpu else 0),
