@@ -53,6 +53,15 @@ class TracedCall:
         windows: `(primitive, input elements, output elements, itemsize, rank)` per sample
             of each convolution and max pooling of a JAX trace, whose transients depend on
             the compiler (`xla_rules.traced_transient`).
+        derived: indices into `internal` of a JAX trace's residuals made by cheap
+            element-wise ops (`_ELEMENT_WISE`) from other kept tensors of their shape and
+            scalars (a boolean mask also from broadcasts of smaller tensors), which no
+            contraction reads: a compiler that fuses them into their readers holds none.
+        drawn: indices into `internal` of a JAX trace's boolean residuals compared from
+            random bits (a dropout's mask), which a compiler may keep as those bits.
+        widened: `(index into internal, bytes per sample)` of a JAX trace's residuals that
+            an element-wise op reads beside larger tensors (a softmax's sum, a
+            normalization's rsqrt), at that op's size: a compiler may keep the broadcast.
     """
 
     kept_inputs: tuple[int, ...]
@@ -64,6 +73,9 @@ class TracedCall:
     transient_bytes: int = 0
     windows: tuple[tuple[str, int, int, int, int], ...] = ()
     broadcasts: tuple[tuple[int, str], ...] = ()
+    derived: tuple[int, ...] = ()
+    drawn: tuple[int, ...] = ()
+    widened: tuple[tuple[int, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +89,9 @@ class _Trace:
     ambiguous: bool = False  # a symbolic-batch trace that cannot say what is per sample
     transient: int = 0  # `transient_bytes` of the whole trace (per sample only if `batch` None)
     windows: tuple = ()  # `TracedCall.windows`, at the trace's batch
+    derived: frozenset = frozenset()  # names in `internal` (`TracedCall.derived`)
+    drawn: frozenset = frozenset()  # names in `internal` (`TracedCall.drawn`)
+    widened: dict = dataclasses.field(default_factory=dict)  # name -> `TracedCall.widened`
 
 
 def trace_call_tensorflow(call: Callable, specs: Sequence[tuple[tuple, str]], *,
@@ -130,11 +145,20 @@ def _per_sample(trace, arguments) -> TracedCall:
 
     small_internal = {name: nbytes for name, (nbytes, _) in small.internal.items()}
     large_internal = {name: nbytes for name, (nbytes, _) in large.internal.items()}
-    internal, broadcasts = [], []
+    internal, broadcasts, derived, drawn, widened = [], [], [], [], []
     for name, (_, dtype) in large.internal.items():
         nbytes = per_sample(name, small_internal, large_internal)
-        if nbytes > 0:  # zero: a weight or a cast of one, not an activation
-            (broadcasts if name.startswith(_BROADCAST) else internal).append((nbytes, dtype))
+        if nbytes <= 0:  # a weight or a cast of one, not an activation
+            continue
+        if name.startswith(_BROADCAST):
+            broadcasts.append((nbytes, dtype))
+            continue
+        for names, indices in ((large.derived, derived), (large.drawn, drawn)):
+            if name in names:
+                indices.append(len(internal))
+        if name in large.widened:
+            widened.append((len(internal), per_sample(name, small.widened, large.widened)))
+        internal.append((nbytes, dtype))
     largest = max((per_sample(name, small.forward, large.forward) for name in large.forward),
                   default=0)
     outputs = tuple((big - little) // (_BATCHES[1] - _BATCHES[0])
@@ -146,7 +170,8 @@ def _per_sample(trace, arguments) -> TracedCall:
                     (_, little_in, little_out, _, _) in zip(large.windows, small.windows))
     return TracedCall(tuple(sorted(large.kept_inputs)), tuple(sorted(large.kept_outputs)),
                       tuple(internal), max(largest, 0), outputs, large.has_loop,
-                      max(transient, 0), windows, tuple(broadcasts))
+                      max(transient, 0), windows, tuple(broadcasts), tuple(derived),
+                      tuple(drawn), tuple(widened))
 
 
 def _map_variables(trainable, non_trainable, trainable_values, non_trainable_values):
@@ -395,7 +420,7 @@ def _trace_jax(call, specs, differentiable, trainable, non_trainable, *, batch) 
     broadcasts = {id(v) for eqn in jaxpr.eqns if eqn.primitive.name == "broadcast_in_dim"
                   and not getattr(getattr(eqn.invars[0], "aval", None), "shape", ())
                   for v in eqn.outvars}
-    kept_inputs, kept_outputs, internal = set(), set(), {}
+    kept_inputs, kept_outputs, internal, residuals = set(), set(), {}, {}
     for position, var in enumerate(jaxpr.outvars[num_outputs:]):
         aval = getattr(var, "aval", None)
         if aval is None or not getattr(aval, "shape", ()):
@@ -410,6 +435,7 @@ def _trace_jax(call, specs, differentiable, trainable, non_trainable, *, batch) 
         elif type(var).__name__ != "Literal":
             internal[f"residual{position}"] = (math.prod(aval.shape) * aval.dtype.itemsize,
                                                str(aval.dtype))
+            residuals[f"residual{position}"] = var
     forward = {f"eqn{i}.{j}": math.prod(v.aval.shape) * v.aval.dtype.itemsize
                for i, eqn in enumerate(jaxpr.eqns) for j, v in enumerate(eqn.outvars)
                if hasattr(v.aval, "shape")}
@@ -419,8 +445,11 @@ def _trace_jax(call, specs, differentiable, trainable, non_trainable, *, batch) 
                      math.prod(eqn.outvars[0].aval.shape), eqn.outvars[0].aval.dtype.itemsize,
                      len(eqn.outvars[0].aval.shape))
                     for eqn in _equations(jaxpr) if eqn.primitive.name in _WINDOWS)
+    kept = [v for i, v in enumerate(jaxpr.invars[:len(specs)]) if i in kept_inputs] + [
+        v for i, v in enumerate(jaxpr.outvars[:num_outputs]) if i in kept_outputs]
+    derived, drawn, widened = _residual_origins(jaxpr, residuals, kept)
     return _Trace(frozenset(kept_inputs), frozenset(kept_outputs), internal, forward, outputs,
-                  False, windows=windows)
+                  False, windows=windows, derived=derived, drawn=drawn, widened=widened)
 
 
 # The name of a JAX trace's residual that is a broadcast scalar (`TracedCall.broadcasts`).
@@ -438,3 +467,143 @@ def _equations(jaxpr):
             if hasattr(inner, "eqns"):
                 yield from _equations(inner)
 
+
+
+# XLA's cheap element-wise ops, which it fuses into (and duplicates for) every op that reads
+# their result; a float division and the transcendental functions are not among them.
+_ELEMENT_WISE = frozenset({
+    "add", "sub", "mul", "neg", "max", "min", "abs", "sign", "select_n", "clamp",
+    "integer_pow", "square", "floor", "ceil", "round", "convert_element_type",
+    "bitcast_convert_type", "copy", "copy_p", "lt", "le", "gt", "ge", "eq", "ne", "and",
+    "or", "not", "xor", "shift_left", "shift_right_logical", "shift_right_arithmetic"})
+# Ops that read a tensor whole, from a buffer: a residual they read is materialized.
+_CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
+# How many ops back a residual's element-wise recipe is followed.
+_DEPTH = 12
+
+
+@dataclasses.dataclass(frozen=True)
+class _Value:
+    """A variable of a jaxpr with its nested jits inlined: `scope` tells apart the calls of
+    one inner jaxpr."""
+
+    scope: int
+    ident: int
+    shape: tuple
+    dtype: str
+
+
+def _flat_equations(jaxpr):
+    """`(producers, readers, top)` of `jaxpr` with its nested jits inlined: the primitive,
+    the input values (None: a literal) and the position of the equation that makes each
+    value; `(primitive, output values)` of each equation that reads it; the values of the
+    outer variables that a nested jit returns."""
+    producers, readers, scopes = {}, {}, [0]
+
+    def visit(inner, scope, outer):
+        def value(var):
+            if type(var).__name__ == "Literal":
+                return None
+            if id(var) in outer:
+                return outer[id(var)]
+            aval = var.aval
+            return _Value(scope, id(var), tuple(getattr(aval, "shape", ())),
+                          str(getattr(aval, "dtype", "")))
+
+        for eqn in inner.eqns:
+            nested = _nested_jaxpr(eqn)
+            inputs = [value(v) for v in eqn.invars]
+            if nested is not None:
+                scopes[0] += 1
+                mapping = {id(a): b for a, b in zip(nested.invars, inputs) if b is not None}
+                results = visit(nested, scopes[0], mapping)
+                for var, result in zip(eqn.outvars, results):
+                    outer[id(var)] = result
+                continue
+            outputs = [value(v) for v in eqn.outvars]
+            for item in inputs:
+                if item is not None:
+                    readers.setdefault(item, []).append((eqn.primitive.name, outputs))
+            for item in outputs:
+                producers[item] = (eqn.primitive.name, inputs, len(producers))
+        return [value(v) for v in inner.outvars]
+
+    outer: dict = {}
+    visit(jaxpr, 0, outer)
+    return producers, readers, outer
+
+
+def _nested_jaxpr(eqn):
+    """The jaxpr a call equation (a nested jit, a custom derivative's call) runs, taking
+    and returning what the equation does; None for a primitive."""
+    for name in ("jaxpr", "call_jaxpr"):
+        inner = eqn.params.get(name)
+        inner = getattr(inner, "jaxpr", inner)
+        if (hasattr(inner, "eqns") and len(inner.invars) == len(eqn.invars)
+                and len(inner.outvars) == len(eqn.outvars)):
+            return inner
+    return None
+
+
+def _residual_origins(jaxpr, residuals: dict, kept) -> tuple[frozenset, frozenset, dict]:
+    """Names of `residuals` (name -> variable) that are `TracedCall.derived` from the rest
+    and from `kept` (the call's inputs and outputs the backward reads), of those that are
+    `TracedCall.drawn`, and `{name: bytes}` of those an element-wise op reads beside
+    larger tensors, at that op's size (`TracedCall.widened`)."""
+    producers, readers, top = _flat_equations(jaxpr)
+
+    def value_of(var):
+        aval = var.aval
+        return top.get(id(var)) or _Value(0, id(var), tuple(aval.shape), str(aval.dtype))
+
+    values = {name: value_of(var) for name, var in residuals.items()}
+    held = set(values.values()) | {value_of(var) for var in kept}
+
+    def derivable(value, shape, mask, depth) -> bool:
+        if value is None or not value.shape:  # a literal or a scalar
+            return True
+        if value in held:
+            return value.shape == shape
+        found = producers.get(value)
+        if found is None or depth == 0:
+            return False
+        primitive, inputs, _ = found
+        if primitive == "broadcast_in_dim" and (mask or all(
+                v is None or not v.shape for v in inputs)):
+            return True  # a scalar, or for a mask any smaller tensor, broadcast again
+        return (primitive in _ELEMENT_WISE and value.shape == shape
+                and all(derivable(v, shape, mask, depth - 1) for v in inputs))
+
+    def from_random_bits(value, depth) -> bool:
+        found = producers.get(value) if value is not None else None
+        if found is None or depth == 0:
+            return False
+        if found[0] == "random_bits":
+            return True
+        return found[0] in _ELEMENT_WISE and any(from_random_bits(v, depth - 1)
+                                                 for v in found[1])
+
+    derived, drawn = set(), set()
+    made = [name for name in values if values[name] in producers]
+    # The latest first: each is made again from what was made before it.
+    for name in sorted(made, key=lambda n: -producers[values[n]][2]):
+        value = values[name]
+        if {primitive for primitive, _ in readers.get(value, ())} & _CONTRACTIONS:
+            continue
+        mask = value.dtype == "bool"
+        if mask and from_random_bits(value, _DEPTH):
+            drawn.add(name)
+            continue
+        held.discard(value)
+        if derivable(value, value.shape, mask, _DEPTH):
+            derived.add(name)
+        else:
+            held.add(value)
+    widened = {}
+    for name, value in values.items():
+        sizes = [math.prod(out.shape) * np.dtype(out.dtype).itemsize
+                 for primitive, outputs in readers.get(value, ()) if primitive in _ELEMENT_WISE
+                 for out in outputs if math.prod(out.shape) > math.prod(value.shape)]
+        if sizes and name not in derived:
+            widened[name] = max(sizes)
+    return frozenset(derived), frozenset(drawn), widened

@@ -53,16 +53,21 @@ _TARGETS = {
     "batch_normalization": _XLA_CPU,
     "boolean_residual": _XLA_CPU,
     "broadcast": _XLA_CPU,
+    "broadcast_residual": _XLA_CPU,
     "convolution": _XLA_CPU,
+    "derived_residual": _XLA_CPU,
     "element_wise": _XLA_CPU,
     "max_pooling": _XLA_CPU,
+    "random_mask": _XLA_CPU,
 }
 _CONVOLUTIONS = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D,
                  keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose,
                  keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D)
 _DEPTHWISE = (keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D)
 _MAX_POOLS = (keras.layers.MaxPooling1D, keras.layers.MaxPooling2D, keras.layers.MaxPooling3D)
-_INDEX_BYTES = 4  # int32
+_INDEX_BYTES = 4  # int32, uint32
+# Threefry's random bits for one element: the two 32-bit words XLA keeps to compare again.
+_RANDOM_WORDS = 2
 
 
 def holds(rule: str, target: str | None) -> bool:
@@ -103,10 +108,20 @@ def batch_normalization(walker, inputs, output) -> None:
         walker.keep_new(inputs[0].shape, walker.dtype_of(inputs[0]))
 
 
-def residual_bytes(target: str | None, nbytes: int, dtype: str,
-                   compute_dtype: str | None) -> int:
-    """Bytes XLA holds for a residual of `nbytes` in `dtype` that JAX's gradient keeps: a
-    boolean mask as the compared tensor in `compute_dtype` (default float32)."""
+def residual_bytes(target: str | None, nbytes: int, dtype: str, compute_dtype: str | None,
+                   derived: bool = False, drawn: bool = False, widened: int = 0) -> int:
+    """Bytes XLA holds for a residual of `nbytes` in `dtype` that JAX's gradient keeps
+    (`derived`, `drawn`, `widened`: `gradient_trace.TracedCall`'s): none for one made again
+    by cheap element-wise ops from kept tensors; a mask compared from random bits as those
+    bits (two 32-bit words per element); another boolean mask as the compared tensor in
+    `compute_dtype` (default float32); one an element-wise op broadcasts at that op's size
+    (`widened`)."""
+    if derived and holds("derived_residual", target):
+        return 0
+    if drawn and holds("random_mask", target):
+        return nbytes * _RANDOM_WORDS * _INDEX_BYTES
+    if widened and holds("broadcast_residual", target):
+        return max(nbytes, widened)
     if dtype != "bool" or not holds("boolean_residual", target):
         return nbytes
     return nbytes * itemsize(compute_dtype or "float32")
