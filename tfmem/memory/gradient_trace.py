@@ -59,9 +59,10 @@ class TracedCall:
             contraction reads: a compiler that fuses them into their readers holds none.
         drawn: indices into `internal` of a JAX trace's boolean residuals compared from
             random bits (a dropout's mask), which a compiler may keep as those bits.
-        widened: `(index into internal, bytes per sample)` of a JAX trace's residuals that
-            an element-wise op reads beside larger tensors (a softmax's sum, a
-            normalization's rsqrt), at that op's size: a compiler may keep the broadcast.
+        widened: `(index into internal, bytes per sample)` of a JAX trace's residuals not
+            made by a cheap element-wise op that an element-wise op reads beside larger
+            tensors (a softmax's sum, a normalization's rsqrt), at that op's size: a
+            compiler may keep the broadcast.
     """
 
     kept_inputs: tuple[int, ...]
@@ -548,8 +549,9 @@ def _nested_jaxpr(eqn):
 def _residual_origins(jaxpr, residuals: dict, kept) -> tuple[frozenset, frozenset, dict]:
     """Names of `residuals` (name -> variable) that are `TracedCall.derived` from the rest
     and from `kept` (the call's inputs and outputs the backward reads), of those that are
-    `TracedCall.drawn`, and `{name: bytes}` of those an element-wise op reads beside
-    larger tensors, at that op's size (`TracedCall.widened`)."""
+    `TracedCall.drawn`, and `{name: bytes}` of those not made by a cheap element-wise op
+    that an element-wise op reads beside larger tensors, at that op's size
+    (`TracedCall.widened`)."""
     producers, readers, top = _flat_equations(jaxpr)
 
     def value_of(var):
@@ -604,6 +606,6 @@ def _residual_origins(jaxpr, residuals: dict, kept) -> tuple[frozenset, frozense
         sizes = [math.prod(out.shape) * np.dtype(out.dtype).itemsize
                  for primitive, outputs in readers.get(value, ()) if primitive in _ELEMENT_WISE
                  for out in outputs if math.prod(out.shape) > math.prod(value.shape)]
-        if sizes and name not in derived:
+        if sizes and name not in derived and producers.get(value, ("",))[0] not in _ELEMENT_WISE:
             widened[name] = max(sizes)
     return frozenset(derived), frozenset(drawn), widened

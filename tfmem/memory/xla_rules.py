@@ -28,10 +28,18 @@ a plan for another target counts what `layer_rules` says:
 - Max pooling's backward scatters through the window positions its forward recorded: one
   int32 index per axis and output element is kept, not the input and output; the forward
   holds an int32 iota of the input per axis and its outputs while it runs.
-- A boolean residual of JAX's own gradient (the mask of a comparison, in a traced call) is
-  held as the tensor it compares, in the compute dtype: XLA recomputes the mask from it; a
-  residual that is a scalar broadcast (relu's zeros) is fused into what reads it and holds
-  nothing.
+- Of a traced call's residuals (JAX's own gradient, `gradient_trace.TracedCall`), one that
+  cheap element-wise ops (no float division, no transcendental function) make from other
+  kept tensors of its shape and scalars, and that no dot or convolution reads, is fused
+  into the backward and made again there: it holds nothing (a tanh-approximate GELU keeps
+  its input, the tanh and its output, which the next Dense reads; not x³'s term, 1 - t or
+  (1 + t) / 2). A boolean mask made so, also from a smaller mask broadcast (a padding
+  mask), holds nothing either; one compared from random bits (a dropout's) is held as
+  those bits, two 32-bit words per element; another mask as the tensor it compares, in the
+  compute dtype. A scalar broadcast (relu's zeros) holds nothing.
+- A residual made by an expensive op (a reduction, rsqrt) that an element-wise op reads
+  beside larger tensors (a softmax's row sum, a normalization's rsqrt) is held broadcast
+  to that op's size.
 """
 
 from __future__ import annotations
