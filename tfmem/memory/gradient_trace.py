@@ -477,6 +477,10 @@ _ELEMENT_WISE = frozenset({
     "integer_pow", "square", "floor", "ceil", "round", "convert_element_type",
     "bitcast_convert_type", "copy", "copy_p", "lt", "le", "gt", "ge", "eq", "ne", "and",
     "or", "not", "xor", "shift_left", "shift_right_logical", "shift_right_arithmetic"})
+# The other element-wise ops, which XLA does not make twice.
+_EXPENSIVE_ELEMENT_WISE = frozenset({
+    "div", "exp", "exp2", "expm1", "log", "log1p", "tanh", "logistic", "erf", "erfc", "erf_inv",
+    "pow", "sqrt", "rsqrt", "cbrt", "sin", "cos", "tan", "atan2"})
 # Ops that read a tensor whole, from a buffer: a residual they read is materialized.
 _CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
 # How many ops back a residual's element-wise recipe is followed.
@@ -604,7 +608,8 @@ def _residual_origins(jaxpr, residuals: dict, kept) -> tuple[frozenset, frozense
     widened = {}
     for name, value in values.items():
         sizes = [math.prod(out.shape) * np.dtype(out.dtype).itemsize
-                 for primitive, outputs in readers.get(value, ()) if primitive in _ELEMENT_WISE
+                 for primitive, outputs in readers.get(value, ())
+                 if primitive in _ELEMENT_WISE or primitive in _EXPENSIVE_ELEMENT_WISE
                  for out in outputs if math.prod(out.shape) > math.prod(value.shape)]
         if sizes and name not in derived and producers.get(value, ("",))[0] not in _ELEMENT_WISE:
             widened[name] = max(sizes)
