@@ -4,15 +4,15 @@
     KERAS_BACKEND=jax python benchmarks/planner_jax.py --models vit --batches 16,64
     KERAS_BACKEND=jax python benchmarks/planner_jax.py --models hub-vit,hub-bert,hub-gpt2
 
-For each model of `benchmarks/planner_accuracy.py` (Adam, 64×64, float32), keras-hub's ViT or
-BERT: the planner's estimate for one plain step (one batch in flight) on the device
+For each model of `benchmarks/planner_accuracy.py` (Adam, 64×64, float32), keras-hub's ViT,
+BERT or GPT-2: the planner's estimate for one plain step (one batch in flight) on the device
 `--device` names, by default this CPU with XLA:CPU's rules (`tfmem.memory.xla_rules`) and
 without the host's framework runtime, and `tfmem.memory.probe_jax.compiled_step_memory` of the
 model's jitted `train_step` at the same batch: what XLA's buffer assignment holds at once
 (arguments + outputs − donated aliases + temporaries). Nothing runs but one tiny step that
 builds the optimizer; on a CPU host this is XLA:CPU's plan. Prints both and the ratio
-(2026-11-28, 2 shared cores: 0.98–1.10 for the zoo and keras-hub's ViT, 1.23 for BERT; the
-zoo takes about 16 min). Where and why they differ: docs/planning.md.
+(2026-11-28, 2 shared cores: 0.98–1.11 for the zoo, 1.14 for keras-hub's ViT, 0.98 for
+BERT, 1.00 for GPT-2; the zoo takes about 16 min). Where and why they differ: docs/planning.md.
 """
 
 from __future__ import annotations

@@ -60,8 +60,8 @@ mlp.compile(optimizer="sgd", loss="mse")
 mlp.optimizer.build(mlp.trainable_variables)
 mlp_plan = tfmem.plan(mlp, global_batch_size=BATCH, optimizer="sgd",
                       input_batches_in_flight=1, memory_budget=2**34)
-text = {"mlp_xla": probe_jax.compiled_step_memory(mlp, (
-            np.zeros((BATCH,) + TOKENS, "float32"), np.zeros((BATCH, 4), "float32")))["peak_bytes"],
+mlp_batch = (np.zeros((BATCH,) + TOKENS, "float32"), np.zeros((BATCH, 4), "float32"))
+text = {"mlp_xla": probe_jax.compiled_step_memory(mlp, mlp_batch)["peak_bytes"],
         "mlp_plan": mlp_plan.peak_bytes(BATCH, 1) - mlp_plan.runtime_bytes,
         "mlp_activation": mlp_plan.activation_bytes_per_sample}
 print(json.dumps({"backend": keras.backend.backend(), **text,

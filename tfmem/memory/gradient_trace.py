@@ -496,6 +496,7 @@ class _Value:
     ident: int
     shape: tuple
     dtype: str
+    itemsize: int
 
 
 def _flat_equations(jaxpr):
@@ -511,9 +512,7 @@ def _flat_equations(jaxpr):
                 return None
             if id(var) in outer:
                 return outer[id(var)]
-            aval = var.aval
-            return _Value(scope, id(var), tuple(getattr(aval, "shape", ())),
-                          str(getattr(aval, "dtype", "")))
+            return _value(scope, var)
 
         for eqn in inner.eqns:
             nested = _nested_jaxpr(eqn)
@@ -538,6 +537,13 @@ def _flat_equations(jaxpr):
     return producers, readers, outer
 
 
+def _value(scope: int, var) -> _Value:
+    aval = var.aval
+    dtype = getattr(aval, "dtype", None)
+    return _Value(scope, id(var), tuple(getattr(aval, "shape", ())), str(dtype),
+                  getattr(dtype, "itemsize", 0))
+
+
 def _nested_jaxpr(eqn):
     """The jaxpr a call equation (a nested jit, a custom derivative's call) runs, taking
     and returning what the equation does; None for a primitive."""
@@ -559,13 +565,12 @@ def _residual_origins(jaxpr, residuals: dict, kept) -> tuple[frozenset, frozense
     producers, readers, top = _flat_equations(jaxpr)
 
     def value_of(var):
-        aval = var.aval
-        return top.get(id(var)) or _Value(0, id(var), tuple(aval.shape), str(aval.dtype))
+        return top.get(id(var)) or _value(0, var)
 
     values = {name: value_of(var) for name, var in residuals.items()}
     held = set(values.values()) | {value_of(var) for var in kept}
 
-    def derivable(value, shape, mask, depth) -> bool:
+    def derivable(value, shape, mask, depth, seen) -> bool:
         if value is None or not value.shape:  # a literal or a scalar
             return True
         if value in held:
@@ -573,21 +578,28 @@ def _residual_origins(jaxpr, residuals: dict, kept) -> tuple[frozenset, frozense
         found = producers.get(value)
         if found is None or depth == 0:
             return False
-        primitive, inputs, _ = found
-        if primitive == "broadcast_in_dim" and (mask or all(
-                v is None or not v.shape for v in inputs)):
-            return True  # a scalar, or for a mask any smaller tensor, broadcast again
-        return (primitive in _ELEMENT_WISE and value.shape == shape
-                and all(derivable(v, shape, mask, depth - 1) for v in inputs))
+        if value not in seen:
+            primitive, inputs, _ = found
+            if primitive == "broadcast_in_dim" and (mask or all(
+                    v is None or not v.shape for v in inputs)):
+                seen[value] = True  # a scalar, or for a mask a smaller tensor, broadcast
+            else:
+                seen[value] = (primitive in _ELEMENT_WISE and value.shape == shape
+                               and all(derivable(v, shape, mask, depth - 1, seen)
+                                       for v in inputs))
+        return seen[value]
+
+    random: dict = {}
 
     def from_random_bits(value, depth) -> bool:
         found = producers.get(value) if value is not None else None
         if found is None or depth == 0:
             return False
-        if found[0] == "random_bits":
-            return True
-        return found[0] in _ELEMENT_WISE and any(from_random_bits(v, depth - 1)
-                                                 for v in found[1])
+        if value not in random:
+            random[value] = found[0] == "random_bits" or (
+                found[0] in _ELEMENT_WISE and any(from_random_bits(v, depth - 1)
+                                                  for v in found[1]))
+        return random[value]
 
     derived, drawn = set(), set()
     made = [name for name in values if values[name] in producers]
@@ -601,16 +613,17 @@ def _residual_origins(jaxpr, residuals: dict, kept) -> tuple[frozenset, frozense
             drawn.add(name)
             continue
         held.discard(value)
-        if derivable(value, value.shape, mask, _DEPTH):
+        if derivable(value, value.shape, mask, _DEPTH, {}):
             derived.add(name)
         else:
             held.add(value)
     widened = {}
     for name, value in values.items():
-        sizes = [math.prod(out.shape) * np.dtype(out.dtype).itemsize
+        sizes = [math.prod(out.shape) * out.itemsize
                  for primitive, outputs in readers.get(value, ())
                  if primitive in _ELEMENT_WISE or primitive in _EXPENSIVE_ELEMENT_WISE
                  for out in outputs if math.prod(out.shape) > math.prod(value.shape)]
-        if sizes and name not in derived and producers.get(value, ("",))[0] not in _ELEMENT_WISE:
+        made_by = producers.get(value, ("",))[0]
+        if sizes and name not in derived and made_by not in _ELEMENT_WISE:
             widened[name] = max(sizes)
     return frozenset(derived), frozenset(drawn), widened
