@@ -145,3 +145,34 @@ def test_a_traced_gelu_keeps_what_xla_keeps_and_a_dropout_its_random_bits(on_jax
     # 8 bytes per element. The Dense after it keeps its input (the block's output), the
     # Dense before it its own (32 × 16); the head its 16 pooled features.
     assert on_jax["mlp_activation"] == 3 * (2 * WIDE + 2 * WIDE + WIDE + 32 * 16 * 4) + 16 * 4
+
+
+def test_xla_cpu_holds_a_traced_calls_transcendental_residuals_and_row_sums_broadcast():
+    # JAX's residuals of tanh, a product and a softmax, traced as the planner traces a call.
+    jnp = pytest.importorskip("jax.numpy")
+    from tfmem.memory import gradient_trace, xla_rules
+
+    def call(xs):
+        x = xs[0]
+        e = jnp.exp(x * (1 - jnp.tanh(x)))
+        return e / jnp.sum(e, axis=-1, keepdims=True)
+
+    traced = gradient_trace.trace_call_jax(call, [((8,), "float32")], differentiable=[True],
+                                           trainable=[], non_trainable=[])
+    row = 8 * 4
+    widened = dict(traced.widened)
+
+    def held(target):
+        return sum(xla_rules.residual_bytes(target, nbytes, dtype, None,
+                                            derived=index in traced.derived,
+                                            drawn=index in traced.drawn,
+                                            widened=widened.get(index, 0))
+                   for index, (nbytes, dtype) in enumerate(traced.internal))
+
+    assert traced.kept_inputs == (0,)
+    # JAX saves (besides the input) t = tanh(x), two differences 1 - t, the exp, the row
+    # sum and its inverse square.
+    assert held("gpu") == 4 * row + 2 * 4
+    # XLA:CPU: t and the exp (transcendental, not made twice) and the row sum broadcast to
+    # the row; the differences and the inverse square are made again from them.
+    assert held("cpu") == 3 * row
