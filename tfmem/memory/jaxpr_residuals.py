@@ -24,6 +24,9 @@ _EXPENSIVE_ELEMENT_WISE = frozenset({
     "pow", "sqrt", "rsqrt", "cbrt", "sin", "cos", "tan", "atan2"})
 # Ops that read a tensor whole, from a buffer: a residual they read is materialized.
 _CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
+# Equations that run a nested jaxpr once, on their own arguments.
+_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call",
+                    "custom_vjp_call", "custom_vjp_call_jaxpr", "checkpoint", "remat"})
 # How many ops back a residual's element-wise recipe is followed.
 _DEPTH = 12
 
@@ -87,7 +90,10 @@ def _value(scope: int, var) -> _Value:
 
 def _nested_jaxpr(eqn):
     """The jaxpr a call equation (a nested jit, a custom derivative's call) runs, taking
-    and returning what the equation does; None for a primitive."""
+    and returning what the equation does; None for a primitive (a loop's body, which runs
+    on slices, included)."""
+    if eqn.primitive.name not in _CALLS:
+        return None
     for name in ("jaxpr", "call_jaxpr"):
         inner = eqn.params.get(name)
         inner = getattr(inner, "jaxpr", inner)
