@@ -2,17 +2,17 @@
 
     KERAS_BACKEND=jax python benchmarks/planner_jax.py                  # the zoo, batch 32
     KERAS_BACKEND=jax python benchmarks/planner_jax.py --models vit --batches 16,64
-    KERAS_BACKEND=jax python benchmarks/planner_jax.py --models hub-vit,hub-bert  # keras-hub
+    KERAS_BACKEND=jax python benchmarks/planner_jax.py --models hub-vit,hub-bert,hub-gpt2
 
-For each model of `benchmarks/planner_accuracy.py` (Adam, 64×64, float32), keras-hub's ViT or
-BERT: the planner's estimate for one plain step (one batch in flight) on the device
+For each model of `benchmarks/planner_accuracy.py` (Adam, 64×64, float32), keras-hub's ViT,
+BERT or GPT-2: the planner's estimate for one plain step (one batch in flight) on the device
 `--device` names, by default this CPU with XLA:CPU's rules (`tfmem.memory.xla_rules`) and
 without the host's framework runtime, and `tfmem.memory.probe_jax.compiled_step_memory` of the
 model's jitted `train_step` at the same batch: what XLA's buffer assignment holds at once
 (arguments + outputs − donated aliases + temporaries). Nothing runs but one tiny step that
 builds the optimizer; on a CPU host this is XLA:CPU's plan. Prints both and the ratio
-(2026-11-28, 2 shared cores: 0.98–1.10 for the zoo and keras-hub's ViT, 1.23 for BERT; the
-zoo takes about 16 min). Where and why they differ: docs/planning.md.
+(2026-11-28, 2 shared cores: 0.98–1.11 for the zoo, 1.14 for keras-hub's ViT, 0.98 for
+BERT, 1.00 for GPT-2; the zoo takes about 16 min). Where and why they differ: docs/planning.md.
 """
 
 from __future__ import annotations
@@ -39,10 +39,11 @@ MIB = 2**20
 
 
 def build(name: str) -> keras.Model:
-    """A model of the zoo, of its held-out models, or keras-hub's BERT ("hub-bert": 4 layers,
-    width 256, 128 tokens, as `benchmarks/text_backbones.py` builds it)."""
-    if name == "hub-bert":
-        return text_backbones.build("bert", 128, 4, 256, 2048)[0]
+    """A model of the zoo, of its held-out models, or keras-hub's BERT or GPT-2 ("hub-bert",
+    "hub-gpt2": 4 layers, width 256, 128 tokens, a vocabulary of 2048, GPT-2 with its
+    next-token head, as `benchmarks/text_backbones.py` builds them)."""
+    if name in ("hub-bert", "hub-gpt2"):
+        return text_backbones.build(name[4:], 128, 4, 256, 2048)[0]
     return {**zoo.ZOO, **zoo.HELD_OUT}[name]()
 
 
@@ -92,7 +93,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(zoo.ZOO),
                         help="comma-separated names of the zoo, or of "
-                        f"{', '.join(zoo.HELD_OUT)}, hub-bert (need keras-hub)")
+                        f"{', '.join(zoo.HELD_OUT)}, hub-bert, hub-gpt2 (need keras-hub)")
     parser.add_argument("--batches", default="32", help="comma-separated batch sizes")
     parser.add_argument("--device", default="cpu",
                         help='the device the plan is for: "cpu" (XLA:CPU, what compiles here) '

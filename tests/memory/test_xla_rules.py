@@ -39,7 +39,32 @@ batch = (np.zeros((BATCH,) + SHAPE, "float32"), np.zeros((BATCH, 4), "float32"))
 plans = {kind: tfmem.plan(model, global_batch_size=BATCH, optimizer="sgd",
                          input_batches_in_flight=1, **where)
          for kind, where in (("cpu", {"memory_budget": 2**34}), ("gpu", {"device": "t4"}))}
-print(json.dumps({"backend": keras.backend.backend(),
+
+
+class GeluDropout(keras.layers.Layer):  # no rule covers it: traced whole (JAX's residuals)
+    def __init__(self):
+        super().__init__()
+        self.seed = keras.random.SeedGenerator(0)
+
+    def call(self, x, training=False):
+        return keras.random.dropout(ops.gelu(x, approximate=True), 0.1, seed=self.seed)
+
+
+TOKENS = (32, 16)
+tokens = keras.Input(TOKENS)
+x = tokens
+for _ in range(3):
+    x = L.Dense(16)(GeluDropout()(L.Dense(64)(x)))
+mlp = keras.Model(tokens, L.Dense(4)(L.GlobalAveragePooling1D()(x)))
+mlp.compile(optimizer="sgd", loss="mse")
+mlp.optimizer.build(mlp.trainable_variables)
+mlp_plan = tfmem.plan(mlp, global_batch_size=BATCH, optimizer="sgd",
+                      input_batches_in_flight=1, memory_budget=2**34)
+mlp_batch = (np.zeros((BATCH,) + TOKENS, "float32"), np.zeros((BATCH, 4), "float32"))
+text = {"mlp_xla": probe_jax.compiled_step_memory(mlp, mlp_batch)["peak_bytes"],
+        "mlp_plan": mlp_plan.peak_bytes(BATCH, 1) - mlp_plan.runtime_bytes,
+        "mlp_activation": mlp_plan.activation_bytes_per_sample}
+print(json.dumps({"backend": keras.backend.backend(), **text,
                   "xla": probe_jax.compiled_step_memory(model, batch)["peak_bytes"],
                   # XLA's buffers, not the host's framework runtime a CPU plan adds
                   "plan": plans["cpu"].peak_bytes(BATCH, 1) - plans["cpu"].runtime_bytes,
@@ -105,3 +130,49 @@ def test_a_gpu_plan_counts_what_tensorflows_gradients_read(on_jax):
     # An op's output and input gradients, of the largest tensor (the concatenation).
     assert on_jax["gpu_workspace"] == 2 * 2 * FEATURE_MAP
     assert on_jax["gpu_fixed_workspace"] == 0
+
+
+WIDE = 32 * 64 * 4  # bytes per sample of the block's width
+
+
+def test_a_traced_gelu_keeps_what_xla_keeps_and_a_dropout_its_random_bits(on_jax):
+    # Within the band of XLA:CPU's figure of the same step.
+    assert 0.90 * on_jax["mlp_xla"] <= on_jax["mlp_plan"] <= 1.15 * on_jax["mlp_xla"]
+    # Each traced block (tanh-approximate GELU, then a dropout) keeps its input and the
+    # tanh; the rest of JAX's residuals of the GELU (x³'s term, 1 - t, (1 + t) / 2) are
+    # made again from those by cheap element-wise ops, and nothing is kept for them. The
+    # dropout's mask is held as the two 32-bit words of random bits it is compared from:
+    # 8 bytes per element. The Dense after it keeps its input (the block's output), the
+    # Dense before it its own (32 × 16); the head its 16 pooled features.
+    assert on_jax["mlp_activation"] == 3 * (2 * WIDE + 2 * WIDE + WIDE + 32 * 16 * 4) + 16 * 4
+
+
+def test_xla_cpu_holds_a_traced_calls_transcendental_residuals_and_row_sums_broadcast():
+    # JAX's residuals of tanh, a product and a softmax, traced as the planner traces a call.
+    jnp = pytest.importorskip("jax.numpy")
+    from tfmem.memory import gradient_trace, xla_rules
+
+    def call(xs):
+        x = xs[0]
+        e = jnp.exp(x * (1 - jnp.tanh(x)))
+        return e / jnp.sum(e, axis=-1, keepdims=True)
+
+    traced = gradient_trace.trace_call_jax(call, [((8,), "float32")], differentiable=[True],
+                                           trainable=[], non_trainable=[])
+    row = 8 * 4
+    widened = dict(traced.widened)
+
+    def held(target):
+        return sum(xla_rules.residual_bytes(target, nbytes, dtype, None,
+                                            derived=index in traced.derived,
+                                            drawn=index in traced.drawn,
+                                            widened=widened.get(index, 0))
+                   for index, (nbytes, dtype) in enumerate(traced.internal))
+
+    assert traced.kept_inputs == (0,)
+    # JAX saves (besides the input) t = tanh(x), two differences 1 - t, the exp, the row
+    # sum and its inverse square.
+    assert held("gpu") == 4 * row + 2 * 4
+    # XLA:CPU: t and the exp (transcendental, not made twice) and the row sum broadcast to
+    # the row; the differences and the inverse square are made again from them.
+    assert held("cpu") == 3 * row

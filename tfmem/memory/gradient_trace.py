@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 import keras
 import numpy as np
 
+from tfmem.memory import jaxpr_residuals
+
 # Two batch sizes for the difference, neither 1 (a size-1 axis can be squeezed or broadcast).
 _BATCHES = (2, 3)
 
@@ -53,6 +55,16 @@ class TracedCall:
         windows: `(primitive, input elements, output elements, itemsize, rank)` per sample
             of each convolution and max pooling of a JAX trace, whose transients depend on
             the compiler (`xla_rules.traced_transient`).
+        derived: indices into `internal` of a JAX trace's residuals made by cheap
+            element-wise ops from other kept tensors of their shape and scalars (a boolean
+            mask also from broadcasts of smaller tensors), which no contraction reads
+            (`jaxpr_residuals`): a compiler that fuses them into their readers holds none.
+        drawn: indices into `internal` of a JAX trace's boolean residuals compared from
+            random bits (a dropout's mask), which a compiler may keep as those bits.
+        widened: `(index into internal, bytes per sample)` of a JAX trace's residuals not
+            made by a cheap element-wise op that an element-wise op reads beside larger
+            tensors (a softmax's sum, a normalization's rsqrt), at that op's size: a
+            compiler may keep the broadcast.
     """
 
     kept_inputs: tuple[int, ...]
@@ -64,6 +76,9 @@ class TracedCall:
     transient_bytes: int = 0
     windows: tuple[tuple[str, int, int, int, int], ...] = ()
     broadcasts: tuple[tuple[int, str], ...] = ()
+    derived: tuple[int, ...] = ()
+    drawn: tuple[int, ...] = ()
+    widened: tuple[tuple[int, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +92,9 @@ class _Trace:
     ambiguous: bool = False  # a symbolic-batch trace that cannot say what is per sample
     transient: int = 0  # `transient_bytes` of the whole trace (per sample only if `batch` None)
     windows: tuple = ()  # `TracedCall.windows`, at the trace's batch
+    derived: frozenset = frozenset()  # names in `internal` (`TracedCall.derived`)
+    drawn: frozenset = frozenset()  # names in `internal` (`TracedCall.drawn`)
+    widened: dict = dataclasses.field(default_factory=dict)  # name -> `TracedCall.widened`
 
 
 def trace_call_tensorflow(call: Callable, specs: Sequence[tuple[tuple, str]], *,
@@ -130,11 +148,20 @@ def _per_sample(trace, arguments) -> TracedCall:
 
     small_internal = {name: nbytes for name, (nbytes, _) in small.internal.items()}
     large_internal = {name: nbytes for name, (nbytes, _) in large.internal.items()}
-    internal, broadcasts = [], []
+    internal, broadcasts, derived, drawn, widened = [], [], [], [], []
     for name, (_, dtype) in large.internal.items():
         nbytes = per_sample(name, small_internal, large_internal)
-        if nbytes > 0:  # zero: a weight or a cast of one, not an activation
-            (broadcasts if name.startswith(_BROADCAST) else internal).append((nbytes, dtype))
+        if nbytes <= 0:  # a weight or a cast of one, not an activation
+            continue
+        if name.startswith(_BROADCAST):
+            broadcasts.append((nbytes, dtype))
+            continue
+        for names, indices in ((large.derived, derived), (large.drawn, drawn)):
+            if name in names:
+                indices.append(len(internal))
+        if name in large.widened:
+            widened.append((len(internal), per_sample(name, small.widened, large.widened)))
+        internal.append((nbytes, dtype))
     largest = max((per_sample(name, small.forward, large.forward) for name in large.forward),
                   default=0)
     outputs = tuple((big - little) // (_BATCHES[1] - _BATCHES[0])
@@ -146,7 +173,8 @@ def _per_sample(trace, arguments) -> TracedCall:
                     (_, little_in, little_out, _, _) in zip(large.windows, small.windows))
     return TracedCall(tuple(sorted(large.kept_inputs)), tuple(sorted(large.kept_outputs)),
                       tuple(internal), max(largest, 0), outputs, large.has_loop,
-                      max(transient, 0), windows, tuple(broadcasts))
+                      max(transient, 0), windows, tuple(broadcasts), tuple(derived),
+                      tuple(drawn), tuple(widened))
 
 
 def _map_variables(trainable, non_trainable, trainable_values, non_trainable_values):
@@ -395,7 +423,7 @@ def _trace_jax(call, specs, differentiable, trainable, non_trainable, *, batch) 
     broadcasts = {id(v) for eqn in jaxpr.eqns if eqn.primitive.name == "broadcast_in_dim"
                   and not getattr(getattr(eqn.invars[0], "aval", None), "shape", ())
                   for v in eqn.outvars}
-    kept_inputs, kept_outputs, internal = set(), set(), {}
+    kept_inputs, kept_outputs, internal, residuals = set(), set(), {}, {}
     for position, var in enumerate(jaxpr.outvars[num_outputs:]):
         aval = getattr(var, "aval", None)
         if aval is None or not getattr(aval, "shape", ()):
@@ -410,6 +438,7 @@ def _trace_jax(call, specs, differentiable, trainable, non_trainable, *, batch) 
         elif type(var).__name__ != "Literal":
             internal[f"residual{position}"] = (math.prod(aval.shape) * aval.dtype.itemsize,
                                                str(aval.dtype))
+            residuals[f"residual{position}"] = var
     forward = {f"eqn{i}.{j}": math.prod(v.aval.shape) * v.aval.dtype.itemsize
                for i, eqn in enumerate(jaxpr.eqns) for j, v in enumerate(eqn.outvars)
                if hasattr(v.aval, "shape")}
@@ -419,8 +448,11 @@ def _trace_jax(call, specs, differentiable, trainable, non_trainable, *, batch) 
                      math.prod(eqn.outvars[0].aval.shape), eqn.outvars[0].aval.dtype.itemsize,
                      len(eqn.outvars[0].aval.shape))
                     for eqn in _equations(jaxpr) if eqn.primitive.name in _WINDOWS)
+    kept = [v for i, v in enumerate(jaxpr.invars[:len(specs)]) if i in kept_inputs] + [
+        v for i, v in enumerate(jaxpr.outvars[:num_outputs]) if i in kept_outputs]
+    derived, drawn, widened = jaxpr_residuals.origins(jaxpr, residuals, kept)
     return _Trace(frozenset(kept_inputs), frozenset(kept_outputs), internal, forward, outputs,
-                  False, windows=windows)
+                  False, windows=windows, derived=derived, drawn=drawn, widened=widened)
 
 
 # The name of a JAX trace's residual that is a broadcast scalar (`TracedCall.broadcasts`).
@@ -437,4 +469,3 @@ def _equations(jaxpr):
             inner = getattr(value, "jaxpr", value)
             if hasattr(inner, "eqns"):
                 yield from _equations(inner)
-

@@ -345,11 +345,16 @@ class Walker:
         scale = (itemsize(self.override), 4) if self.override else (1, 1)
         broadcasts = tuple(entry for entry in result.broadcasts
                            if not xla_rules.holds("broadcast", self.target))
-        for nbytes, dtype in result.internal + broadcasts:
+        widened = dict(result.widened)
+        for index, (nbytes, dtype) in enumerate(result.internal + broadcasts):
+            nbytes = xla_rules.residual_bytes(self.target, nbytes, dtype, self.override,
+                                              derived=index in result.derived,
+                                              drawn=index in result.drawn,
+                                              widened=widened.get(index, 0))
             if dtype == "float32":
                 nbytes = nbytes * scale[0] // scale[1]
-            nbytes = xla_rules.residual_bytes(self.target, nbytes, dtype, self.override)
-            self.keep_bytes(nbytes * repeat)
+            if nbytes:
+                self.keep_bytes(nbytes * repeat)
         self.largest = max(self.largest, result.largest_bytes)
         self.transient = max(self.transient, result.transient_bytes * scale[0] // scale[1],
                              xla_rules.traced_transient(self.target, result.windows)

@@ -28,10 +28,18 @@ a plan for another target counts what `layer_rules` says:
 - Max pooling's backward scatters through the window positions its forward recorded: one
   int32 index per axis and output element is kept, not the input and output; the forward
   holds an int32 iota of the input per axis and its outputs while it runs.
-- A boolean residual of JAX's own gradient (the mask of a comparison, in a traced call) is
-  held as the tensor it compares, in the compute dtype: XLA recomputes the mask from it; a
-  residual that is a scalar broadcast (relu's zeros) is fused into what reads it and holds
-  nothing.
+- Of a traced call's residuals (JAX's own gradient, `gradient_trace.TracedCall`), one that
+  cheap element-wise ops (no float division, no transcendental function) make from other
+  kept tensors of its shape and scalars, and that no dot or convolution reads, is fused
+  into the backward and made again there: it holds nothing (a tanh-approximate GELU keeps
+  its input, the tanh and its output, which the next Dense reads; not x³'s term, 1 - t or
+  (1 + t) / 2). A boolean mask made so, also from a smaller mask broadcast (a padding
+  mask), holds nothing either; one compared from random bits (a dropout's) is held as
+  those bits, two 32-bit words per element; another mask as the tensor it compares, in the
+  compute dtype. A scalar broadcast (relu's zeros) holds nothing.
+- A residual made by an expensive op (a reduction, rsqrt) that an element-wise op reads
+  beside larger tensors (a softmax's row sum, a normalization's rsqrt) is held broadcast
+  to that op's size.
 """
 
 from __future__ import annotations
@@ -53,16 +61,21 @@ _TARGETS = {
     "batch_normalization": _XLA_CPU,
     "boolean_residual": _XLA_CPU,
     "broadcast": _XLA_CPU,
+    "broadcast_residual": _XLA_CPU,
     "convolution": _XLA_CPU,
+    "derived_residual": _XLA_CPU,
     "element_wise": _XLA_CPU,
     "max_pooling": _XLA_CPU,
+    "random_mask": _XLA_CPU,
 }
 _CONVOLUTIONS = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D,
                  keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose,
                  keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D)
 _DEPTHWISE = (keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D)
 _MAX_POOLS = (keras.layers.MaxPooling1D, keras.layers.MaxPooling2D, keras.layers.MaxPooling3D)
-_INDEX_BYTES = 4  # int32
+_INDEX_BYTES = 4  # int32, uint32
+# Threefry's random bits for one element: the two 32-bit words XLA keeps to compare again.
+_RANDOM_WORDS = 2
 
 
 def holds(rule: str, target: str | None) -> bool:
@@ -103,10 +116,20 @@ def batch_normalization(walker, inputs, output) -> None:
         walker.keep_new(inputs[0].shape, walker.dtype_of(inputs[0]))
 
 
-def residual_bytes(target: str | None, nbytes: int, dtype: str,
-                   compute_dtype: str | None) -> int:
-    """Bytes XLA holds for a residual of `nbytes` in `dtype` that JAX's gradient keeps: a
-    boolean mask as the compared tensor in `compute_dtype` (default float32)."""
+def residual_bytes(target: str | None, nbytes: int, dtype: str, compute_dtype: str | None,
+                   derived: bool = False, drawn: bool = False, widened: int = 0) -> int:
+    """Bytes XLA holds for a residual of `nbytes` in `dtype` that JAX's gradient keeps
+    (`derived`, `drawn`, `widened`: `gradient_trace.TracedCall`'s): none for one made again
+    by cheap element-wise ops from kept tensors; a mask compared from random bits as those
+    bits (two 32-bit words per element); another boolean mask as the compared tensor in
+    `compute_dtype` (default float32); one an element-wise op broadcasts at that op's size
+    (`widened`)."""
+    if derived and holds("derived_residual", target):
+        return 0
+    if drawn and holds("random_mask", target):
+        return nbytes * _RANDOM_WORDS * _INDEX_BYTES
+    if widened and holds("broadcast_residual", target):
+        return max(nbytes, widened)
     if dtype != "bool" or not holds("boolean_residual", target):
         return nbytes
     return nbytes * itemsize(compute_dtype or "float32")

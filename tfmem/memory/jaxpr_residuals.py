@@ -1,0 +1,176 @@
+"""Where a JAX trace's residuals come from: what a compiler may make again, and what it keeps.
+
+`gradient_trace.trace_call_jax` reads the residuals `jax.vjp` saves; `origins` says, from the
+same jaxpr (its nested jits inlined), which of them cheap element-wise ops make from the
+others, which are masks compared from random bits, and which an element-wise op reads
+broadcast to a larger size. `xla_rules` decides what a target holds for each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+# XLA's cheap element-wise ops, which it fuses into (and duplicates for) every op that reads
+# their result; a float division and the transcendental functions are not among them.
+_ELEMENT_WISE = frozenset({
+    "add", "sub", "mul", "neg", "max", "min", "abs", "sign", "select_n", "clamp",
+    "integer_pow", "square", "floor", "ceil", "round", "convert_element_type",
+    "bitcast_convert_type", "copy", "copy_p", "lt", "le", "gt", "ge", "eq", "ne", "and",
+    "or", "not", "xor", "shift_left", "shift_right_logical", "shift_right_arithmetic"})
+# The other element-wise ops, which XLA does not make twice.
+_EXPENSIVE_ELEMENT_WISE = frozenset({
+    "div", "exp", "exp2", "expm1", "log", "log1p", "tanh", "logistic", "erf", "erfc", "erf_inv",
+    "pow", "sqrt", "rsqrt", "cbrt", "sin", "cos", "tan", "atan2"})
+# Ops that read a tensor whole, from a buffer: a residual they read is materialized.
+_CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
+# Equations that run a nested jaxpr once, on their own arguments.
+_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call",
+                    "custom_vjp_call", "custom_vjp_call_jaxpr", "checkpoint", "remat"})
+# How many ops back a residual's element-wise recipe is followed.
+_DEPTH = 12
+
+
+@dataclasses.dataclass(frozen=True)
+class _Value:
+    """A variable of a jaxpr with its nested jits inlined: `scope` tells apart the calls of
+    one inner jaxpr."""
+
+    scope: int
+    ident: int
+    shape: tuple
+    dtype: str
+    itemsize: int
+
+
+def _flat_equations(jaxpr):
+    """`(producers, readers, top)` of `jaxpr` with its nested jits inlined: the primitive,
+    the input values (None: a literal) and the position of the equation that makes each
+    value; `(primitive, output values)` of each equation that reads it; the values of the
+    outer variables that a nested jit returns."""
+    producers, readers, scopes = {}, {}, [0]
+
+    def visit(inner, scope, outer):
+        def value(var):
+            if type(var).__name__ == "Literal":
+                return None
+            if id(var) in outer:
+                return outer[id(var)]
+            return _value(scope, var)
+
+        for eqn in inner.eqns:
+            nested = _nested_jaxpr(eqn)
+            inputs = [value(v) for v in eqn.invars]
+            if nested is not None:
+                scopes[0] += 1
+                mapping = {id(a): b for a, b in zip(nested.invars, inputs) if b is not None}
+                results = visit(nested, scopes[0], mapping)
+                for var, result in zip(eqn.outvars, results):
+                    outer[id(var)] = result
+                continue
+            outputs = [value(v) for v in eqn.outvars]
+            for item in inputs:
+                if item is not None:
+                    readers.setdefault(item, []).append((eqn.primitive.name, outputs))
+            for item in outputs:
+                producers[item] = (eqn.primitive.name, inputs, len(producers))
+        return [value(v) for v in inner.outvars]
+
+    outer: dict = {}
+    visit(jaxpr, 0, outer)
+    return producers, readers, outer
+
+
+def _value(scope: int, var) -> _Value:
+    aval = var.aval
+    dtype = getattr(aval, "dtype", None)
+    return _Value(scope, id(var), tuple(getattr(aval, "shape", ())), str(dtype),
+                  getattr(dtype, "itemsize", 0))
+
+
+def _nested_jaxpr(eqn):
+    """The jaxpr a call equation (a nested jit, a custom derivative's call) runs, taking
+    and returning what the equation does; None for a primitive (a loop's body, which runs
+    on slices, included)."""
+    if eqn.primitive.name not in _CALLS:
+        return None
+    for name in ("jaxpr", "call_jaxpr"):
+        inner = eqn.params.get(name)
+        inner = getattr(inner, "jaxpr", inner)
+        if (hasattr(inner, "eqns") and len(inner.invars) == len(eqn.invars)
+                and len(inner.outvars) == len(eqn.outvars)):
+            return inner
+    return None
+
+
+def origins(jaxpr, residuals: dict, kept) -> tuple[frozenset, frozenset, dict]:
+    """Names of `residuals` (name -> variable) that are `TracedCall.derived` from the rest
+    and from `kept` (the call's inputs and outputs the backward reads), of those that are
+    `TracedCall.drawn`, and `{name: bytes}` of those not made by a cheap element-wise op
+    that an element-wise op reads beside larger tensors, at that op's size
+    (`TracedCall.widened`)."""
+    producers, readers, top = _flat_equations(jaxpr)
+
+    def value_of(var):
+        return top.get(id(var)) or _value(0, var)
+
+    values = {name: value_of(var) for name, var in residuals.items()}
+    held = set(values.values()) | {value_of(var) for var in kept}
+
+    def derivable(value, shape, mask, depth, seen) -> bool:
+        if value is None or not value.shape:  # a literal or a scalar
+            return True
+        if value in held:
+            return value.shape == shape
+        found = producers.get(value)
+        if found is None or depth == 0:
+            return False
+        if value not in seen:
+            primitive, inputs, _ = found
+            if primitive == "broadcast_in_dim" and (mask or all(
+                    v is None or not v.shape for v in inputs)):
+                seen[value] = True  # a scalar, or for a mask a smaller tensor, broadcast
+            else:
+                seen[value] = (primitive in _ELEMENT_WISE and value.shape == shape
+                               and all(derivable(v, shape, mask, depth - 1, seen)
+                                       for v in inputs))
+        return seen[value]
+
+    random: dict = {}
+
+    def from_random_bits(value, depth) -> bool:
+        found = producers.get(value) if value is not None else None
+        if found is None or depth == 0:
+            return False
+        if value not in random:
+            random[value] = found[0] == "random_bits" or (
+                found[0] in _ELEMENT_WISE and any(from_random_bits(v, depth - 1)
+                                                  for v in found[1]))
+        return random[value]
+
+    derived, drawn = set(), set()
+    made = [name for name in values if values[name] in producers]
+    # The latest first: each is made again from what was made before it.
+    for name in sorted(made, key=lambda n: -producers[values[n]][2]):
+        value = values[name]
+        if {primitive for primitive, _ in readers.get(value, ())} & _CONTRACTIONS:
+            continue
+        mask = value.dtype == "bool"
+        if mask and from_random_bits(value, _DEPTH):
+            drawn.add(name)
+            continue
+        held.discard(value)
+        if derivable(value, value.shape, mask, _DEPTH, {}):
+            derived.add(name)
+        else:
+            held.add(value)
+    widened = {}
+    for name, value in values.items():
+        sizes = [math.prod(out.shape) * out.itemsize
+                 for primitive, outputs in readers.get(value, ())
+                 if primitive in _ELEMENT_WISE or primitive in _EXPENSIVE_ELEMENT_WISE
+                 for out in outputs if math.prod(out.shape) > math.prod(value.shape)]
+        made_by = producers.get(value, ("",))[0]
+        if sizes and name not in derived and made_by not in _ELEMENT_WISE:
+            widened[name] = max(sizes)
+    return frozenset(derived), frozenset(drawn), widened
