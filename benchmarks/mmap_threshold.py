@@ -11,9 +11,11 @@ the largest block freed, up to 32 MiB) and under each fixed threshold of `--thre
 (`MALLOC_MMAP_THRESHOLD_`, read by glibc before the process allocates: each block of that size
 or more mapped on its own and given back when freed). The processes take turns: each repeat
 runs every case under every heap, in a rotated order. Printed per case and heap: the median
-seconds per step of `--steps` steps after one traced, the peak resident set above the one
-after import (the traced step included) and the resident set after the last step, and the
-ratios to the default heap. Linux with glibc only.
+seconds per step of `--steps` steps after one traced (wall clock, and the CPU time of all the
+process's threads, which other jobs on a shared machine disturb less), the page faults a step
+takes (a block mapped on its own is faulted in page by page each time), the peak resident set
+above the one after import (the traced step included) and the resident set after the last
+step, and the ratios to the default heap. Linux with glibc only.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -75,13 +78,17 @@ def child(args) -> None:
     accum = tfmem.AccumModel.wrap(model, accumulation_steps=1)
     accum.compile(keras.optimizers.Adam(1e-4), loss)
     accum.train_on_batch(x, y)  # traced
-    seconds = []
+    seconds, cpu, faults = [], [], []
     for _ in range(args.steps):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
+        start_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         accum.train_on_batch(x, y)
         seconds.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start_faults)
     status = memory_cap.status_bytes()
-    print(json.dumps({"step": statistics.median(seconds), "peak": status["VmHWM"] - baseline,
+    print(json.dumps({"step": statistics.median(seconds), "cpu": statistics.median(cpu),
+                      "faults": statistics.median(faults), "peak": status["VmHWM"] - baseline,
                       "after": status["VmRSS"] - baseline}))
 
 
@@ -123,17 +130,20 @@ def main() -> None:
     print(f"{args.image_size} px; median of {args.repeats} processes, each the median of "
           f"{args.steps} steps")
     print("| case | micro-batch | heap | s per step | each process | time / default "
-          "| peak MiB | after MiB | peak / default |")
-    print("|---|---:|---|---:|---|---:|---:|---:|---:|")
+          "| CPU s per step | CPU / default | page faults per step | peak MiB | after MiB "
+          "| peak / default |")
+    print("|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for case in cases:
         medians = {heap: {key: statistics.median(run[key] for run in runs[case, heap])
-                          for key in ("step", "peak", "after")} for heap in heaps}
+                          for key in ("step", "cpu", "faults", "peak", "after")}
+                    for heap in heaps}
         for heap in heaps:
             m, base = medians[heap], medians["default"]
             name = "default" if heap == "default" else f"fixed {heap} MiB"
             each = ", ".join(f"{run['step']:.3f}" for run in runs[case, heap])
             print(f"| {case} | {CASES[case]} | {name} | {m['step']:.3f} | {each} | "
-                  f"{m['step'] / base['step']:.3f} | {m['peak'] / MIB:.0f} | "
+                  f"{m['step'] / base['step']:.3f} | {m['cpu']:.3f} | "
+                  f"{m['cpu'] / base['cpu']:.3f} | {m['faults']:.0f} | {m['peak'] / MIB:.0f} | "
                   f"{m['after'] / MIB:.0f} | {m['peak'] / base['peak']:.2f} |", flush=True)
 
 

@@ -217,7 +217,13 @@ def estimate(model: keras.Model, settings: PlanSettings,
     grouped = _grouped_convolutions(model, override) if cpu else None
     retraced = (_CPU_BYTES_PER_RECOMPUTED_VARIABLE
                 * remat_search.recomputed_variables(model, counted_ranges) if cpu else 0)
-    runtime_notes = ((grouped.note,) if grouped else ()) + (
+    # glibc's default heap keeps what the grouped convolutions' XLA calls free, resident.
+    heap_scratch = saved.heap_scratch_bytes if grouped and budget.heap_keeps_freed else 0
+    runtime_notes = ((grouped.note,) if grouped else ()) + ((
+        f"workspace includes {format_bytes(heap_scratch)}/sample that the grouped "
+        "convolutions' XLA calls leave in the process heap (glibc's default keeps freed "
+        "blocks; `tfmem.runtime.fix_mmap_threshold()` gives them back, at a cost in time)",)
+        if heap_scratch else ()) + (
         (f"framework runtime includes {format_bytes(retraced)} for the recomputed segments' "
          "forward, traced again in their gradient",) if retraced else ())
     notes = _notes(model, settings, saved, override, recomputed, ranges, saves, fraction,
@@ -253,8 +259,8 @@ def estimate(model: keras.Model, settings: PlanSettings,
         input_bytes_per_sample=saved.input_bytes + held.target_bytes,
         activation_bytes_per_sample=saved.saved_bytes + saved.recomputed_bytes,
         # What the call running at the peak holds next to the kept tensors: its gradients
-        # and temporaries (or a grouped convolution its patch matrix).
-        workspace_bytes_per_sample=saved.workspace_bytes,
+        # and temporaries; beside them, what the heap keeps of the grouped convolutions'.
+        workspace_bytes_per_sample=saved.workspace_bytes + heap_scratch,
         workspace_fixed_bytes=saved.workspace_fixed_bytes,
         # Held next to every kept activation when the loss runs, before the backward pass:
         # the plan's row is what it holds beyond the backward's workspace and recomputation.

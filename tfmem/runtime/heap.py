@@ -32,6 +32,12 @@ def glibc() -> ctypes.CDLL | None:
         return None
 
 
+def threshold_fixed() -> bool:
+    """Whether glibc's mmap threshold is fixed in this process: by `fix_mmap_threshold`, or by
+    `MALLOC_MMAP_THRESHOLD_` when it started. False elsewhere (another heap, kept unknown)."""
+    return glibc() is not None and ENVIRONMENT in os.environ
+
+
 def fix_mmap_threshold(threshold: int = DEFAULT_THRESHOLD) -> bool:
     """Fixes glibc's mmap threshold at `threshold` bytes in this process and the processes it
     starts from now on (through `MALLOC_MMAP_THRESHOLD_` in `os.environ`).
