@@ -79,3 +79,13 @@ def test_other_c_libraries_change_nothing(monkeypatch):
     assert heap.glibc() is None
     assert heap.fix_mmap_threshold() is False
     assert heap.ENVIRONMENT not in os.environ
+
+
+@pytest.mark.skipif(heap.glibc() is None, reason="glibc's malloc only (Linux with glibc)")
+def test_a_budget_says_whether_the_heap_keeps_freed_blocks(monkeypatch):
+    from tfmem.runtime.budget import budget_for
+
+    monkeypatch.delenv(heap.ENVIRONMENT, raising=False)
+    assert budget_for(memory_budget=2**30).heap_keeps_freed is True
+    monkeypatch.setenv(heap.ENVIRONMENT, str(MIB))  # as a process started with it
+    assert budget_for(memory_budget=2**30).heap_keeps_freed is False

@@ -4,8 +4,10 @@ glibc's `malloc` raises its mmap threshold to the largest block freed (up to 32 
 and keeps freed blocks under it in its heap, so a CPU training step's resident set stays near
 its peak and grows with the micro-batch by more than the tensors it holds. With the threshold
 fixed, each block of that size or more is mapped on its own and unmapped when freed, and the
-resident set follows TensorFlow's allocator, the memory a CPU plan counts. Only on Linux with
-glibc; elsewhere (macOS, Windows, musl) nothing changes and `fix_mmap_threshold` returns False.
+resident set follows TensorFlow's allocator. It costs time (each large block faulted in anew
+at every step: docs/benchmarks.md), so tfmem leaves the choice to the user, and a CPU plan
+counts what the default heap keeps unless the threshold is fixed. Only on Linux with glibc;
+elsewhere (macOS, Windows, musl) nothing changes and `fix_mmap_threshold` returns False.
 """
 
 from __future__ import annotations
@@ -42,8 +44,9 @@ def fix_mmap_threshold(threshold: int = DEFAULT_THRESHOLD) -> bool:
     """Fixes glibc's mmap threshold at `threshold` bytes in this process and the processes it
     starts from now on (through `MALLOC_MMAP_THRESHOLD_` in `os.environ`).
 
-    Call it before the first training step: blocks freed before stay in the heap. tfmem's
-    command-line programs call it; a library user chooses.
+    Call it before the first training step (blocks freed before stay in the heap) and
+    before planning: a CPU plan made after it no longer counts what the default heap keeps.
+    Less memory, more time: a CPU training step took 26-46% more CPU time with it.
 
     Args:
         threshold: blocks of this many bytes or more get their own mapping (1 to 32 MiB).
