@@ -217,13 +217,8 @@ def estimate(model: keras.Model, settings: PlanSettings,
     grouped = _grouped_convolutions(model, override) if cpu else None
     retraced = (_CPU_BYTES_PER_RECOMPUTED_VARIABLE
                 * remat_search.recomputed_variables(model, counted_ranges) if cpu else 0)
-    # glibc's default heap keeps what the grouped convolutions' XLA calls free, resident.
-    heap_scratch = saved.heap_scratch_bytes if grouped and budget.heap_keeps_freed else 0
-    runtime_notes = ((grouped.note,) if grouped else ()) + ((
-        f"workspace includes {format_bytes(heap_scratch)}/sample that the grouped "
-        "convolutions' XLA calls leave in the process heap (glibc's default keeps freed "
-        "blocks; `tfmem.runtime.fix_mmap_threshold()` gives them back, at a cost in time)",)
-        if heap_scratch else ()) + (
+    heap_scratch, heap_notes = _heap_scratch(saved, grouped, budget)
+    runtime_notes = ((grouped.note,) if grouped else ()) + heap_notes + (
         (f"framework runtime includes {format_bytes(retraced)} for the recomputed segments' "
          "forward, traced again in their gradient",) if retraced else ())
     notes = _notes(model, settings, saved, override, recomputed, ranges, saves, fraction,
@@ -287,6 +282,19 @@ class _GroupedConvolutions:
                 f"{format_bytes(self.nbytes)} (XLA's runtime "
                 f"{format_bytes(_CPU_XLA_RUNTIME_BYTES)} + the dense kernel of "
                 f"{self.layer_name}, {format_bytes(self.dense_kernel_bytes)})")
+
+
+def _heap_scratch(saved, grouped: _GroupedConvolutions | None,
+                  budget) -> tuple[int, tuple[str, ...]]:
+    """What the grouped convolutions' XLA calls leave in a heap that keeps freed blocks
+    (glibc's default), bytes per sample, and the note that says so."""
+    if not grouped or not budget.heap_keeps_freed or not saved.heap_scratch_bytes:
+        return 0, ()
+    nbytes = saved.heap_scratch_bytes
+    return nbytes, (f"workspace includes {format_bytes(nbytes)}/sample that the grouped "
+                    "convolutions' XLA calls leave in the process heap (glibc's default keeps "
+                    "freed blocks; `tfmem.runtime.fix_mmap_threshold()` gives them back, at a "
+                    "cost in time)",)
 
 
 def _grouped_convolutions(model: keras.Model, override) -> _GroupedConvolutions | None:
