@@ -46,7 +46,7 @@ def fix_mmap_threshold(threshold: int = DEFAULT_THRESHOLD) -> bool:
 
     Call it before the first training step (blocks freed before stay in the heap) and
     before planning: a CPU plan made after it no longer counts what the default heap keeps.
-    Less memory, more time: a CPU training step took 26-46% more CPU time with it.
+    Less memory, more time: CPU training steps took 18-84% more CPU time with it.
 
     Args:
         threshold: blocks of this many bytes or more get their own mapping (1 to 32 MiB).
