@@ -14,7 +14,8 @@ freed) and with the threshold fixed (`MALLOC_MMAP_THRESHOLD_=1048576`: every blo
 mapped on its own and given back when freed). Printed: the peak resident set of the second
 step above the resident set after import (the first step traces), the resident set after
 that step, the MiB per sample between consecutive micro-batches, and the plan's growth
-(`tfmem.plan` less its import term) against the default's peak. Linux with glibc only.
+(`tfmem.plan` less its import term, planned for a process with that heap) against the peak.
+Linux with glibc only.
 """
 
 from __future__ import annotations
@@ -88,13 +89,23 @@ def measured(args, batch: int, setting: str, heap: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def planned(args, batches: list[int], setting: str) -> dict[int, float]:
+def planned(args, batches: list[int], setting: str, heap: str) -> dict[int, float]:
+    """The plan's growth for a process with `heap` (the budget reads the threshold from the
+    environment, as a process started with it would)."""
     import tfmem
     from tfmem.memory.planner import CPU_IMPORT_BYTES
 
     accum = tfmem.AccumModel.wrap(build(args.model, args.image_size), accumulation_steps=1,
                                   rematerialize=None if setting == "none" else setting)
-    plan = tfmem.plan(accum, global_batch_size=batches[0], memory_budget=64 * 2**30, loss="mse")
+    saved = os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+    os.environ.update(HEAPS[heap])
+    try:
+        plan = tfmem.plan(accum, global_batch_size=batches[0], memory_budget=64 * 2**30,
+                          loss="mse")
+    finally:
+        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+        if saved is not None:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
     return {b: plan.peak_bytes(b, 1) - CPU_IMPORT_BYTES for b in batches}
 
 
@@ -114,16 +125,15 @@ def main() -> None:
     print(f"{args.model}: MiB above import (peak of step 2 / resident after it); "
           "MiB per sample since the previous micro-batch")
     print("| setting | heap | " + " | ".join(f"@{b}" for b in batches)
-          + " | per sample | planned / default peak |")
+          + " | per sample | planned / peak |")
     print("|---|---|" + "---:|" * len(batches) + "---|---|")
     for setting in args.settings.split(","):
-        plan = planned(args, batches, setting)
         for heap in HEAPS:
+            plan = planned(args, batches, setting, heap)
             runs = [measured(args, b, setting, heap) for b in batches]
             slopes = [(runs[i + 1]["peak"] - runs[i]["peak"]) / (batches[i + 1] - batches[i])
                       / MIB for i in range(len(batches) - 1)]
-            ratios = ("–" if heap != "default" else ", ".join(
-                f"{plan[b] / run['peak']:.2f}" for b, run in zip(batches, runs)))
+            ratios = ", ".join(f"{plan[b] / run['peak']:.2f}" for b, run in zip(batches, runs))
             print(f"| {setting} | {heap} | "
                   + " | ".join(f"{r['peak'] / MIB:.0f} / {r['after'] / MIB:.0f}" for r in runs)
                   + f" | {', '.join(f'{s:.1f}' for s in slopes)} | {ratios} |", flush=True)

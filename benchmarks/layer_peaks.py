@@ -41,6 +41,9 @@ LAYERS = {
     "dropout": lambda x: keras.layers.Dropout(0.2)(x),
     "bn-relu-conv": lambda x: keras.layers.Conv2D(16, 3, padding="same")(
         keras.ops.relu(keras.layers.BatchNormalization()(x))),
+    "grouped7x7": lambda x: keras.layers.Conv2D(x.shape[-1], 7, groups=x.shape[-1],
+                                                padding="same")(x),
+    "depthwise7x7": lambda x: keras.layers.DepthwiseConv2D(7, padding="same")(x),
 }
 
 

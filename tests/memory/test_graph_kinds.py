@@ -360,12 +360,21 @@ def test_on_jax_the_general_path_reads_jax_residuals():
     assert backend == "jax" and walked == whole > 16 * 8 * 4 and fallbacks == []
 
 
-def test_a_grouped_convolution_reserves_its_patch_matrix():
+def test_a_grouped_convolution_holds_what_xla_holds_and_glibcs_default_heap_keeps():
+    from tfmem.runtime.budget import Budget
+
     inputs = keras.Input((6, 6, 4))
     x = keras.layers.Conv2D(4, 1)(inputs)
-    p = _plan(keras.Model(inputs, keras.layers.Conv2D(4, 3, padding="same", groups=2)(x)))
-    assert p.workspace_bytes_per_sample == 3 * 3 * _floats(6, 6, 4)  # kh·kw × its input
-    assert p.activation_bytes_per_sample == 2 * _floats(6, 6, 4)  # each conv keeps its input
+    model = keras.Model(inputs, keras.layers.Conv2D(4, 3, padding="same", groups=2)(x))
+    fixed, default = (tfmem.plan(model, global_batch_size=4, budget=Budget(
+        "cpu", "cpu", GIB, 1, heap_keeps_freed=keeps)) for keeps in (False, True))
+    # Its input's copy and gradient and its output's gradient (XLA's convolution backward);
+    # with glibc's default heap, kh·kw × its input beside them, kept through the step.
+    assert fixed.workspace_bytes_per_sample == 3 * _floats(6, 6, 4)
+    assert default.workspace_bytes_per_sample == (3 + 3 * 3) * _floats(6, 6, 4)
+    assert any("fix_mmap_threshold" in note for note in default.notes)
+    assert not any("fix_mmap_threshold" in note for note in fixed.notes)
+    assert fixed.activation_bytes_per_sample == 2 * _floats(6, 6, 4)  # each conv keeps its input
 
 
 def test_grouped_convolutions_on_a_cpu_add_xla_and_the_dense_kernel_it_makes():

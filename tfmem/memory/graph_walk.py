@@ -68,9 +68,11 @@ class Walker:
         self.model_inputs: set = set()
         self.largest = 0  # outside the rematerialized ranges, bytes per sample
         self.largest_anywhere = 0  # inside them (the largest outside is `largest`)
-        self.patches = 0  # the largest grouped-convolution patch matrix, bytes per sample
         self.transient = 0  # the largest call's own transient, bytes per sample
         self.fixed_transient = 0  # the largest call's transient of a weight's size, bytes
+        # What the largest grouped convolution's XLA call leaves in glibc's default heap,
+        # bytes per sample, held through the step (`layer_rules`).
+        self.heap_scratch = 0
         self.fallbacks: set[str] = set()
         self.traced: set[str] = set()
         self.loops: set[str] = set()
@@ -187,8 +189,8 @@ class Walker:
         """Walks `nodes` and drops what they keep but their `inputs`, which are kept across
         the passes instead; returns the bytes dropped (held again while recomputed)."""
         before = set(self.sizes)
-        outer = self.largest, self.patches, self.transient
-        self.largest = self.patches = self.transient = 0
+        outer = self.largest, self.transient
+        self.largest = self.transient = 0
         for node in nodes:
             call(node)
         input_keys = {self.key(t) for t in inputs}
@@ -196,7 +198,7 @@ class Walker:
                      if key not in input_keys)
         self.recompute_peaks.append(inside + self.workspace)
         self.largest_anywhere = max(self.largest_anywhere, self.largest)
-        self.largest, self.patches, self.transient = outer
+        self.largest, self.transient = outer
         for tensor in inputs:
             self.keep(tensor)
         return inside
@@ -205,8 +207,8 @@ class Walker:
     def workspace(self) -> int:
         """What the largest call walked (outside the ranges walked since) holds while it
         runs besides the kept tensors: two tensors of the largest size (its output's and
-        input's gradients), its own transient, or a grouped convolution's patch matrix."""
-        return max(2 * self.largest, self.patches, self.transient)
+        input's gradients) or its own transient."""
+        return max(2 * self.largest, self.transient)
 
     def call(self, node) -> None:
         operation = node.operation

@@ -105,11 +105,14 @@ def apply(walker, layer, inputs, outputs, has_trainable: bool) -> bool:
         if has_trainable and not by_xla:
             walker.keep(inputs[0], compute)
         if getattr(layer, "groups", 1) > 1 and not by_xla:
-            # Keras's TensorFlow backend runs grouped convolutions through XLA; their backward
-            # materialises the input's kh·kw patch matrix (measured ≈ 40-49 × the input per
-            # sample on CPU, docs/planning.md), a transient that is not in the gradient graph.
-            patches = math.prod(layer.kernel_size) * walker.sample_bytes(inputs[0], compute)
-            walker.patches = max(walker.patches, patches)
+            # Keras's TensorFlow backend runs a grouped convolution as an XLA call of its own:
+            # its backward holds what XLA's does, a transient the gradient graph does not show.
+            walker.transient = max(walker.transient, xla_rules.convolution_workspace(
+                walker.sample_bytes(inputs[0], compute), walker.sample_bytes(out, compute)))
+            # On a CPU that call's scratch stays in glibc's heap when freed (its default mmap
+            # threshold moves up to the blocks freed): kh·kw × the input a sample, measured.
+            scratch = math.prod(layer.kernel_size) * walker.sample_bytes(inputs[0], compute)
+            walker.heap_scratch = max(walker.heap_scratch, scratch)
         return _activation(walker, activation_name(getattr(layer, "activation", None)), out)
     if kind is keras.layers.BatchNormalization:
         if layer.trainable and not walker.is_frozen(layer):

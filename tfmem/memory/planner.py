@@ -217,7 +217,8 @@ def estimate(model: keras.Model, settings: PlanSettings,
     grouped = _grouped_convolutions(model, override) if cpu else None
     retraced = (_CPU_BYTES_PER_RECOMPUTED_VARIABLE
                 * remat_search.recomputed_variables(model, counted_ranges) if cpu else 0)
-    runtime_notes = ((grouped.note,) if grouped else ()) + (
+    heap_scratch, heap_notes = _heap_scratch(saved, grouped, budget)
+    runtime_notes = ((grouped.note,) if grouped else ()) + heap_notes + (
         (f"framework runtime includes {format_bytes(retraced)} for the recomputed segments' "
          "forward, traced again in their gradient",) if retraced else ())
     notes = _notes(model, settings, saved, override, recomputed, ranges, saves, fraction,
@@ -253,8 +254,8 @@ def estimate(model: keras.Model, settings: PlanSettings,
         input_bytes_per_sample=saved.input_bytes + held.target_bytes,
         activation_bytes_per_sample=saved.saved_bytes + saved.recomputed_bytes,
         # What the call running at the peak holds next to the kept tensors: its gradients
-        # and temporaries (or a grouped convolution its patch matrix).
-        workspace_bytes_per_sample=saved.workspace_bytes,
+        # and temporaries; beside them, what the heap keeps of the grouped convolutions'.
+        workspace_bytes_per_sample=saved.workspace_bytes + heap_scratch,
         workspace_fixed_bytes=saved.workspace_fixed_bytes,
         # Held next to every kept activation when the loss runs, before the backward pass:
         # the plan's row is what it holds beyond the backward's workspace and recomputation.
@@ -281,6 +282,19 @@ class _GroupedConvolutions:
                 f"{format_bytes(self.nbytes)} (XLA's runtime "
                 f"{format_bytes(_CPU_XLA_RUNTIME_BYTES)} + the dense kernel of "
                 f"{self.layer_name}, {format_bytes(self.dense_kernel_bytes)})")
+
+
+def _heap_scratch(saved, grouped: _GroupedConvolutions | None,
+                  budget) -> tuple[int, tuple[str, ...]]:
+    """What the grouped convolutions' XLA calls leave in a heap that keeps freed blocks
+    (glibc's default), bytes per sample, and the note that says so."""
+    if not grouped or not budget.heap_keeps_freed or not saved.heap_scratch_bytes:
+        return 0, ()
+    nbytes = saved.heap_scratch_bytes
+    return nbytes, (f"workspace includes {format_bytes(nbytes)}/sample that the grouped "
+                    "convolutions' XLA calls leave in the process heap (glibc's default keeps "
+                    "freed blocks; `tfmem.runtime.fix_mmap_threshold()` gives them back, at a "
+                    "cost in time)",)
 
 
 def _grouped_convolutions(model: keras.Model, override) -> _GroupedConvolutions | None:

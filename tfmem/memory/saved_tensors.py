@@ -41,12 +41,14 @@ class SavedTensors:
             the largest recomputed range's (`recomputed_bytes`), for one sample. A call's
             own is the largest of two tensors of its largest size (an op's output and input
             gradients), its own transient (its gradients and temporaries, from its traced
-            graph: `gradient_trace.transient_bytes`), or a grouped convolution's patch
-            matrix; a call inside a rematerialized range runs beside that range's tensors,
-            recomputed, one outside beside none.
+            graph: `gradient_trace.transient_bytes`); a call inside a rematerialized range
+            runs beside that range's tensors, recomputed, one outside beside none.
         workspace_fixed_bytes: the part of the backward's largest transient that does not
             grow with the batch (`xla_rules`: a grouped convolution's kernel gradient on
             XLA:CPU).
+        heap_scratch_bytes: what the largest grouped convolution's XLA call (Keras's
+            TensorFlow backend) leaves in glibc's default heap on a CPU, for one sample: kept
+            through the step beside everything else, where the heap keeps freed blocks.
         input_bytes: bytes of one sample of the model's inputs, as fed.
         fallback_calls: calls counted as keeping their inputs and outputs (an upper bound),
             each with the reason the general path failed on it.
@@ -69,6 +71,7 @@ class SavedTensors:
     segments: tuple[tuple[str, int], ...] = ()
     kept_output_bytes: int = 0
     workspace_fixed_bytes: int = 0
+    heap_scratch_bytes: int = 0
 
     @property
     def recomputed_bytes(self) -> int:
@@ -260,6 +263,7 @@ def _result(walker: Walker, inputs, outputs=()) -> SavedTensors:
         kept_output_bytes=int(sum(walker.sizes.get(walker.key(t), 0)
                                   for t in {id(t): t for t in outputs}.values())),
         workspace_fixed_bytes=int(walker.fixed_transient),
+        heap_scratch_bytes=int(walker.heap_scratch),
     )
 
 

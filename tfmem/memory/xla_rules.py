@@ -24,7 +24,7 @@ a plan for another target counts what `layer_rules` says:
   are kept, not its output (an operand XLA recomputes from kept tensors not even those).
   A grouped (or depthwise) convolution's kernel gradient is made as a dense kernel (every
   input channel to every output channel), whose groups are then copied out: two dense
-  kernels while it runs, whatever the batch (and no patch matrix, `layer_rules`).
+  kernels while it runs, whatever the batch.
 - Max pooling's backward scatters through the window positions its forward recorded: one
   int32 index per axis and output element is kept, not the input and output; the forward
   holds an int32 iota of the input per axis and its outputs while it runs.

@@ -3,7 +3,8 @@
 `devices` is the table of known accelerators; `hardware` and `tpu` read what is attached
 without starting a device; `distribute` (TensorFlow) and `distribute_jax` turn that into a
 `Runtime` (replicas, memory per replica, scope); `precision` picks the dtype policy (and the dtype sums are kept in);
-`report` prints the environment for a bug report (`tfmem-env`).
+`report` prints the environment for a bug report (`tfmem-env`); `heap` fixes glibc's mmap
+threshold, so that a CPU step's freed tensors leave the resident set.
 """
 
 from tfmem._exports import lazy_exports
@@ -14,4 +15,5 @@ __all__, __getattr__, __dir__ = lazy_exports(__name__, {
     "policy_for": "tfmem.runtime.precision",
     "set_policy": "tfmem.runtime.precision",
     "describe": "tfmem.runtime.report",
+    "fix_mmap_threshold": "tfmem.runtime.heap",
 })

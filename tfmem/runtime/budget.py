@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tfmem.runtime import devices
+from tfmem.runtime import devices, heap
 from tfmem.runtime.cluster import check_count
 from tfmem.runtime.runtime import Runtime
 
@@ -29,6 +29,8 @@ class Budget:
         num_replicas: replicas the global batch is split over.
         target: the `Runtime` whose precision policy `precision="auto"` takes; None for a
             budget of bytes or of this host's CPU (float32).
+        heap_keeps_freed: whether this process's heap keeps freed blocks resident (glibc's
+            default; `tfmem.runtime.heap`), which a "cpu" plan then counts.
     """
 
     device: str
@@ -36,6 +38,8 @@ class Budget:
     memory_per_replica: int
     num_replicas: int
     target: Runtime | None = None
+    heap_keeps_freed: bool = dataclasses.field(
+        default_factory=lambda: not heap.threshold_fixed())
 
     def __post_init__(self):
         check_count("memory_per_replica", self.memory_per_replica)
