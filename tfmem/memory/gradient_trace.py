@@ -30,6 +30,21 @@ _BATCHES = (2, 3)
 _ALIASING_OPS = {"Reshape", "Identity", "IdentityN", "Squeeze", "ExpandDims", "StopGradient"}
 _SHAPE_OPS = {"Shape", "ShapeN", "Size", "Rank", "BroadcastGradientArgs", "ZerosLike",
               "OnesLike"}
+# TensorFlow kernels that write an output into the buffer of an input of the same shape and
+# dtype when no later op reads that input (`forward_input_or_allocate_output`): the
+# element-wise ops and their gradients, bias-add, softmax, AddN, select, and the
+# cross-entropy ops, whose gradient over the logits takes the logits' buffer.
+_FORWARDING_OPS = frozenset({
+    "Abs", "Neg", "Sign", "Reciprocal", "Square", "Sqrt", "Rsqrt", "Exp", "Expm1", "Log",
+    "Log1p", "Sin", "Cos", "Tanh", "Sigmoid", "Erf", "Erfc", "Floor", "Ceil", "Round",
+    "Relu", "Relu6", "Elu", "Selu", "Softplus", "Softsign", "LeakyRelu",
+    "AddV2", "Add", "Sub", "Mul", "MulNoNan", "Div", "RealDiv", "DivNoNan", "Maximum",
+    "Minimum", "Pow", "SquaredDifference", "Xdivy", "Xlogy", "ClipByValue",
+    "ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad", "SoftplusGrad", "SoftsignGrad",
+    "LeakyReluGrad", "TanhGrad", "SigmoidGrad", "SqrtGrad", "RsqrtGrad", "ReciprocalGrad",
+    "BiasAdd", "Softmax", "LogSoftmax", "AddN", "Select", "SelectV2",
+    "SoftmaxCrossEntropyWithLogits", "SparseSoftmaxCrossEntropyWithLogits",
+})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,14 +331,40 @@ def transient_bytes(operations, nbytes, results=None, held=()) -> int:
     held = peak = 0
     for position, op in enumerate(operations):
         if op.type not in _ALIASING_OPS:
+            dying = _dying_inputs(op, position, last) if op.type in _FORWARDING_OPS else []
             for tensor in op.outputs:
                 size = nbytes(tensor)
                 end = max(last.get(tensor.ref(), position), position)
-                held += size
+                taken = next((root for given, root in dying if _same_buffer(
+                    given, root, tensor, nbytes)), None)
+                if taken is not None:  # written over the dying input: its buffer lives on
+                    dying = [entry for entry in dying if entry[1] is not taken]
+                    freed[position] -= size
+                else:
+                    held += size
                 freed[end] = freed.get(end, 0) + size
         peak = max(peak, held)
         held -= freed.pop(position, 0)
     return peak
+
+
+def _dying_inputs(op, position: int, last: dict) -> list:
+    """`(input, the tensor whose buffer it is)` of each input `op` reads for the last time."""
+    dying, seen = [], set()
+    for tensor in op.inputs:
+        root = _root(tensor)
+        if last.get(root.ref()) == position and root.ref() not in seen:
+            seen.add(root.ref())
+            dying.append((tensor, root))
+    return dying
+
+
+def _same_buffer(given, root, output, nbytes) -> bool:
+    """Whether `output` fits the buffer of `root`, read by its op as `given`: same dtype,
+    shape and size (TensorFlow forwards only an input of the output's own shape)."""
+    return (given.dtype == output.dtype and given.shape.rank is not None
+            and given.shape.as_list() == output.shape.as_list()
+            and nbytes(root) == nbytes(output) > 0)
 
 
 def _needed(results) -> set:
