@@ -66,6 +66,25 @@ def test_an_output_nothing_reads_after_the_loss_is_freed_there():
     assert (alone, with_metric) == (2 * _output_bytes(8, 12), 3 * _output_bytes(8, 12))
 
 
+def test_a_wide_head_and_its_cross_entropy_hold_one_tensor_of_the_logits_size():
+    # A next-token head: 8 positions of 4 features into 512 classes, sparse cross-entropy from
+    # the logits. TensorFlow writes the loss's gradient over the logits (read for the last
+    # time there) and the products after it over that gradient: at the loss's peak the logits'
+    # buffer once, beside the targets as int64 (8 bytes a position) and the per-position
+    # losses (4). The head's backward: its output's gradient (the logits' size) and its
+    # input's (8 × 4), not two tensors of the logits' size.
+    inputs = keras.Input((8, 4))
+    model = keras.Model(inputs, keras.layers.Dense(512)(inputs))
+    p = _plan(model, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    logits = 8 * 512 * 4
+    assert p.loss_bytes_per_sample == logits + 8 * (8 + 4)
+    assert p.workspace_bytes_per_sample == logits + 8 * 4 * 4
+    assert p.loss_row_bytes_per_sample == 0
+    # Kept: the head's input; at the peak, beside it, the head's backward.
+    assert p.peak_bytes(3, 1) - p.peak_bytes(2, 1) == 8 * 4 * 4 + logits + 8 * 4 * 4 + (
+        p.input_bytes_per_sample * 2)
+
+
 def test_the_loss_and_the_recomputed_segment_are_not_held_together():
     # A hand-made plan, MiB a sample: activations 10, of which a recomputed segment holds 6
     # again while it is recomputed; the backward's workspace 2. The loss runs before the

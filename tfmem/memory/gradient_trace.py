@@ -31,7 +31,7 @@ _ALIASING_OPS = {"Reshape", "Identity", "IdentityN", "Squeeze", "ExpandDims", "S
 _SHAPE_OPS = {"Shape", "ShapeN", "Size", "Rank", "BroadcastGradientArgs", "ZerosLike",
               "OnesLike"}
 # TensorFlow kernels that write an output into the buffer of an input of the same shape and
-# dtype when no later op reads that input (`forward_input_or_allocate_output`): the
+# dtype when nothing else holds that input (`forward_input_or_allocate_output`): the
 # element-wise ops and their gradients, bias-add, softmax, AddN, select, and the
 # cross-entropy ops, whose gradient over the logits takes the logits' buffer.
 _FORWARDING_OPS = frozenset({
@@ -315,30 +315,39 @@ def transient_bytes(operations, nbytes, results=None, held=()) -> int:
     besides the input; TensorFlow's own allocator measures 4.07 for the same function on a
     CPU (`TF_CPU_ALLOCATOR_USE_BFC=true`), and 4 to 8 inside whole training steps, with the
     micro-batches it is read between (docs/benchmarks.md).
+
+    An op of `_FORWARDING_OPS` that is the only reader of an input of its output's shape and
+    dtype writes its output there (TensorFlow's kernels take over the buffer of an input
+    nothing else holds): no new tensor. An input with other readers keeps its buffer, as the
+    executor may run them in any order (the cross-entropy's gradient takes the logits' buffer
+    that only the loss reads; BatchNormalization's ops each read tensors others read too).
     """
     if results is not None:
         needed = _needed(results)
         operations = [op for op in operations if op.name in needed]
-    last = {}
+    last, readers = {}, {}
     for position, op in enumerate(operations):
         if op.type in _SHAPE_OPS:
             continue  # run as soon as the tensor exists: it does not hold it
         for tensor in op.inputs:
             last[_root(tensor).ref()] = position
+            if op.type not in _ALIASING_OPS:  # a view's readers read it
+                readers.setdefault(_root(tensor).ref(), set()).add(op.name)
     for tensor in held:
         last[_root(tensor).ref()] = len(operations) - 1
     freed: dict[int, int] = {}  # position -> bytes its op is the last to read
     held = peak = 0
     for position, op in enumerate(operations):
         if op.type not in _ALIASING_OPS:
-            dying = _dying_inputs(op, position, last) if op.type in _FORWARDING_OPS else []
+            sole = (_sole_inputs(op, position, last, readers)
+                     if op.type in _FORWARDING_OPS else [])
             for tensor in op.outputs:
                 size = nbytes(tensor)
                 end = max(last.get(tensor.ref(), position), position)
-                taken = next((root for given, root in dying if _same_buffer(
+                taken = next((root for given, root in sole if _same_buffer(
                     given, root, tensor, nbytes)), None)
-                if taken is not None:  # written over the dying input: its buffer lives on
-                    dying = [entry for entry in dying if entry[1] is not taken]
+                if taken is not None:  # written over an input only it reads, whose buffer lives on
+                    sole = [entry for entry in sole if entry[1] is not taken]
                     freed[position] -= size
                 else:
                     held += size
@@ -348,15 +357,17 @@ def transient_bytes(operations, nbytes, results=None, held=()) -> int:
     return peak
 
 
-def _dying_inputs(op, position: int, last: dict) -> list:
-    """`(input, the tensor whose buffer it is)` of each input `op` reads for the last time."""
-    dying, seen = [], set()
+def _sole_inputs(op, position: int, last: dict, readers: dict) -> list:
+    """`(input, the tensor whose buffer it is)` of each input that only `op` reads (not held
+    to the end: `last`)."""
+    sole, seen = [], set()
     for tensor in op.inputs:
         root = _root(tensor)
-        if last.get(root.ref()) == position and root.ref() not in seen:
+        if (last.get(root.ref()) == position and readers.get(root.ref()) == {op.name}
+                and root.ref() not in seen):
             seen.add(root.ref())
-            dying.append((tensor, root))
-    return dying
+            sole.append((tensor, root))
+    return sole
 
 
 def _same_buffer(given, root, output, nbytes) -> bool:
