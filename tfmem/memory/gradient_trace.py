@@ -340,7 +340,7 @@ def transient_bytes(operations, nbytes, results=None, held=()) -> int:
     for position, op in enumerate(operations):
         if op.type not in _ALIASING_OPS:
             sole = (_sole_inputs(op, position, last, readers)
-                     if op.type in _FORWARDING_OPS else [])
+                    if op.type in _FORWARDING_OPS else [])
             for tensor in op.outputs:
                 size = nbytes(tensor)
                 end = max(last.get(tensor.ref(), position), position)

@@ -233,7 +233,8 @@ class Walker:
         # Its output's gradient, and its inputs' beside it: as large as the output where
         # the inputs are (their gradients are slices or views of it), else the inputs' own
         # (a head's logits from a narrow input: one tensor of the logits' size).
-        into = sum(sample_bytes(tensor.shape, self.dtype_of(tensor)) for tensor in inputs)
+        into = sum(sample_bytes(tensor.shape, self.dtype_of(tensor)) for tensor in inputs
+                   if None not in tuple(tensor.shape)[1:])
         self.gradients = max(self.gradients, max(sizes, default=0)
                              + min(max(sizes, default=0), into))
         viewing = isinstance(operation, layer_rules.VIEWS) or (
