@@ -96,7 +96,8 @@ class _Trace:
 
 def trace_call_tensorflow(call: Callable, specs: Sequence[tuple[tuple, str]], *,
                           differentiable: Sequence[bool], trainable: Sequence,
-                          non_trainable: Sequence, held: Sequence[int] = ()) -> TracedCall:
+                          non_trainable: Sequence, held: Sequence[int] = (),
+                          owned: Sequence[int] = ()) -> TracedCall:
     """Which forward tensors the backward pass of `call(*tensors)` reads, on TensorFlow.
 
     The walk (`saved_tensors`) takes this function or `trace_call_jax`, chosen once.
@@ -110,11 +111,14 @@ def trace_call_tensorflow(call: Callable, specs: Sequence[tuple[tuple, str]], *,
         non_trainable: the other variables `call` reads (statistics, seeds).
         held: indices of inputs alive for the whole call in `transient_bytes` (a loss's
             prediction, which the step holds until its metrics update).
+        owned: indices of inputs that nothing but the call reads (a loss's prediction that no
+            metric holds), whose buffers its ops may write over; the others' may be read
+            elsewhere in the step (a layer's input by a skip connection), so they keep theirs.
 
     Raises:
         whatever the framework raises when the call cannot be traced; callers fall back.
     """
-    arguments = (call, specs, differentiable, trainable, non_trainable, held)
+    arguments = (call, specs, differentiable, trainable, non_trainable, held, owned)
     symbolic = _trace_tensorflow(*arguments, batch=None)
     if not symbolic.ambiguous:
         return TracedCall(tuple(sorted(symbolic.kept_inputs)),
@@ -127,10 +131,11 @@ def trace_call_tensorflow(call: Callable, specs: Sequence[tuple[tuple, str]], *,
 
 def trace_call_jax(call: Callable, specs: Sequence[tuple[tuple, str]], *,
                    differentiable: Sequence[bool], trainable: Sequence,
-                   non_trainable: Sequence, held: Sequence[int] = ()) -> TracedCall:
+                   non_trainable: Sequence, held: Sequence[int] = (),
+                   owned: Sequence[int] = ()) -> TracedCall:
     """`trace_call_tensorflow` on JAX: the residuals `jax.vjp` saves, at two batch sizes
-    (no transient is sized, so `held` changes nothing)."""
-    del held
+    (no transient is sized, so `held` and `owned` change nothing)."""
+    del held, owned
     return _per_sample(_trace_jax, (call, specs, differentiable, trainable, non_trainable))
 
 
@@ -178,8 +183,8 @@ def _float_sum(outputs, cast, reduce_sum, is_float):
     return total
 
 
-def _trace_tensorflow(call, specs, differentiable, trainable, non_trainable, held=(), *,
-                      batch) -> _Trace:
+def _trace_tensorflow(call, specs, differentiable, trainable, non_trainable, held=(),
+                      owned=(), *, batch) -> _Trace:
     """One trace; with `batch` None, every size is already per sample (a tensor without the
     symbolic batch axis is a weight or a reduction over the batch: 0)."""
     import tensorflow as tf
@@ -245,8 +250,10 @@ def _trace_tensorflow(call, specs, differentiable, trainable, non_trainable, hel
     # Sized without marking the trace ambiguous: a gradient's temporary whose shape the
     # graph leaves open (broadcast to a computed shape) counts as nothing.
     results = list(graph.outputs) + list(graph.control_outputs) + list(boundary["outputs"])
+    inputs = boundary["inputs"]
     transient = transient_bytes(operations, _sized(nbytes, batch), results,
-                                [boundary["inputs"][i] for i in held]) - kept
+                                [inputs[i] for i in held],
+                                [x for i, x in enumerate(inputs) if i not in owned]) - kept
     return _Trace(frozenset(kept_inputs), frozenset(kept_outputs), internal, forward, outputs,
                   has_loop, ambiguous, max(transient, 0))
 
@@ -297,7 +304,7 @@ def _sized(nbytes, batch):
     return size
 
 
-def transient_bytes(operations, nbytes, results=None, held=()) -> int:
+def transient_bytes(operations, nbytes, results=None, held=(), pinned=()) -> int:
     """The most bytes the tensors of `operations` hold at once, run one at a time in the
     order they were built (the forward, then the backward the tape built in reverse): a
     tensor is held from the op that makes it to the last op that reads it (not counting ops
@@ -320,7 +327,8 @@ def transient_bytes(operations, nbytes, results=None, held=()) -> int:
     dtype writes its output there (TensorFlow's kernels take over the buffer of an input
     nothing else holds): no new tensor. An input with other readers keeps its buffer, as the
     executor may run them in any order (the cross-entropy's gradient takes the logits' buffer
-    that only the loss reads; BatchNormalization's ops each read tensors others read too).
+    that only the loss reads; BatchNormalization's ops each read tensors others read too), and
+    so do tensors in `pinned` (inputs that the rest of the step may read).
     """
     if results is not None:
         needed = _needed(results)
@@ -335,6 +343,8 @@ def transient_bytes(operations, nbytes, results=None, held=()) -> int:
                 readers.setdefault(_root(tensor).ref(), set()).add(op.name)
     for tensor in held:
         last[_root(tensor).ref()] = len(operations) - 1
+    for tensor in pinned:
+        readers[_root(tensor).ref()] = None  # no op is its only reader
     freed: dict[int, int] = {}  # position -> bytes its op is the last to read
     held = peak = 0
     for position, op in enumerate(operations):
