@@ -39,8 +39,8 @@ class SavedTensors:
         largest_tensor_bytes: bytes of the largest single tensor of the forward pass (one sample).
         workspace_bytes: the largest transient a step needs besides the kept tensors and
             the largest recomputed range's (`recomputed_bytes`), for one sample. A call's
-            own is the largest of two tensors of its largest size (an op's output and input
-            gradients), its own transient (its gradients and temporaries, from its traced
+            own is the largest of its output's gradient beside its inputs' (at most the
+            output's size again; `Walker.gradients`), its own transient (its gradients and temporaries, from its traced
             graph: `gradient_trace.transient_bytes`), or a grouped convolution's patch
             matrix; a call inside a rematerialized range runs beside that range's tensors,
             recomputed, one outside beside none.
