@@ -2,6 +2,7 @@
 
     python benchmarks/text_backbones.py                      # BERT and GPT-2, none and full
     python benchmarks/text_backbones.py --models bert --sequence-length 256 --batches 4,16
+    python benchmarks/text_backbones.py --models gpt2 --metrics sparse_categorical_accuracy
 
 keras-hub's `BertBackbone` and `GPT2Backbone` take token ids of any length (their inputs are
 `(None,)`); here they are called on fixed-length `keras.Input((L,))`s, as a fine-tuning model
@@ -80,7 +81,8 @@ def child(args) -> None:
                                  args.vocabulary)
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         accum = tfmem.AccumModel.wrap(model, accumulation_steps=1, rematerialize=setting)
-        accum.compile(keras.optimizers.Adam(1e-4), loss)
+        accum.compile(keras.optimizers.Adam(1e-4), loss,
+                      metrics=[name for name in args.metrics.split(",") if name])
         x, y = batch(model, targets, size, args.sequence_length, args.vocabulary)
         accum.train_on_batch(x, y)  # traced
         tf.config.experimental.reset_memory_stats("CPU:0")
@@ -99,7 +101,7 @@ def measured(args, model: str, setting: str) -> dict:
     command = [sys.executable, os.path.abspath(__file__), "--child", "--models", model,
                "--setting", setting, "--batches", args.batches, "--sequence-length",
                str(args.sequence_length), "--layers", str(args.layers), "--hidden",
-               str(args.hidden), "--vocabulary", str(args.vocabulary)]
+               str(args.hidden), "--vocabulary", str(args.vocabulary), "--metrics", args.metrics]
     done = subprocess.run(command, env=dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true",
                                             TF_CPP_MIN_LOG_LEVEL="2"),
                           capture_output=True, text=True, check=False)
@@ -118,6 +120,8 @@ def main(argv=None) -> int:
     parser.add_argument("--vocabulary", type=int, default=2048,
                         help="token ids, and GPT-2's next-token classes")
     parser.add_argument("--batches", default="4,16", help="two micro-batches, small,large")
+    parser.add_argument("--metrics", default="",
+                        help="Keras metric names, comma-separated (planned as compiled)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--setting", default="none", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -127,7 +131,9 @@ def main(argv=None) -> int:
         child(args)
         return 0
     print(f"sequence length {args.sequence_length}, {args.layers} layers of {args.hidden}, "
-          f"vocabulary {args.vocabulary}, micro-batches {args.batches}; MiB per sample, TensorFlow's allocator on a CPU\n")
+          f"vocabulary {args.vocabulary}, micro-batches {args.batches}"
+          + (f", metrics {args.metrics}" if args.metrics else "")
+          + "; MiB per sample, TensorFlow's allocator on a CPU\n")
     print("| model | rematerialize | measured | planned | planned / measured |")
     print("|---|---|---:|---:|---:|")
     for model in args.models.split(","):

@@ -39,14 +39,16 @@ def test_a_traced_loss_counts_its_tensors_beyond_the_kept_output():
     model = _per_pixel(8, 12)
     p = _plan(model, loss=_dot)
     # sum(t · p) forward and backward, one op at a time with the output p held throughout:
-    # p, the targets t (shaped as p), the sum's gradient broadcast to p's shape, and the
-    # gradient t · that broadcast: 4 tensors of the output's size at the peak, of which the
+    # p, the targets t (shaped as p) and t · p in the forward; in the backward the sum's
+    # gradient broadcast to p's shape, and t times it written over one of the two (both
+    # read for the last time): 3 tensors of the output's size at the peak, of which the
     # activations count p already.
-    assert p.loss_bytes_per_sample == 3 * _output_bytes(8, 12)
+    assert p.loss_bytes_per_sample == 2 * _output_bytes(8, 12)
     # The backward's workspace, two tensors of the output's size (the largest: its gradient
-    # and the convolution's), runs after the loss, never beside it: the row is the excess.
+    # and the convolution's), runs after the loss, never beside it: the row is the excess,
+    # none here.
     assert p.workspace_bytes_per_sample == 2 * _output_bytes(8, 12)
-    assert p.breakdown(2, 2)[Term.LOSS] == 2 * (3 - 2) * _output_bytes(8, 12)
+    assert p.breakdown(2, 2)[Term.LOSS] == 0
     assert p.peak_bytes(2, 2) == sum(p.breakdown(2, 2).values())
     assert not [note for note in p.notes if "loss" in note]
 
@@ -57,11 +59,30 @@ def test_an_output_nothing_reads_after_the_loss_is_freed_there():
     metric = keras.metrics.MeanSquaredError()
     alone, with_metric = (_plan(linear, loss=_dot, metrics=metrics).loss_bytes_per_sample
                           for metrics in ([], [metric]))
-    # sum(t · p), one op at a time: p, t and t · p in the forward; the sum's gradient
-    # broadcast to p's shape, t and their product in the backward, p freed after its last
-    # use (3 tensors of the output's size). A metric reads p after the backward pass, so
-    # with one p is held throughout (4).
-    assert (alone, with_metric) == (3 * _output_bytes(8, 12), 4 * _output_bytes(8, 12))
+    # sum(t · p), one op at a time: p and t, then t · p written over p (its last use); the
+    # sum's gradient broadcast to p's shape and t in the backward, their product written
+    # over one of them (2 tensors of the output's size). A metric reads p after the
+    # backward pass, so with one p is held throughout and t · p needs a buffer of its own (3).
+    assert (alone, with_metric) == (2 * _output_bytes(8, 12), 3 * _output_bytes(8, 12))
+
+
+def test_a_wide_head_and_its_cross_entropy_hold_one_tensor_of_the_logits_size():
+    # A next-token head: 8 positions of 4 features into 512 classes, sparse cross-entropy from
+    # the logits. TensorFlow writes the loss's gradient over the logits (read for the last
+    # time there) and the products after it over that gradient: at the loss's peak the logits'
+    # buffer once, beside the targets as int64 (8 bytes a position) and the per-position
+    # losses (4). The head's backward: its output's gradient (the logits' size) and its
+    # input's (8 × 4), not two tensors of the logits' size.
+    inputs = keras.Input((8, 4))
+    model = keras.Model(inputs, keras.layers.Dense(512)(inputs))
+    p = _plan(model, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    logits = 8 * 512 * 4
+    assert p.loss_bytes_per_sample == logits + 8 * (8 + 4)
+    assert p.workspace_bytes_per_sample == logits + 8 * 4 * 4
+    assert p.loss_row_bytes_per_sample == 0
+    # Kept: the head's input; at the peak, beside it, the head's backward.
+    assert p.peak_bytes(3, 1) - p.peak_bytes(2, 1) == 8 * 4 * 4 + logits + 8 * 4 * 4 + (
+        p.input_bytes_per_sample * 2)
 
 
 def test_the_loss_and_the_recomputed_segment_are_not_held_together():
@@ -90,7 +111,7 @@ def test_without_a_loss_the_term_is_the_bound_and_says_so():
             "the run's `loss` to trace it)") in p.notes
     # A compiled model plans its own loss.
     model.compile("adam", _dot)
-    assert _plan(model).loss_bytes_per_sample == 3 * _output_bytes(8, 12)
+    assert _plan(model).loss_bytes_per_sample == 2 * _output_bytes(8, 12)
 
 
 def test_an_untraceable_loss_is_bounded_and_named():

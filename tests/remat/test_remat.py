@@ -172,8 +172,9 @@ def test_a_call_outside_the_recomputed_block_runs_beside_none_of_it():
     # One block (64 → 512 → 64) recomputed, then a head of 2048 values, per sample in float32
     # values. Kept: the block's input and the head's (2 × 64); the block's hidden 512 is held
     # again while it is recomputed, beside its own calls' workspace (2 × 512: an output's and
-    # an input's gradient). The head's backward (its output's gradient and its own, 2 × 2048)
-    # runs before that, beside the kept tensors only: the peak is 128 + max(4096, 512 + 1024).
+    # an input's gradient). The head's backward (its output's gradient, 2048, and its input's,
+    # 64) runs before that, beside the kept tensors only: the peak is
+    # 128 + max(2048 + 64, 512 + 1024).
     inputs = keras.Input((64,))
     block_in = keras.Input((64,))
     hidden = keras.layers.Dense(512, activation="relu")(block_in)
@@ -184,7 +185,7 @@ def test_a_call_outside_the_recomputed_block_runs_beside_none_of_it():
     assert plan.activation_bytes_per_sample == (128 + 512) * 4
     assert plan.recomputed_bytes_per_sample == 512 * 4
     assert plan.activation_bytes_per_sample + plan.workspace_bytes_per_sample == (
-        128 + 4096) * 4
+        128 + 2048 + 64) * 4
 
 
 class _TwoBlocksSubclassed(tfmem.AccumModel):

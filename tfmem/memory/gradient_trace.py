@@ -32,6 +32,21 @@ _BATCHES = (2, 3)
 _ALIASING_OPS = {"Reshape", "Identity", "IdentityN", "Squeeze", "ExpandDims", "StopGradient"}
 _SHAPE_OPS = {"Shape", "ShapeN", "Size", "Rank", "BroadcastGradientArgs", "ZerosLike",
               "OnesLike"}
+# TensorFlow kernels that write an output into the buffer of an input of the same shape and
+# dtype when nothing else holds that input (`forward_input_or_allocate_output`): the
+# element-wise ops and their gradients, bias-add, softmax, AddN, select, and the
+# cross-entropy ops, whose gradient over the logits takes the logits' buffer.
+_FORWARDING_OPS = frozenset({
+    "Abs", "Neg", "Sign", "Reciprocal", "Square", "Sqrt", "Rsqrt", "Exp", "Expm1", "Log",
+    "Log1p", "Sin", "Cos", "Tanh", "Sigmoid", "Erf", "Erfc", "Floor", "Ceil", "Round",
+    "Relu", "Relu6", "Elu", "Selu", "Softplus", "Softsign", "LeakyRelu",
+    "AddV2", "Add", "Sub", "Mul", "MulNoNan", "Div", "RealDiv", "DivNoNan", "Maximum",
+    "Minimum", "Pow", "SquaredDifference", "Xdivy", "Xlogy", "ClipByValue",
+    "ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad", "SoftplusGrad", "SoftsignGrad",
+    "LeakyReluGrad", "TanhGrad", "SigmoidGrad", "SqrtGrad", "RsqrtGrad", "ReciprocalGrad",
+    "BiasAdd", "Softmax", "LogSoftmax", "AddN", "Select", "SelectV2",
+    "SoftmaxCrossEntropyWithLogits", "SparseSoftmaxCrossEntropyWithLogits",
+})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +114,8 @@ class _Trace:
 
 def trace_call_tensorflow(call: Callable, specs: Sequence[tuple[tuple, str]], *,
                           differentiable: Sequence[bool], trainable: Sequence,
-                          non_trainable: Sequence, held: Sequence[int] = ()) -> TracedCall:
+                          non_trainable: Sequence, held: Sequence[int] = (),
+                          owned: Sequence[int] = ()) -> TracedCall:
     """Which forward tensors the backward pass of `call(*tensors)` reads, on TensorFlow.
 
     The walk (`saved_tensors`) takes this function or `trace_call_jax`, chosen once.
@@ -113,11 +129,14 @@ def trace_call_tensorflow(call: Callable, specs: Sequence[tuple[tuple, str]], *,
         non_trainable: the other variables `call` reads (statistics, seeds).
         held: indices of inputs alive for the whole call in `transient_bytes` (a loss's
             prediction, which the step holds until its metrics update).
+        owned: indices of inputs that nothing but the call reads (a loss's prediction that no
+            metric holds), whose buffers its ops may write over; the others' may be read
+            elsewhere in the step (a layer's input by a skip connection), so they keep theirs.
 
     Raises:
         whatever the framework raises when the call cannot be traced; callers fall back.
     """
-    arguments = (call, specs, differentiable, trainable, non_trainable, held)
+    arguments = (call, specs, differentiable, trainable, non_trainable, held, owned)
     symbolic = _trace_tensorflow(*arguments, batch=None)
     if not symbolic.ambiguous:
         return TracedCall(tuple(sorted(symbolic.kept_inputs)),
@@ -130,10 +149,11 @@ def trace_call_tensorflow(call: Callable, specs: Sequence[tuple[tuple, str]], *,
 
 def trace_call_jax(call: Callable, specs: Sequence[tuple[tuple, str]], *,
                    differentiable: Sequence[bool], trainable: Sequence,
-                   non_trainable: Sequence, held: Sequence[int] = ()) -> TracedCall:
+                   non_trainable: Sequence, held: Sequence[int] = (),
+                   owned: Sequence[int] = ()) -> TracedCall:
     """`trace_call_tensorflow` on JAX: the residuals `jax.vjp` saves, at two batch sizes
-    (no transient is sized, so `held` changes nothing)."""
-    del held
+    (no transient is sized, so `held` and `owned` change nothing)."""
+    del held, owned
     return _per_sample(_trace_jax, (call, specs, differentiable, trainable, non_trainable))
 
 
@@ -191,8 +211,8 @@ def _float_sum(outputs, cast, reduce_sum, is_float):
     return total
 
 
-def _trace_tensorflow(call, specs, differentiable, trainable, non_trainable, held=(), *,
-                      batch) -> _Trace:
+def _trace_tensorflow(call, specs, differentiable, trainable, non_trainable, held=(),
+                      owned=(), *, batch) -> _Trace:
     """One trace; with `batch` None, every size is already per sample (a tensor without the
     symbolic batch axis is a weight or a reduction over the batch: 0)."""
     import tensorflow as tf
@@ -258,8 +278,10 @@ def _trace_tensorflow(call, specs, differentiable, trainable, non_trainable, hel
     # Sized without marking the trace ambiguous: a gradient's temporary whose shape the
     # graph leaves open (broadcast to a computed shape) counts as nothing.
     results = list(graph.outputs) + list(graph.control_outputs) + list(boundary["outputs"])
+    inputs = boundary["inputs"]
     transient = transient_bytes(operations, _sized(nbytes, batch), results,
-                                [boundary["inputs"][i] for i in held]) - kept
+                                [inputs[i] for i in held],
+                                [x for i, x in enumerate(inputs) if i not in owned]) - kept
     return _Trace(frozenset(kept_inputs), frozenset(kept_outputs), internal, forward, outputs,
                   has_loop, ambiguous, max(transient, 0))
 
@@ -310,7 +332,7 @@ def _sized(nbytes, batch):
     return size
 
 
-def transient_bytes(operations, nbytes, results=None, held=()) -> int:
+def transient_bytes(operations, nbytes, results=None, held=(), pinned=()) -> int:
     """The most bytes the tensors of `operations` hold at once, run one at a time in the
     order they were built (the forward, then the backward the tape built in reverse): a
     tensor is held from the op that makes it to the last op that reads it (not counting ops
@@ -328,30 +350,70 @@ def transient_bytes(operations, nbytes, results=None, held=()) -> int:
     besides the input; TensorFlow's own allocator measures 4.07 for the same function on a
     CPU (`TF_CPU_ALLOCATOR_USE_BFC=true`), and 4 to 8 inside whole training steps, with the
     micro-batches it is read between (docs/benchmarks.md).
+
+    An op of `_FORWARDING_OPS` that is the only reader of an input of its output's shape and
+    dtype writes its output there (TensorFlow's kernels take over the buffer of an input
+    nothing else holds): no new tensor. An input with other readers keeps its buffer, as the
+    executor may run them in any order (the cross-entropy's gradient takes the logits' buffer
+    that only the loss reads; BatchNormalization's ops each read tensors others read too), and
+    so do tensors in `pinned` (inputs that the rest of the step may read).
     """
     if results is not None:
         needed = _needed(results)
         operations = [op for op in operations if op.name in needed]
-    last = {}
+    last, readers = {}, {}
     for position, op in enumerate(operations):
         if op.type in _SHAPE_OPS:
             continue  # run as soon as the tensor exists: it does not hold it
         for tensor in op.inputs:
             last[_root(tensor).ref()] = position
+            if op.type not in _ALIASING_OPS:  # a view's readers read it
+                readers.setdefault(_root(tensor).ref(), set()).add(op.name)
     for tensor in held:
         last[_root(tensor).ref()] = len(operations) - 1
+    for tensor in pinned:
+        readers[_root(tensor).ref()] = None  # no op is its only reader
     freed: dict[int, int] = {}  # position -> bytes its op is the last to read
     held = peak = 0
     for position, op in enumerate(operations):
         if op.type not in _ALIASING_OPS:
+            sole = (_sole_inputs(op, position, last, readers)
+                    if op.type in _FORWARDING_OPS else [])
             for tensor in op.outputs:
                 size = nbytes(tensor)
                 end = max(last.get(tensor.ref(), position), position)
-                held += size
+                taken = next((root for given, root in sole if _same_buffer(
+                    given, root, tensor, nbytes)), None)
+                if taken is not None:  # written over an input only it reads, whose buffer lives on
+                    sole = [entry for entry in sole if entry[1] is not taken]
+                    freed[position] -= size
+                else:
+                    held += size
                 freed[end] = freed.get(end, 0) + size
         peak = max(peak, held)
         held -= freed.pop(position, 0)
     return peak
+
+
+def _sole_inputs(op, position: int, last: dict, readers: dict) -> list:
+    """`(input, the tensor whose buffer it is)` of each input that only `op` reads (not held
+    to the end: `last`)."""
+    sole, seen = [], set()
+    for tensor in op.inputs:
+        root = _root(tensor)
+        if (last.get(root.ref()) == position and readers.get(root.ref()) == {op.name}
+                and root.ref() not in seen):
+            seen.add(root.ref())
+            sole.append((tensor, root))
+    return sole
+
+
+def _same_buffer(given, root, output, nbytes) -> bool:
+    """Whether `output` fits the buffer of `root`, read by its op as `given`: same dtype,
+    shape and size (TensorFlow forwards only an input of the output's own shape)."""
+    return (given.dtype == output.dtype and given.shape.rank is not None
+            and given.shape.as_list() == output.shape.as_list()
+            and nbytes(root) == nbytes(output) > 0)
 
 
 def _needed(results) -> set:

@@ -68,6 +68,8 @@ class Walker:
         self.model_inputs: set = set()
         self.largest = 0  # outside the rematerialized ranges, bytes per sample
         self.largest_anywhere = 0  # inside them (the largest outside is `largest`)
+        # The most a call's gradients hold at once, bytes per sample (`workspace`).
+        self.gradients = 0
         self.transient = 0  # the largest call's own transient, bytes per sample
         self.fixed_transient = 0  # the largest call's transient of a weight's size, bytes
         # What the largest grouped convolution's XLA call leaves in glibc's default heap,
@@ -124,6 +126,7 @@ class Walker:
         self.sizes[key] = sample_bytes(tensor.shape, dtype)
         self.touched.add(key)
         self.largest = max(self.largest, self.sizes[key])
+        self.gradients = max(self.gradients, 2 * self.sizes[key])
 
     def sample_bytes(self, tensor, dtype=None) -> int:
         return sample_bytes(tensor.shape, dtype or self.dtype_of(tensor))
@@ -132,6 +135,7 @@ class Walker:
         nbytes = sample_bytes(shape, dtype)
         self.keep_bytes(nbytes, kind=kind)
         self.largest = max(self.largest, nbytes)
+        self.gradients = max(self.gradients, 2 * nbytes)
 
     def keep_drawn(self, shape, dtype) -> None:
         """Keeps a new tensor drawn from the layer's seed, not made from its inputs' values
@@ -189,8 +193,8 @@ class Walker:
         """Walks `nodes` and drops what they keep but their `inputs`, which are kept across
         the passes instead; returns the bytes dropped (held again while recomputed)."""
         before = set(self.sizes)
-        outer = self.largest, self.transient
-        self.largest = self.transient = 0
+        outer = self.largest, self.gradients, self.transient
+        self.largest = self.gradients = self.transient = 0
         for node in nodes:
             call(node)
         input_keys = {self.key(t) for t in inputs}
@@ -198,7 +202,7 @@ class Walker:
                      if key not in input_keys)
         self.recompute_peaks.append(inside + self.workspace)
         self.largest_anywhere = max(self.largest_anywhere, self.largest)
-        self.largest, self.transient = outer
+        self.largest, self.gradients, self.transient = outer
         for tensor in inputs:
             self.keep(tensor)
         return inside
@@ -206,9 +210,9 @@ class Walker:
     @property
     def workspace(self) -> int:
         """What the largest call walked (outside the ranges walked since) holds while it
-        runs besides the kept tensors: two tensors of the largest size (its output's and
-        input's gradients) or its own transient."""
-        return max(2 * self.largest, self.transient)
+        runs besides the kept tensors: its output's and inputs' gradients (`gradients`)
+        or its own transient."""
+        return max(self.gradients, self.transient)
 
     def call(self, node) -> None:
         operation = node.operation
@@ -226,8 +230,15 @@ class Walker:
                 or id(operation) in self.inner_graphs):
             self.nested(node)
             return
-        for tensor in outputs:
-            self.largest = max(self.largest, sample_bytes(tensor.shape, self.dtype_of(tensor)))
+        sizes = [sample_bytes(tensor.shape, self.dtype_of(tensor)) for tensor in outputs]
+        self.largest = max([self.largest] + sizes)
+        # Its output's gradient, and its inputs' beside it: as large as the output where
+        # the inputs are (their gradients are slices or views of it), else the inputs' own
+        # (a head's logits from a narrow input: one tensor of the logits' size).
+        into = sum(sample_bytes(tensor.shape, self.dtype_of(tensor)) for tensor in inputs
+                   if None not in tuple(tensor.shape)[1:])
+        self.gradients = max(self.gradients, max(sizes, default=0)
+                             + min(max(sizes, default=0), into))
         viewing = isinstance(operation, layer_rules.VIEWS) or (
             isinstance(operation, layer_rules.DROPOUTS) and not operation.rate)
         if viewing and len(inputs) == 1:
@@ -358,6 +369,10 @@ class Walker:
             if nbytes:
                 self.keep_bytes(nbytes * repeat)
         self.largest = max(self.largest, result.largest_bytes)
+        if result.largest_bytes > max(result.output_bytes, default=0):
+            # A tensor inside the call, its gradient beside it (an output's is counted with
+            # the call's gradients).
+            self.gradients = max(self.gradients, 2 * result.largest_bytes)
         self.transient = max(self.transient, result.transient_bytes * scale[0] // scale[1],
                              xla_rules.traced_transient(self.target, result.windows)
                              * scale[0] // scale[1])

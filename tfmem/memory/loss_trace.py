@@ -171,7 +171,8 @@ def _traced(item, output, make_call, hold_output: bool) -> tuple[int | None, int
         try:
             call, differentiable, variables = make_call(item)
             traced = trace(call, specs, differentiable=differentiable, trainable=[],
-                           non_trainable=variables, held=[0] if hold_output else [])
+                           non_trainable=variables, held=[0] if hold_output else [],
+                           owned=[] if hold_output else [0])
         except Exception:  # noqa: BLE001 - targets of the other form, or not traceable
             continue
         inputs = [_bytes(*spec) for spec in specs]

@@ -39,10 +39,11 @@ class SavedTensors:
         largest_tensor_bytes: bytes of the largest single tensor of the forward pass (one sample).
         workspace_bytes: the largest transient a step needs besides the kept tensors and
             the largest recomputed range's (`recomputed_bytes`), for one sample. A call's
-            own is the largest of two tensors of its largest size (an op's output and input
-            gradients), its own transient (its gradients and temporaries, from its traced
-            graph: `gradient_trace.transient_bytes`); a call inside a rematerialized range
-            runs beside that range's tensors, recomputed, one outside beside none.
+            own is the largest of its output's gradient beside its inputs' (at most the
+            output's size again; `Walker.gradients`) and its own transient (its gradients and
+            temporaries, from its traced graph: `gradient_trace.transient_bytes`); a call
+            inside a rematerialized range runs beside that range's tensors, recomputed, one
+            outside beside none.
         workspace_fixed_bytes: the part of the backward's largest transient that does not
             grow with the batch (`xla_rules`: a grouped convolution's kernel gradient on
             XLA:CPU).
