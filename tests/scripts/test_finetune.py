@@ -956,7 +956,7 @@ def test_multi_label_masks_from_an_rle_csv_train_with_dice_on_jax(tmp_path):
     calls of the colab notebooks (detect, plan, AccumModel.wrap, image_dataset,
     fit_resumable), which run there on TensorFlow (tests/scripts/test_notebooks.py)."""
     train, held_out = (_cloud_layout(tmp_path / name, count, seed)
-                       for name, count, seed in (("train", 64, 0), ("validation", 16, 1)))
+                       for name, count, seed in (("train", 32, 0), ("validation", 16, 1)))
     assert train.schema.multi_label and train.class_names == (
         "disk", "plus", "shape", "square", "triangle")
     # Rematerialized in the segments the plan cuts (exact: it trains as well). Trained in the
