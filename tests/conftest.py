@@ -29,10 +29,52 @@ tf.config.set_logical_device_configuration(
 )
 
 
+import collections  # noqa: E402
+import json  # noqa: E402
+import pathlib  # noqa: E402
 import socket  # noqa: E402
 import sys  # noqa: E402
 
 import pytest  # noqa: E402
+
+# Each test file's seconds when last recorded (`--record-file-seconds` rewrites those it runs).
+FILE_SECONDS = pathlib.Path(__file__).with_name("file_seconds.json")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--record-file-seconds", action="store_true",
+                     help=f"write the seconds of each test file run (setup, call and teardown "
+                          f"of its tests) into {FILE_SECONDS.name}, which orders the files of "
+                          f"later runs")
+
+
+def _recorded_seconds() -> dict:
+    return json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.exists() else {}
+
+
+def pytest_collection_modifyitems(items):
+    """The test files longest first, a file not yet recorded before them all, each file's
+    tests in their own order: pytest-xdist hands the files to its workers in this order
+    (setup.cfg: `--no-loadscope-reorder`), so no long file starts when the other worker is
+    nearly done."""
+    seconds = _recorded_seconds()
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], float("inf")))
+
+
+_file_seconds = collections.Counter()
+
+
+def pytest_runtest_logreport(report):
+    _file_seconds[report.nodeid.split("::")[0]] += report.duration
+
+
+def pytest_sessionfinish(session):
+    # Under pytest-xdist the controller receives every worker's reports and writes the file.
+    if session.config.getoption("record_file_seconds") and not hasattr(session.config,
+                                                                        "workerinput"):
+        seconds = _recorded_seconds() | {path: round(total, 1)
+                                         for path, total in _file_seconds.items()}
+        FILE_SECONDS.write_text(json.dumps(dict(sorted(seconds.items())), indent=0) + "\n")
 
 
 @pytest.fixture(autouse=True)
