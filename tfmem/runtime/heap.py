@@ -13,6 +13,7 @@ elsewhere (macOS, Windows, musl) nothing changes and `fix_mmap_threshold` return
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 import sys
@@ -24,8 +25,10 @@ _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (glibc's malloc.h)
 _LARGEST = 32 * MIB  # glibc's HEAP_MAX_SIZE / 2 on 64-bit: mallopt refuses more
 
 
+@functools.cache
 def glibc() -> ctypes.CDLL | None:
-    """This process's C library when it is glibc, else None."""
+    """This process's C library when it is glibc, else None (found once: `platform.libc_ver`
+    reads the Python executable)."""
     if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
         return None
     try:
