@@ -3,6 +3,8 @@
     KERAS_BACKEND=jax python benchmarks/planner_jax.py                  # the zoo, batch 32
     KERAS_BACKEND=jax python benchmarks/planner_jax.py --models vit --batches 16,64
     KERAS_BACKEND=jax python benchmarks/planner_jax.py --models hub-vit,hub-bert,hub-gpt2
+    # XLA:TPU's analysis, compiled ahead of time on this machine (`pip install libtpu`):
+    KERAS_BACKEND=jax python benchmarks/planner_jax.py --device tpu-v5e-1 --compile-for v5e:2x2
 
 For each model of `benchmarks/planner_accuracy.py` (Adam, 64×64, float32), keras-hub's ViT,
 BERT or GPT-2: the planner's estimate for one plain step (one batch in flight) on the device
@@ -60,7 +62,25 @@ def inputs(model: keras.Model, batch: int) -> list:
             for t in tensors]
 
 
-def compare(name: str, batch: int, device: str) -> dict:
+def tpu_chip(topology: str) -> jax.Device:
+    """The first chip of a TPU topology (libtpu's name, e.g. "v5e:2x2"), which XLA compiles for
+    ahead of time on a machine that has none. Needs the `libtpu` package."""
+    try:
+        import libtpu  # noqa: F401
+    except ImportError:
+        raise SystemExit("error: --compile-for needs libtpu, the TPU compiler: pip install "
+                         "libtpu (the version jax[tpu] pins for this JAX)") from None
+    # This machine's own TPU metadata is not asked for, and JAX runs here on the CPU.
+    for name, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"),
+                        ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")):
+        os.environ.setdefault(name, value)
+    jax.config.update("jax_platforms", "cpu")
+    from jax.experimental import topologies
+
+    return topologies.get_topology_desc(platform="tpu", topology_name=topology).devices[0]
+
+
+def compare(name: str, batch: int, device: str, chip: jax.Device | None = None) -> dict:
     """The plan and XLA's analysis of one model's train step at `batch`."""
     model = build(name)
     model.compile(optimizer=keras.optimizers.Adam(), loss="mse")
@@ -74,7 +94,7 @@ def compare(name: str, batch: int, device: str) -> dict:
     batch_x = one_or_all([jax.ShapeDtypeStruct(shape, np.dtype(dtype))
                           for shape, dtype in inputs(model, batch)])
     batch_y = jax.ShapeDtypeStruct((batch,) + tuple(output.shape[1:]), np.float32)
-    xla = probe_jax.compiled_step_memory(model, (batch_x, batch_y))
+    xla = probe_jax.compiled_step_memory(model, (batch_x, batch_y), device=chip)
     # The plan for the device XLA compiled for ("cpu": XLA:CPU's rules), with the batch held
     # once, as XLA's arguments; without the host's framework runtime, which XLA's figure
     # does not hold.
@@ -98,18 +118,28 @@ def main(argv=None):
     parser.add_argument("--device", default="cpu",
                         help='the device the plan is for: "cpu" (XLA:CPU, what compiles here) '
                         "or a name of tfmem's device table (an accelerator plan)")
+    parser.add_argument("--compile-for", metavar="TOPOLOGY",
+                        help='compile for one chip of this TPU topology, libtpu\'s name (e.g. '
+                        '"v5e:2x2", "v4:2x2x1", "v6e:2x2"), ahead of time on this machine; '
+                        "plan for the same chip with --device (e.g. tpu-v5e-1)")
     args = parser.parse_args(argv)
     if keras.backend.backend() != "jax":
         raise SystemExit("error: run with KERAS_BACKEND=jax; this compares with XLA's analysis")
+    if args.compile_for and not args.device.startswith("tpu-"):
+        raise SystemExit(f"error: --compile-for {args.compile_for} compiles for a TPU, and "
+                         f"--device {args.device} plans for another device; pass a TPU of "
+                         "tfmem's device table, e.g. --device tpu-v5e-1")
+    chip = tpu_chip(args.compile_for) if args.compile_for else None
     began = time.time()
+    target = chip.device_kind if chip else jax.devices()[0].platform
     print(f"Planner vs XLA's compiled memory analysis of `train_step`, Adam, "
-          f"{zoo.IMAGE[0]}×{zoo.IMAGE[1]}, float32, {jax.devices()[0].platform}\n")
+          f"{zoo.IMAGE[0]}×{zoo.IMAGE[1]}, float32, {target}\n")
     print("| model | batch | XLA arguments | XLA temporaries | XLA peak | plan: state | "
           "plan: activations + workspace | plan peak | plan / XLA |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in args.models.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
-            r = compare(name, batch, args.device)
+            r = compare(name, batch, args.device, chip)
             xla = r["xla"]
             print(f"| {name} | {batch} | {xla['argument_bytes'] / MIB:.0f} MiB | "
                   f"{xla['temp_bytes'] / MIB:.0f} MiB | {xla['peak_bytes'] / MIB:.0f} MiB | "

@@ -61,7 +61,18 @@ mlp.optimizer.build(mlp.trainable_variables)
 mlp_plan = tfmem.plan(mlp, global_batch_size=BATCH, optimizer="sgd",
                       input_batches_in_flight=1, memory_budget=2**34)
 mlp_batch = (np.zeros((BATCH,) + TOKENS, "float32"), np.zeros((BATCH, 4), "float32"))
+# Compiled for a device named (as for a TPU chip of a topology): here the CPU, the same step.
+import jax
+named = probe_jax.compiled_step_memory(mlp, mlp_batch, device=jax.devices()[0])
+keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.devices()))
+try:
+    probe_jax.compiled_step_memory(mlp, mlp_batch, device=jax.devices()[0])
+    refused = None
+except ValueError as error:
+    refused = str(error)
+keras.distribution.set_distribution(None)
 text = {"mlp_xla": probe_jax.compiled_step_memory(mlp, mlp_batch)["peak_bytes"],
+        "mlp_named": named, "refused": refused,
         "mlp_plan": mlp_plan.peak_bytes(BATCH, 1) - mlp_plan.runtime_bytes,
         "mlp_activation": mlp_plan.activation_bytes_per_sample}
 print(json.dumps({"backend": keras.backend.backend(), **text,
@@ -176,3 +187,12 @@ def test_xla_cpu_holds_a_traced_calls_transcendental_residuals_and_row_sums_broa
     # XLA:CPU: t and the exp (transcendental, not made twice) and the row sum broadcast to
     # the row; the differences and the inverse square are made again from them.
     assert held("cpu") == 3 * row
+
+
+def test_a_step_compiled_for_a_named_device_is_the_step_and_a_mesh_places_it_alone(on_jax):
+    # `device=` lays the state and the batch on that one device (a TPU chip of a topology,
+    # compiled ahead of time); on the CPU it names, the program is the one compiled without it.
+    assert on_jax["mlp_named"]["peak_bytes"] == on_jax["mlp_xla"]
+    assert on_jax["mlp_named"]["argument_bytes"] > 0
+    # Under a keras.distribution the mesh places the step: `device` is refused, by name.
+    assert on_jax["refused"] and "`device`" in on_jax["refused"]

@@ -51,7 +51,8 @@ def peak_bytes_in_use() -> int | None:
     return max(peaks) if peaks else None
 
 
-def compiled_step_memory(model: keras.Model, data, step=None) -> dict[str, int]:
+def compiled_step_memory(model: keras.Model, data, step=None,
+                         device: jax.Device | None = None) -> dict[str, int]:
     """XLA's memory analysis of `model.train_step` compiled for one batch shaped like `data`.
 
     The step is lowered exactly as `fit` runs it: `jax.jit` with the state donated, and under
@@ -66,6 +67,9 @@ def compiled_step_memory(model: keras.Model, data, step=None) -> dict[str, int]:
         step: the jitted step to compile (default: a new `jax.jit` of `model.train_step`).
             Its later calls with arguments laid out like these run the executable compiled
             here (JAX caches it in the jitted function).
+        device: compile for this one device instead of where the state lives: e.g. a TPU
+            chip of `jax.experimental.topologies.get_topology_desc`, which XLA compiles for
+            ahead of time on a machine without one (where `libtpu` is installed).
 
     Returns:
         `{"argument_bytes", "output_bytes", "alias_bytes", "temp_bytes",
@@ -73,7 +77,8 @@ def compiled_step_memory(model: keras.Model, data, step=None) -> dict[str, int]:
         alias + temp, XLA's own bound on what the step holds at once.
 
     Raises:
-        ValueError: the model is not compiled, or its optimizer has no variables yet.
+        ValueError: the model is not compiled, or its optimizer has no variables yet; or
+            `device` under a `keras.distribution` (its mesh places the step).
 
     Example:
         >>> model.train_on_batch(x[:64], y[:64])  # doctest: +SKIP
@@ -96,6 +101,15 @@ def compiled_step_memory(model: keras.Model, data, step=None) -> dict[str, int]:
     )
     abstract_state = tree.map_structure(abstract, state)
     abstract_data = abstract_batch(data)
+    if device is not None:
+        if keras.distribution.distribution() is not None:
+            raise ValueError("compiled_step_memory(): `device` places the whole step on one "
+                             "device; under a keras.distribution its mesh places it, so leave "
+                             "`device` out.")
+        sharding = jax.sharding.SingleDeviceSharding(device)
+        abstract_state, abstract_data = tree.map_structure(
+            lambda value: None if value is None else jax.ShapeDtypeStruct(
+                value.shape, value.dtype, sharding=sharding), (abstract_state, abstract_data))
     if step is None:
         step = jax.jit(model.train_step, donate_argnums=0)
     return memory_analysis(step.lower(abstract_state, abstract_data).compile())
