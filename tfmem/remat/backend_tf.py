@@ -139,47 +139,71 @@ class WeightsFirst:
         pass found it to run as written, or did not see it)."""
         if self.plain.get(id(node), True):
             return call
+        return _weights_first(call)
 
-        def ordering(*args, **kwargs):
-            flat = tf.nest.flatten((args, kwargs))
-            inputs = _float_inputs(args, kwargs)  # some: the forward pass saw them
-            made = []
 
-            @tf.custom_gradient
-            def inner(*tensors):
-                by_id = dict(zip((id(tensor) for tensor in inputs), tensors))
-                filled = [by_id.get(id(item), item) for item in flat]
-                with tf.GradientTape() as tape:
-                    tape.watch(tensors)
-                    filled_args, filled_kwargs = tf.nest.pack_sequence_as((args, kwargs),
-                                                                          filled)
-                    result = call(*filled_args, **filled_kwargs)
-                made.append(result)
-                outputs = tf.nest.flatten(result)
+def weights_first(call):
+    """`call`, its inputs' gradients made only once its weights' are (control edges): for a
+    call outside the recomputed segments that reads a segment's output, so that the tensors
+    its weights' gradients read (its output's gradient: a head's logits') are freed before
+    the segment, which waits for its input gradient, is recomputed. The caller makes sure
+    no other call reads its inputs: their gradients are then added up inside it as the
+    step would add them. Eagerly or under XLA, as it is."""
 
-                def grad(*upstream, variables=None):
-                    variables = list(variables or [])
-                    pairs = [(output, up) for output, up in zip(outputs, upstream)
-                             if output.dtype.is_floating]
-                    grads = tape.gradient(
-                        [output for output, _ in pairs], list(tensors) + variables,
-                        output_gradients=[tf.zeros_like(output) if up is None else up
-                                          for output, up in pairs])
-                    weights = grads[len(tensors):]
-                    first = [g for g in weights if isinstance(g, (tf.Tensor, tf.IndexedSlices))]
-                    if not first:
-                        return grads[:len(tensors)], weights
-                    with tf.control_dependencies([g.values if isinstance(g, tf.IndexedSlices)
-                                                  else g for g in first]):
-                        return [_identity(g) for g in grads[:len(tensors)]], weights
+    def running(*args, **kwargs):
+        if tf.executing_eagerly() or internals.in_xla_compilation():
+            return call(*args, **kwargs)
+        inputs = _float_inputs(args, kwargs)
+        if not inputs:
+            return call(*args, **kwargs)
+        return _weights_first(call)(*args, **kwargs)
 
-                return outputs, grad
+    return running
 
-            outputs = inner(*inputs)
-            internals.keep_keras_masks(tf.nest.flatten(made[0]), outputs)
-            return tf.nest.pack_sequence_as(made[0], outputs)
 
-        return ordering
+def _weights_first(call):
+    """`call` under a custom gradient making its inputs' gradients after its weights'."""
+
+    def ordering(*args, **kwargs):
+        flat = tf.nest.flatten((args, kwargs))
+        inputs = _float_inputs(args, kwargs)  # some: the forward pass saw them
+        made = []
+
+        @tf.custom_gradient
+        def inner(*tensors):
+            by_id = dict(zip((id(tensor) for tensor in inputs), tensors))
+            filled = [by_id.get(id(item), item) for item in flat]
+            with tf.GradientTape() as tape:
+                tape.watch(tensors)
+                filled_args, filled_kwargs = tf.nest.pack_sequence_as((args, kwargs),
+                                                                      filled)
+                result = call(*filled_args, **filled_kwargs)
+            made.append(result)
+            outputs = tf.nest.flatten(result)
+
+            def grad(*upstream, variables=None):
+                variables = list(variables or [])
+                pairs = [(output, up) for output, up in zip(outputs, upstream)
+                         if output.dtype.is_floating]
+                grads = tape.gradient(
+                    [output for output, _ in pairs], list(tensors) + variables,
+                    output_gradients=[tf.zeros_like(output) if up is None else up
+                                      for output, up in pairs])
+                weights = grads[len(tensors):]
+                first = [g for g in weights if isinstance(g, (tf.Tensor, tf.IndexedSlices))]
+                if not first:
+                    return grads[:len(tensors)], weights
+                with tf.control_dependencies([g.values if isinstance(g, tf.IndexedSlices)
+                                              else g for g in first]):
+                    return [_identity(g) for g in grads[:len(tensors)]], weights
+
+            return outputs, grad
+
+        outputs = inner(*inputs)
+        internals.keep_keras_masks(tf.nest.flatten(made[0]), outputs)
+        return tf.nest.pack_sequence_as(made[0], outputs)
+
+    return ordering
 
 
 def _weighted(node) -> bool:
