@@ -575,7 +575,11 @@ def test_a_layers_input_gradient_waits_for_its_weights_gradients_inside_a_segmen
 
         def made(layer):  # what the returned gradient of the layer's kernel waits for
             returned = graph.outputs[index[id(accum.get_layer(layer).kernel)]]
-            return _ancestors(graph_def, returned.op.name)
+            # from the value it returns: the function's outputs also wait for every read of
+            # a variable, the recomputation's included
+            value = [name.split(":")[0] for name in nodes[returned.op.name].input
+                     if not name.startswith("^")]
+            return set(value).union(*(_ancestors(graph_def, name) for name in value))
 
         def kernel_gradients(names, layer=""):  # input^T × output's gradient: a Dense
             return {name for name in names if "MatMul" in nodes[name].op  # kernel's

@@ -68,7 +68,8 @@ def recompute_grad(function, then=None):
 
     What waits for what (why, and what it saves: docs/rematerialization.md, docs/benchmarks.md):
     - the recomputation waits for the gradient it serves: through control dependencies, which
-      copy nothing (under XLA, which drops them, through an addition XLA fuses);
+      copy nothing (under XLA, which drops them, through an addition XLA fuses), its ops that
+      read none of its arguments (a dropout's mask) too;
     - the gradients passed on to the arguments wait for the weights' gradients, so the segment
       before is recomputed only once this one's tensors can be freed;
     - they wait for each other too (each read twice), so that Grappler does not fold the sums
@@ -86,7 +87,8 @@ def recompute_grad(function, then=None):
                 tape.watch(ordered)
                 tape.watch(variables)
                 made = _ops_made()
-                recomputed = function(*ordered)
+                with _waiting_for(upstream[0]):
+                    recomputed = function(*ordered)
             grads = tape.gradient(recomputed, ordered + variables, output_gradients=upstream,
                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
             ops = made()  # the recomputation's and its gradient's
@@ -460,6 +462,16 @@ def _after(dependency, tensors) -> list:
         return _after_values([dependency], tensors)
     with tf.control_dependencies([dependency]):
         return [tf.identity(tensor) for tensor in tensors]
+
+
+def _waiting_for(dependency):
+    """Inside, the ops made wait for `dependency` too where they read no tensor made inside
+    (a dropout's mask drawn from its seed, which the executor would otherwise make during the
+    forward pass and hold until the recomputation reads it); under XLA, which drops control
+    edges and schedules the step itself, nothing changes."""
+    if internals.in_xla_compilation():
+        return contextlib.nullcontext()
+    return tf.control_dependencies([dependency])
 
 
 def _ops_made():
