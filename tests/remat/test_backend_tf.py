@@ -74,6 +74,23 @@ def test_arguments_are_not_copied_and_the_recomputation_waits_for_its_gradient()
     assert len(waiting) == 1
 
 
+def test_what_the_recomputation_draws_from_no_argument_waits_for_its_gradient_too():
+    # A dropout's mask is drawn from its seed, not made from the arguments: without waiting,
+    # the executor may draw the recomputation's during the forward pass and hold it until read.
+    w = tf.Variable(tf.ones((6, 5)))
+
+    def block(a, b):
+        mask = tf.random.stateless_uniform((4, 5), seed=[1, 2]) >= 0.5
+        return tf.where(mask, tf.concat([a, b], axis=-1) @ w, 0.0)
+
+    graph = _step_graph(recompute_grad, block, w, loss=lambda y: tf.reduce_sum(y * y))
+    draws = [op for op in graph.get_operations() if op.type == "StatelessRandomUniformV2"]
+    selects = [op for op in graph.get_operations() if op.type == "SelectV2"]
+    assert len(draws) == 2  # the forward pass's, then the recomputation's
+    assert selects[0] not in _ancestors(draws[0], control=True)
+    assert selects[0] in _ancestors(draws[1], control=True)  # through the loss's gradient
+
+
 def _ancestors(op, control=False) -> set:
     """The ops whose outputs `op` reads, directly or through others; with `control`, also
     those it waits for through control edges."""

@@ -550,7 +550,7 @@ def _ancestors(graph_def, name) -> set:
     return seen
 
 
-def test_inside_a_segment_a_layers_input_gradient_waits_for_its_weights_gradients():
+def test_a_layers_input_gradient_waits_for_its_weights_gradients_inside_a_segment_and_after():
     # In the segment (a_hidden, a_out), a_out's kernel gradient reads its input, a_hidden's
     # 512 outputs; a_hidden's gradients need only a_out's input gradient. Made first, that
     # input gradient lets a_hidden's backward run while a_out's input is still held; made
@@ -575,15 +575,24 @@ def test_inside_a_segment_a_layers_input_gradient_waits_for_its_weights_gradient
 
         def made(layer):  # what the returned gradient of the layer's kernel waits for
             returned = graph.outputs[index[id(accum.get_layer(layer).kernel)]]
-            return _ancestors(graph_def, returned.op.name)
+            # from the value it returns: the function's outputs also wait for every read of
+            # a variable, the recomputation's included
+            value = [name.split(":")[0] for name in nodes[returned.op.name].input
+                     if not name.startswith("^")]
+            return set(value).union(*(_ancestors(graph_def, name) for name in value))
 
-        def kernel_gradients(names):  # input^T × output's gradient: a Dense kernel's
-            return {name for name in names if "MatMul" in nodes[name].op
-                    and nodes[name].attr["transpose_a"].b}
+        def kernel_gradients(names, layer=""):  # input^T × output's gradient: a Dense
+            return {name for name in names if "MatMul" in nodes[name].op  # kernel's
+                    and nodes[name].attr["transpose_a"].b and f"/{layer}" in name}
 
-        a_out = kernel_gradients(made("a_out"))
+        a_out = kernel_gradients(made("a_out"), "a_out")
         assert len(a_out) == 1 and a_out <= made("a_hidden")
-        # outside the segment nothing is reordered: b's layers run as Keras runs them
+        # b_hidden, the first call with weights after the segment, passes its input gradient
+        # back only once its kernel's gradient is made: the segment is recomputed once
+        # b_hidden's output gradient, which that kernel gradient reads, can be freed.
+        b_hidden = kernel_gradients(made("b_hidden"), "b_hidden")
+        assert len(b_hidden) == 1 and b_hidden <= made("a_hidden") & made("a_out")
+        # the other calls outside the segment run as Keras runs them
         assert not kernel_gradients(made("b_out")) & made("b_hidden")
 
 

@@ -53,6 +53,11 @@ def rematerialized_call(layer, original):
     return call
 
 
+def weights_first(call):
+    """`call` as it is: XLA orders the step's gradients itself (`backend_tf.weights_first`)."""
+    return call
+
+
 def _owner(loss, owners):
     """The layer of `owners` that added `loss` inside the checkpoint (and forgets it there)."""
     for owner in owners:

@@ -68,7 +68,8 @@ def recompute_grad(function, then=None):
 
     What waits for what (why, and what it saves: docs/rematerialization.md, docs/benchmarks.md):
     - the recomputation waits for the gradient it serves: through control dependencies, which
-      copy nothing (under XLA, which drops them, through an addition XLA fuses);
+      copy nothing (under XLA, which drops them, through an addition XLA fuses), its ops that
+      read none of its arguments (a dropout's mask) too;
     - the gradients passed on to the arguments wait for the weights' gradients, so the segment
       before is recomputed only once this one's tensors can be freed;
     - they wait for each other too (each read twice), so that Grappler does not fold the sums
@@ -86,7 +87,8 @@ def recompute_grad(function, then=None):
                 tape.watch(ordered)
                 tape.watch(variables)
                 made = _ops_made()
-                recomputed = function(*ordered)
+                with _waiting_for(upstream[0]):
+                    recomputed = function(*ordered)
             grads = tape.gradient(recomputed, ordered + variables, output_gradients=upstream,
                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
             ops = made()  # the recomputation's and its gradient's
@@ -139,47 +141,71 @@ class WeightsFirst:
         pass found it to run as written, or did not see it)."""
         if self.plain.get(id(node), True):
             return call
+        return _weights_first(call)
 
-        def ordering(*args, **kwargs):
-            flat = tf.nest.flatten((args, kwargs))
-            inputs = _float_inputs(args, kwargs)  # some: the forward pass saw them
-            made = []
 
-            @tf.custom_gradient
-            def inner(*tensors):
-                by_id = dict(zip((id(tensor) for tensor in inputs), tensors))
-                filled = [by_id.get(id(item), item) for item in flat]
-                with tf.GradientTape() as tape:
-                    tape.watch(tensors)
-                    filled_args, filled_kwargs = tf.nest.pack_sequence_as((args, kwargs),
-                                                                          filled)
-                    result = call(*filled_args, **filled_kwargs)
-                made.append(result)
-                outputs = tf.nest.flatten(result)
+def weights_first(call):
+    """`call`, its inputs' gradients made only once its weights' are (control edges): for a
+    call outside the recomputed segments that reads a segment's output, so that the tensors
+    its weights' gradients read (its output's gradient: a head's logits') are freed before
+    the segment, which waits for its input gradient, is recomputed. The caller makes sure
+    no other call reads its inputs: their gradients are then added up inside it as the
+    step would add them. Eagerly or under XLA, as it is."""
 
-                def grad(*upstream, variables=None):
-                    variables = list(variables or [])
-                    pairs = [(output, up) for output, up in zip(outputs, upstream)
-                             if output.dtype.is_floating]
-                    grads = tape.gradient(
-                        [output for output, _ in pairs], list(tensors) + variables,
-                        output_gradients=[tf.zeros_like(output) if up is None else up
-                                          for output, up in pairs])
-                    weights = grads[len(tensors):]
-                    first = [g for g in weights if isinstance(g, (tf.Tensor, tf.IndexedSlices))]
-                    if not first:
-                        return grads[:len(tensors)], weights
-                    with tf.control_dependencies([g.values if isinstance(g, tf.IndexedSlices)
-                                                  else g for g in first]):
-                        return [_identity(g) for g in grads[:len(tensors)]], weights
+    def running(*args, **kwargs):
+        if tf.executing_eagerly() or internals.in_xla_compilation():
+            return call(*args, **kwargs)
+        inputs = _float_inputs(args, kwargs)
+        if not inputs:
+            return call(*args, **kwargs)
+        return _weights_first(call)(*args, **kwargs)
 
-                return outputs, grad
+    return running
 
-            outputs = inner(*inputs)
-            internals.keep_keras_masks(tf.nest.flatten(made[0]), outputs)
-            return tf.nest.pack_sequence_as(made[0], outputs)
 
-        return ordering
+def _weights_first(call):
+    """`call` under a custom gradient making its inputs' gradients after its weights'."""
+
+    def ordering(*args, **kwargs):
+        flat = tf.nest.flatten((args, kwargs))
+        inputs = _float_inputs(args, kwargs)  # some: the forward pass saw them
+        made = []
+
+        @tf.custom_gradient
+        def inner(*tensors):
+            by_id = dict(zip((id(tensor) for tensor in inputs), tensors))
+            filled = [by_id.get(id(item), item) for item in flat]
+            with tf.GradientTape() as tape:
+                tape.watch(tensors)
+                filled_args, filled_kwargs = tf.nest.pack_sequence_as((args, kwargs),
+                                                                      filled)
+                result = call(*filled_args, **filled_kwargs)
+            made.append(result)
+            outputs = tf.nest.flatten(result)
+
+            def grad(*upstream, variables=None):
+                variables = list(variables or [])
+                pairs = [(output, up) for output, up in zip(outputs, upstream)
+                         if output.dtype.is_floating]
+                grads = tape.gradient(
+                    [output for output, _ in pairs], list(tensors) + variables,
+                    output_gradients=[tf.zeros_like(output) if up is None else up
+                                      for output, up in pairs])
+                weights = grads[len(tensors):]
+                first = [g for g in weights if isinstance(g, (tf.Tensor, tf.IndexedSlices))]
+                if not first:
+                    return grads[:len(tensors)], weights
+                with tf.control_dependencies([g.values if isinstance(g, tf.IndexedSlices)
+                                              else g for g in first]):
+                    return [_identity(g) for g in grads[:len(tensors)]], weights
+
+            return outputs, grad
+
+        outputs = inner(*inputs)
+        internals.keep_keras_masks(tf.nest.flatten(made[0]), outputs)
+        return tf.nest.pack_sequence_as(made[0], outputs)
+
+    return ordering
 
 
 def _weighted(node) -> bool:
@@ -436,6 +462,16 @@ def _after(dependency, tensors) -> list:
         return _after_values([dependency], tensors)
     with tf.control_dependencies([dependency]):
         return [tf.identity(tensor) for tensor in tensors]
+
+
+def _waiting_for(dependency):
+    """Inside, the ops made wait for `dependency` too where they read no tensor made inside
+    (a dropout's mask drawn from its seed, which the executor would otherwise make during the
+    forward pass and hold until the recomputation reads it); under XLA, which drops control
+    edges and schedules the step itself, nothing changes."""
+    if internals.in_xla_compilation():
+        return contextlib.nullcontext()
+    return tf.control_dependencies([dependency])
 
 
 def _ops_made():

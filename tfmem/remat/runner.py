@@ -155,6 +155,7 @@ def _runner(nodes, graph_inputs, graph_outputs, outputs_struct, ranges, original
     `outputs_struct`) that runs each of `ranges` as one recomputed function in training
     calls, and `original` otherwise."""
     units = _units(nodes, graph_outputs, ranges)
+    first = _weighted_after_ranges(units)
 
     def run_through_graph(inputs, operation_fn=lambda op: op, call_fn=None):
         flat = keras.tree.flatten(inputs)
@@ -164,7 +165,8 @@ def _runner(nodes, graph_inputs, graph_outputs, outputs_struct, ranges, original
         values = {id(x): y for x, y in zip(graph_inputs, flat)}
         for unit in units:
             if len(unit) == 1:
-                _run_node(unit[0], values, operation_fn)
+                _run_node(unit[0], values, operation_fn,
+                          _HALF.weights_first if id(unit[0]) in first else None)
                 continue
             inside, unit_inputs, joins, unit_outputs, variables = unit
 
@@ -229,9 +231,40 @@ def _units(nodes, graph_outputs, ranges) -> list[tuple]:
     return units
 
 
-def _run_node(node, values: dict, operation_fn) -> None:
+def _weighted_after_ranges(units) -> set:
+    """Ids of the plain calls whose weights' gradients a range's recomputation is to wait
+    for: on each path from a range's outputs, the first call with trainable weights (a
+    head), where no other call reads its inputs and it reads none twice. The range waits
+    for its outputs' gradients, which such a call then makes after its weights' (through
+    the calls without weights in between), so that its output's gradient, which its
+    weights' gradients read, is freed before the range is recomputed."""
+    readers: dict = {}
+    for unit in units:
+        for node in unit[:1] if len(unit) == 1 else unit[0]:
+            for tensor in node.input_tensors:
+                readers.setdefault(id(tensor), []).append(node)
+    plain = {id(unit[0]) for unit in units if len(unit) == 1}
+    chosen, seen = set(), set()
+    todo = [node for unit in units if len(unit) > 1 for t in unit[3]
+            for node in readers.get(id(t), ())]
+    while todo:
+        node = todo.pop()
+        if id(node) in seen or id(node) not in plain:
+            continue
+        seen.add(id(node))
+        if not getattr(node.operation, "trainable_weights", None):
+            todo.extend(reader for t in node.outputs for reader in readers.get(id(t), ()))
+        elif all(len(readers[id(t)]) == 1 for t in node.input_tensors
+                 if "float" in str(t.dtype)):  # a mask or ids may be read by many
+            chosen.add(id(node))
+    return chosen
+
+
+def _run_node(node, values: dict, operation_fn, wrap=None) -> None:
     args, kwargs = node.arguments.fill_in(values)
     call = segment_call(node, operation_fn(node.operation))
+    if wrap is not None:
+        call = wrap(call)
     outputs = call(*args, **kwargs)
     for x, y in zip(node.outputs, keras.tree.flatten(outputs)):
         values[id(x)] = y
