@@ -11,9 +11,9 @@ mapped it on its own. The child is `heap_growth.py`'s (the same model, optimizer
 glibc's default heap); both steps are logged, the first (traced) and the second. Printed per
 micro-batch and setting, in MiB: the peak resident set of the second step above import; the
 second step's peak of live logged blocks, and of those in the heap; the heap's footprint (the
-address space its logged blocks covered, both steps); the largest block served from the heap
-and the smallest mapped; and the block size whose blocks alive at once hold the most, with
-their count (a grouped convolution's per-group buffers). Linux with glibc and a C compiler only.
+address space its logged blocks covered: in the second step, in both); the largest block served from the heap
+and the smallest mapped; and, of the block sizes with several blocks alive at once, the one
+whose blocks hold the most, with their count (a grouped convolution's per-group buffers). Linux with glibc and a C compiler only.
 """
 
 from __future__ import annotations
@@ -113,6 +113,22 @@ def _records(path: str):
     return freed, mapped, size, raw[:, 1].astype(np.int64)
 
 
+def _footprint(prefix: str, steps) -> int:
+    """The bytes of address space the heap's logged blocks covered in `steps`."""
+    spans = []
+    for step in steps:
+        freed, mapped, size, address = _records(f"{prefix}.{step}")
+        served = ~freed & ~mapped
+        spans += zip(address[served], address[served] + size[served])
+    covered, end = 0, None
+    for start, stop in sorted(spans):
+        if end is None or start > end:
+            covered, end = covered + stop - start, stop
+        elif stop > end:
+            covered, end = covered + stop - end, stop
+    return covered
+
+
 def summary(prefix: str) -> dict:
     """The second step's live peaks and block sizes, and the heap's footprint in both."""
     freed, mapped, size, address = _records(f"{prefix}.2")
@@ -133,23 +149,16 @@ def summary(prefix: str) -> dict:
             of_size[nbytes] -= 1
         peak_all = max(peak_all, now[True] + now[False])
         peak_heap = max(peak_heap, now[False])
-    spans = []
-    for step in (1, 2):
-        step_freed, step_mapped, step_size, step_address = _records(f"{prefix}.{step}")
-        served = ~step_freed & ~step_mapped
-        spans += zip(step_address[served], step_address[served] + step_size[served])
-    footprint, end = 0, None
-    for start, stop in sorted(spans):
-        if end is None or start > end:
-            footprint, end = footprint + stop - start, stop
-        elif stop > end:
-            footprint, end = footprint + stop - end, stop
+    footprint = {steps: _footprint(prefix, steps) for steps in ((2,), (1, 2))}
     served = ~freed
-    # The size whose blocks alive at once hold the most bytes.
-    block, blocks = max(most.items(), key=lambda item: item[0] * item[1]) if most else (0, 0)
-    return {"live": peak_all / MIB, "heap live": peak_heap / MIB, "footprint": footprint / MIB,
+    # Of the sizes with several blocks alive at once, the one whose blocks hold the most.
+    block, blocks = max(((size, count) for size, count in most.items() if count > 1),
+                        key=lambda item: item[0] * item[1], default=(0, 0))
+    return {"live": peak_all / MIB, "heap live": peak_heap / MIB,
+            "footprint": footprint[(2,)] / MIB, "footprint, both": footprint[(1, 2)] / MIB,
             "largest heap block": size[served & ~mapped].max(initial=0) / MIB,
-            "smallest mapped": size[served & mapped].min(initial=0) / MIB,
+            "smallest mapped": (size[served & mapped].min() if (served & mapped).any() else 0)
+            / MIB,
             "blocks": f"{blocks} × {block / MIB:.2f}"}
 
 
@@ -175,7 +184,8 @@ def main() -> None:
         if built.returncode:
             raise SystemExit(f"error: the allocation logger did not compile "
                              f"({built.stderr.strip()[:200]}); install a C compiler (cc)")
-        columns = ["peak RSS", "live", "heap live", "footprint", "largest heap block",
+        columns = ["peak RSS", "live", "heap live", "footprint", "footprint, both",
+                   "largest heap block",
                    "smallest mapped", "blocks"]
         print(f"{args.model}: MiB (second step; footprint: both steps)")
         print("| micro-batch | setting | " + " | ".join(columns) + " |")
