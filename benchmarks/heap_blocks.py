@@ -187,7 +187,7 @@ def main() -> None:
         columns = ["peak RSS", "live", "heap live", "footprint", "footprint, both",
                    "largest heap block",
                    "smallest mapped", "blocks"]
-        print(f"{args.model}: MiB (second step; footprint: both steps)")
+        print(f"{args.model}: MiB, the second step (footprint, both: the two steps)")
         print("| micro-batch | setting | " + " | ".join(columns) + " |")
         print("|---:|---|" + "---:|" * len(columns))
         here = os.path.dirname(os.path.abspath(__file__))
