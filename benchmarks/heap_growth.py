@@ -178,7 +178,8 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     unknown = set(args.heaps.split(",")) - set(HEAPS)
     if unknown:
-        parser.error(f"--heaps: unknown {', '.join(sorted(unknown))}; use of {', '.join(HEAPS)}")
+        parser.error(f"--heaps: unknown {', '.join(sorted(unknown))}; "
+                     f"use one or more of {', '.join(HEAPS)}")
     print(f"{args.model}: MiB above import (peak of step 2 / resident after it); "
           "MiB per sample since the previous micro-batch")
     print("| setting | heap | " + " | ".join(f"@{b}" for b in batches)
