@@ -3,17 +3,22 @@
     python benchmarks/heap_growth.py --model convnext-tiny --batches 8,32,64,128 \
         --settings none,full
     python benchmarks/heap_growth.py --model grouped-conv --batches 8,32,64,128
+    python benchmarks/heap_growth.py --model resnext-mini --batches 8,32,64 --settings none,full \
+        --heaps default
 
 An `AccumModel` (k = 1, Adam, mse to zeros, TensorFlow, float32) of `--model` (one of the
 registry's at `--image-size`; `grouped-conv`: a 1×1 convolution and one 7×7
 `Conv2D(groups=96)` on 16×16×96, the convolution Keras's TensorFlow backend runs as an XLA
-call; `depthwise-conv`: the same as `DepthwiseConv2D`), each micro-batch and setting in a
+call; `depthwise-conv`: the same as `DepthwiseConv2D`; `resnext-mini`: a small ResNeXt of
+plain Keras layers, 3×3 `Conv2D(groups=32)` in four bottleneck blocks at 32² and 16²),
+each micro-batch and setting in a
 fresh process, twice: under glibc's default `malloc` (its mmap threshold moves up to the
 largest block freed, up to 32 MiB, so that blocks below it are then kept in the heap when
 freed) and with the threshold fixed (`MALLOC_MMAP_THRESHOLD_=1048576`: every block over 1 MiB
 mapped on its own and given back when freed). Printed: the peak resident set of the second
 step above the resident set after import (the first step traces), the resident set after
-that step, the MiB per sample between consecutive micro-batches, and the plan's growth
+that step (and, with `--heap-free`, the bytes glibc's heap holds free then), the MiB per
+sample between consecutive micro-batches, and the plan's growth
 (`tfmem.plan` less its import term, planned for a process with that heap) against the peak.
 Linux with glibc only.
 """
@@ -21,6 +26,7 @@ Linux with glibc only.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import subprocess
@@ -33,12 +39,39 @@ MIB = 2**20
 HEAPS = {"default": {}, "fixed": {"MALLOC_MMAP_THRESHOLD_": str(MIB)}}
 
 
+def _resnext_mini(image_size: int):
+    """Four ResNeXt bottlenecks (1×1, 3×3 with 32 groups, 1×1; BatchNorm, ReLU, shortcut)."""
+    import keras
+
+    layers = keras.layers
+
+    def unit(x, filters, kernel=1, strides=1, groups=1, relu=True):
+        x = layers.Conv2D(filters, kernel, strides, padding="same", groups=groups,
+                          use_bias=False)(x)
+        x = layers.BatchNormalization()(x)
+        return layers.ReLU()(x) if relu else x
+
+    inputs = keras.Input((image_size, image_size, 3))
+    x = unit(inputs, 64, 3, strides=2)
+    for width, out, strides in ((128, 256, 1), (128, 256, 1), (256, 512, 2), (256, 512, 1)):
+        shortcut = (x if x.shape[-1] == out and strides == 1
+                    else unit(x, out, strides=strides, relu=False))
+        y = unit(x, width)
+        y = unit(y, width, 3, strides=strides, groups=32)
+        y = unit(y, out, relu=False)
+        x = layers.ReLU()(layers.Add()([y, shortcut]))
+    x = layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, layers.Dense(4)(x), name="resnext_mini")
+
+
 def build(name: str, image_size: int):
     import keras
 
     from tfmem import models
 
     keras.utils.set_random_seed(0)
+    if name == "resnext-mini":
+        return _resnext_mini(image_size)
     if name not in ("grouped-conv", "depthwise-conv"):
         return models.build(name, num_classes=4, image_size=(image_size, image_size))
     inputs = keras.Input((16, 16, 96))
@@ -75,7 +108,24 @@ def child(args, batch: int, setting: str) -> None:
         clear_refs.write("5")  # VmHWM back to the resident set now
     accum.train_on_batch(x, y)
     status = _resident()
-    print(json.dumps({"peak": status["VmHWM"] - baseline, "after": status["VmRSS"] - baseline}))
+    print(json.dumps({"peak": status["VmHWM"] - baseline, "after": status["VmRSS"] - baseline,
+                      "heap_free": _heap_free()}))
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+def _heap_free() -> int | None:
+    """Bytes glibc's heap holds free (in all arenas), or None (not glibc 2.33+)."""
+    try:
+        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.restype = _MallInfo2
+    return int(mallinfo2().fordblks)
 
 
 def measured(args, batch: int, setting: str, heap: str) -> dict:
@@ -115,6 +165,10 @@ def main() -> None:
     parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--batches", default="8,32,64,128")
     parser.add_argument("--settings", default="none")
+    parser.add_argument("--heaps", default=",".join(HEAPS),
+                        help="of: " + ", ".join(HEAPS))
+    parser.add_argument("--heap-free", action="store_true",
+                        help="print the heap's free MiB after the step too")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -122,20 +176,27 @@ def main() -> None:
         child(args, int(batch), setting)
         return
     batches = [int(b) for b in args.batches.split(",")]
+    unknown = set(args.heaps.split(",")) - set(HEAPS)
+    if unknown:
+        parser.error(f"--heaps: unknown {', '.join(sorted(unknown))}; "
+                     f"use one or more of {', '.join(HEAPS)}")
     print(f"{args.model}: MiB above import (peak of step 2 / resident after it); "
           "MiB per sample since the previous micro-batch")
     print("| setting | heap | " + " | ".join(f"@{b}" for b in batches)
           + " | per sample | planned / peak |")
     print("|---|---|" + "---:|" * len(batches) + "---|---|")
     for setting in args.settings.split(","):
-        for heap in HEAPS:
+        for heap in args.heaps.split(","):
             plan = planned(args, batches, setting, heap)
             runs = [measured(args, b, setting, heap) for b in batches]
             slopes = [(runs[i + 1]["peak"] - runs[i]["peak"]) / (batches[i + 1] - batches[i])
                       / MIB for i in range(len(batches) - 1)]
             ratios = ", ".join(f"{plan[b] / run['peak']:.2f}" for b, run in zip(batches, runs))
             print(f"| {setting} | {heap} | "
-                  + " | ".join(f"{r['peak'] / MIB:.0f} / {r['after'] / MIB:.0f}" for r in runs)
+                  + " | ".join(f"{r['peak'] / MIB:.0f} / {r['after'] / MIB:.0f}"
+                               + (f" ({r['heap_free'] / MIB:.0f} free)"
+                                  if args.heap_free and r["heap_free"] is not None else "")
+                               for r in runs)
                   + f" | {', '.join(f'{s:.1f}' for s in slopes)} | {ratios} |", flush=True)
 
 
