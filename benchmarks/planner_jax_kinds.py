@@ -2,6 +2,8 @@
 
     KERAS_BACKEND=jax python benchmarks/planner_jax_kinds.py                 # every kind
     KERAS_BACKEND=jax python benchmarks/planner_jax_kinds.py --kinds conv_relu,attention
+    # XLA:TPU's figures, compiled ahead of time here (`pip install libtpu`), and a TPU's plan:
+    KERAS_BACKEND=jax python benchmarks/planner_jax_kinds.py --device tpu-v5e-1 --compile-for v5e:2x2
 
 Each kind is a small model of four blocks (3×3 convolutions on 32×32×32, or 256 tokens of
 64 features) with a pooled Dense head, Adam, float32. For each: the per-sample slope of XLA's
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -26,6 +29,9 @@ import numpy as np  # noqa: E402
 
 import tfmem  # noqa: E402
 from tfmem.memory import probe_jax  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from planner_jax import tpu_chip  # noqa: E402
 
 L = keras.layers
 BATCHES = (16, 32)
@@ -101,9 +107,10 @@ KINDS = {
 }
 
 
-def slopes(name: str) -> tuple[float, float, float]:
-    """Bytes per sample of XLA's figure and of the plans for a GPU (no XLA:CPU rules) and
-    for this CPU (XLA:CPU's), between the two batches."""
+def slopes(name: str, device: str = "a100-80gb",
+           chip: jax.Device | None = None) -> tuple[float, float, float]:
+    """Bytes per sample of XLA's figure (for `chip`, else this CPU) and of the plans for
+    `device` (no XLA:CPU rules) and for this CPU (XLA:CPU's), between the two batches."""
     model = KINDS[name]()
     model.compile(optimizer="adam", loss="mse")
     shape = tuple(model.input_shape[1:])
@@ -112,8 +119,8 @@ def slopes(name: str) -> tuple[float, float, float]:
     for batch in BATCHES:
         data = (jax.ShapeDtypeStruct((batch,) + shape, np.float32),
                 jax.ShapeDtypeStruct((batch, 10), np.float32))
-        xla.append(probe_jax.compiled_step_memory(model, data)["peak_bytes"])
-        for planned, where in ((gpu, dict(device="a100-80gb")),
+        xla.append(probe_jax.compiled_step_memory(model, data, device=chip)["peak_bytes"])
+        for planned, where in ((gpu, dict(device=device)),
                                (cpu, dict(memory_budget=2**40))):
             plan = tfmem.plan(model, global_batch_size=batch, optimizer=model.optimizer,
                               input_batches_in_flight=1, **where)
@@ -126,16 +133,22 @@ def slopes(name: str) -> tuple[float, float, float]:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated kinds")
+    parser.add_argument("--device", default="a100-80gb",
+                        help="the accelerator of tfmem's device table the second plan is for")
+    parser.add_argument("--compile-for", metavar="TOPOLOGY",
+                        help='XLA\'s figures for one chip of this TPU topology (libtpu\'s name, '
+                        'e.g. "v5e:2x2"), compiled ahead of time here')
     args = parser.parse_args(argv)
     if keras.backend.backend() != "jax":
         raise SystemExit("error: run with KERAS_BACKEND=jax; this compares with XLA's analysis")
+    chip = tpu_chip(args.compile_for) if args.compile_for else None
     began = time.time()
     print(f"Per-sample bytes of one train step, batches {BATCHES}, Adam, float32, "
-          f"{jax.devices()[0].platform}\n")
-    print("| kind | XLA KiB/sample | plan for a GPU | plan for XLA:CPU |")
+          f"{chip.device_kind if chip else jax.devices()[0].platform}\n")
+    print(f"| kind | XLA KiB/sample | plan for {args.device} | plan for XLA:CPU |")
     print("|---|---:|---:|---:|")
     for name in args.kinds.split(","):
-        xla, gpu, cpu = slopes(name)
+        xla, gpu, cpu = slopes(name, args.device, chip)
         print(f"| {name} | {xla / 1024:.0f} | {gpu / 1024:.0f} ({gpu / xla:.2f}) | "
               f"{cpu / 1024:.0f} ({cpu / xla:.2f}) |", flush=True)
     print(f"\n{(time.time() - began) / 60:.1f} min, load average {os.getloadavg()[0]:.1f}")
