@@ -107,8 +107,8 @@ KINDS = {
 }
 
 
-def slopes(name: str, device: str = "a100-80gb",
-           chip: jax.Device | None = None) -> tuple[float, float, float]:
+def slopes(name: str, device: str = "a100-80gb", chip: jax.Device | None = None,
+           batches: tuple[int, int] = BATCHES) -> tuple[float, float, float]:
     """Bytes per sample of XLA's figure (for `chip`, else this CPU) and of the plans for
     `device` (no XLA:CPU rules) and for this CPU (XLA:CPU's), between the two batches."""
     model = KINDS[name]()
@@ -116,7 +116,7 @@ def slopes(name: str, device: str = "a100-80gb",
     shape = tuple(model.input_shape[1:])
     model.train_on_batch(np.zeros((2,) + shape, "float32"), np.zeros((2, 10), "float32"))
     xla, gpu, cpu = [], [], []
-    for batch in BATCHES:
+    for batch in batches:
         data = (jax.ShapeDtypeStruct((batch,) + shape, np.float32),
                 jax.ShapeDtypeStruct((batch, 10), np.float32))
         xla.append(probe_jax.compiled_step_memory(model, data, device=chip)["peak_bytes"])
@@ -126,13 +126,16 @@ def slopes(name: str, device: str = "a100-80gb",
                               input_batches_in_flight=1, **where)
             planned.append(plan.peak_bytes(batch, 1))
     keras.backend.clear_session()
-    step = BATCHES[1] - BATCHES[0]
+    step = batches[1] - batches[0]
     return tuple((figures[1] - figures[0]) / step for figures in (xla, gpu, cpu))
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated kinds")
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)),
+                        help="the two batch sizes the slope is taken between (on a TPU, "
+                        "multiples of 128: its layouts pad a small batch dimension)")
     parser.add_argument("--device", default="a100-80gb",
                         help="the accelerator of tfmem's device table the second plan is for")
     parser.add_argument("--compile-for", metavar="TOPOLOGY",
@@ -142,13 +145,17 @@ def main(argv=None):
     if keras.backend.backend() != "jax":
         raise SystemExit("error: run with KERAS_BACKEND=jax; this compares with XLA's analysis")
     chip = tpu_chip(args.compile_for) if args.compile_for else None
+    batches = tuple(int(b) for b in args.batches.split(","))
+    if len(batches) != 2 or not 0 < batches[0] < batches[1]:
+        raise SystemExit(f"error: --batches {args.batches}: give two batch sizes, the smaller "
+                         "first, e.g. --batches 16,32")
     began = time.time()
-    print(f"Per-sample bytes of one train step, batches {BATCHES}, Adam, float32, "
+    print(f"Per-sample bytes of one train step, batches {batches}, Adam, float32, "
           f"{chip.device_kind if chip else jax.devices()[0].platform}\n")
     print(f"| kind | XLA KiB/sample | plan for {args.device} | plan for XLA:CPU |")
     print("|---|---:|---:|---:|")
     for name in args.kinds.split(","):
-        xla, gpu, cpu = slopes(name, args.device, chip)
+        xla, gpu, cpu = slopes(name, args.device, chip, batches)
         print(f"| {name} | {xla / 1024:.0f} | {gpu / 1024:.0f} ({gpu / xla:.2f}) | "
               f"{cpu / 1024:.0f} ({cpu / xla:.2f}) |", flush=True)
     print(f"\n{(time.time() - began) / 60:.1f} min, load average {os.getloadavg()[0]:.1f}")
