@@ -81,20 +81,11 @@ def child(model: str, batch: int, setting: str, image_size: int, prefix: str) ->
     """Two steps of heap_growth's child, each logged to `prefix`.1 and `prefix`.2."""
     import ctypes
 
-    import keras
-
     import heap_growth
-    import tfmem
 
     logger = ctypes.CDLL(os.environ["LD_PRELOAD"])
     baseline = heap_growth._resident()["VmRSS"]
-    accum = tfmem.AccumModel.wrap(heap_growth.build(model, image_size), accumulation_steps=1,
-                                  rematerialize=None if setting == "none" else setting)
-    accum.compile(keras.optimizers.Adam(1e-4), "mse")
-    shape = (batch,) + tuple(accum.input_shape[1:])
-    x = np.random.default_rng(0).uniform(0, 1, shape).astype("float32")
-    y = np.zeros((batch,) + tuple(accum.compute_output_spec(keras.KerasTensor(shape)).shape[1:]),
-                 "float32")
+    accum, x, y = heap_growth.step_case(model, image_size, batch, setting)
     for step in (1, 2):
         if step == 2:
             with open("/proc/self/clear_refs", "w") as clear_refs:

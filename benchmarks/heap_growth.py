@@ -88,21 +88,28 @@ def _resident() -> dict[str, int]:
     return memory_cap.status_bytes()
 
 
-def child(args, batch: int, setting: str) -> None:
-    """In a fresh process: the second step's peak and the resident set after it."""
+def step_case(model: str, image_size: int, batch: int, setting: str):
+    """The AccumModel (Adam, one micro-batch a step, `setting` of rematerialize) and a batch
+    `(x, y)` of `batch` random images and zero targets, that each measured step trains on."""
     import keras
     import numpy as np
 
     import tfmem
 
-    baseline = _resident()["VmRSS"]
-    accum = tfmem.AccumModel.wrap(build(args.model, args.image_size), accumulation_steps=1,
+    accum = tfmem.AccumModel.wrap(build(model, image_size), accumulation_steps=1,
                                   rematerialize=None if setting == "none" else setting)
     accum.compile(keras.optimizers.Adam(1e-4), "mse")
     shape = (batch,) + tuple(accum.input_shape[1:])
     x = np.random.default_rng(0).uniform(0, 1, shape).astype("float32")
     y = np.zeros((batch,) + tuple(accum.compute_output_spec(keras.KerasTensor(shape)).shape[1:]),
                  "float32")
+    return accum, x, y
+
+
+def child(args, batch: int, setting: str) -> None:
+    """In a fresh process: the second step's peak and the resident set after it."""
+    baseline = _resident()["VmRSS"]
+    accum, x, y = step_case(args.model, args.image_size, batch, setting)
     accum.train_on_batch(x, y)  # traced
     with open("/proc/self/clear_refs", "w") as clear_refs:
         clear_refs.write("5")  # VmHWM back to the resident set now
