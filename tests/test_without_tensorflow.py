@@ -21,6 +21,8 @@ from importlib import metadata
 
 import pytest
 
+from tests.jax_flags import FAST_COMPILE
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CASES = ROOT / "tests" / "training" / "jax_cases"
 sys.path.insert(0, str(CASES))
@@ -87,10 +89,8 @@ def python():
 
 def _run(python, *args, timeout=300):
     env = {key: value for key, value in os.environ.items() if not key.startswith("XLA_")}
-    # XLA's CPU fusions emitted by its older emitters: about half the compile time of tiny
-    # models.
     env.update(KERAS_BACKEND="jax", JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
-               TF_CPP_MIN_LOG_LEVEL="2", XLA_FLAGS="--xla_cpu_use_fusion_emitters=false")
+               TF_CPP_MIN_LOG_LEVEL="2", XLA_FLAGS=FAST_COMPILE)
     return subprocess.run([str(python), *args], capture_output=True, text=True, env=env,
                           timeout=timeout, cwd=str(ROOT))
 

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from tests.jax_flags import jax_xla_flags
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 _PROGRAM = r"""
@@ -89,9 +91,7 @@ print(json.dumps({"backend": keras.backend.backend(), **text,
 @pytest.fixture(scope="module")
 def on_jax():
     env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
-               # the same buffers, about half the compile time (tests/training's JAX cases)
-               XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
-               + " --xla_cpu_use_fusion_emitters=false")
+               XLA_FLAGS=jax_xla_flags())
     result = subprocess.run([sys.executable, "-c", _PROGRAM], capture_output=True, text=True,
                             timeout=300, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stderr[-2000:]

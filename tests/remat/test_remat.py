@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 import tfmem
+from tests.jax_flags import jax_xla_flags
 from tests.training import remat_cases
 from tfmem.memory import remat_search
 from tfmem.remat import segments
@@ -98,11 +99,8 @@ def test_the_setting_is_saved_with_the_model(tmp_path):
 
 
 def test_on_the_jax_backend_too():
-    # The same buffers, about half the compile time (tests/training's JAX cases).
     env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3",
-               XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
-               + " --xla_force_host_platform_device_count=8"
-               " --xla_cpu_use_fusion_emitters=false",
+               XLA_FLAGS=jax_xla_flags("--xla_force_host_platform_device_count=8"),
                PYTHONPATH=os.pathsep.join([os.getcwd(), *sys.path]))
     result = subprocess.run([sys.executable, CASES], env=env, capture_output=True, text=True,
                             timeout=300)

@@ -16,6 +16,7 @@ import tensorflow as tf
 from absl import flags
 
 import tfmem
+from tests.jax_flags import jax_xla_flags
 from tfmem._sizes import format_bytes
 from tfmem.finetune import task_loss
 from tfmem.memory.memory_plan import Term
@@ -967,9 +968,7 @@ def test_multi_label_masks_from_an_rle_csv_train_with_dice_on_jax(tmp_path):
                        "--global-batch-size", "4", "--learning-rate", "3e-3",
                        "--rematerialize", "full", "--memory-limit", "none", "--verbose",
                        "--output", str(tmp_path / "run"), backend="jax", JAX_LOG_COMPILES="1",
-                       # the same buffers, about half the compile time (tests/training's JAX cases)
-                       XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
-                       + " --xla_cpu_use_fusion_emitters=false")
+                       XLA_FLAGS=jax_xla_flags())
     assert result.returncode == 0, result.stderr[-3000:]
     assert "keras               3" in result.stdout and "(backend jax)" in result.stdout
     # One device: Keras's own path, where the train step compiles once for the whole run

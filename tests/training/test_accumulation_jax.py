@@ -17,14 +17,12 @@ import sys
 
 import pytest
 
+from tests.jax_flags import jax_xla_flags
 from tests.training import loss_cases
 
 CASES = pathlib.Path(__file__).parent / "jax_cases"
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TIMEOUT_S = 600  # a guard against a hung program; a loaded machine takes minutes
-# XLA's CPU fusions emitted by its older emitters: the same HLO passes and buffers (the memory
-# analyses the cases assert on), about half the compile time of tiny models.
-FAST_COMPILE_FLAG = "--xla_cpu_use_fusion_emitters=false"
 
 
 class _Case:
@@ -34,8 +32,7 @@ class _Case:
         env = dict(os.environ)
         env.update(
             KERAS_BACKEND="jax",
-            XLA_FLAGS=(env.get("XLA_FLAGS", "") + f" {FAST_COMPILE_FLAG}"
-                       f" --xla_force_host_platform_device_count={num_devices}"),
+            XLA_FLAGS=jax_xla_flags(f"--xla_force_host_platform_device_count={num_devices}"),
             # tests/training too: the models the TensorFlow tests share with the cases.
             PYTHONPATH=os.pathsep.join([str(ROOT), str(CASES), str(CASES.parent),
                                         env.get("PYTHONPATH", "")]),

@@ -18,11 +18,10 @@ import numpy as np
 import pytest
 
 import tfmem
+from tests.jax_flags import jax_xla_flags
 from tfmem.runtime import distribute_jax
 
 PROGRAM = os.path.join(os.path.dirname(__file__), "multihost_run.py")
-# XLA's CPU fusions emitted by its older emitters: about half the compile time of tiny models.
-FAST_COMPILE_FLAG = "--xla_cpu_use_fusion_emitters=false"
 
 
 def _free_port() -> int:
@@ -34,7 +33,7 @@ def _free_port() -> int:
 def _env(**extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
     return dict(env, TF_CPP_MIN_LOG_LEVEL="3", **extra,
-                XLA_FLAGS=f"{env.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAG}")
+                XLA_FLAGS=jax_xla_flags())
 
 
 def _start(tmp_path, name, mode, *args):
