@@ -3,8 +3,8 @@
     KERAS_BACKEND=jax python benchmarks/planner_jax.py                  # the zoo, batch 32
     KERAS_BACKEND=jax python benchmarks/planner_jax.py --models vit --batches 16,64
     KERAS_BACKEND=jax python benchmarks/planner_jax.py --models hub-vit,hub-bert,hub-gpt2
-    # XLA:TPU's analysis, compiled ahead of time on this machine (`pip install libtpu`):
-    KERAS_BACKEND=jax python benchmarks/planner_jax.py --device tpu-v5e-1 --compile-for v5e:2x2
+    # XLA:TPU's analysis, compiled ahead of time on this machine (libtpu installed):
+    KERAS_BACKEND=jax python benchmarks/planner_jax.py --device tpu-v5e-1 --ahead-of-time
 
 For each model of `benchmarks/planner_accuracy.py` (Adam, 64×64, float32), keras-hub's ViT,
 BERT or GPT-2: the planner's estimate for one plain step (one batch in flight) on the device
@@ -62,22 +62,19 @@ def inputs(model: keras.Model, batch: int) -> list:
             for t in tensors]
 
 
-def tpu_chip(topology: str) -> jax.Device:
-    """The first chip of a TPU topology (libtpu's name, e.g. "v5e:2x2"), which XLA compiles for
-    ahead of time on a machine that has none. Needs the `libtpu` package."""
-    try:
-        import libtpu  # noqa: F401
-    except ImportError:
-        raise SystemExit("error: --compile-for needs libtpu, the TPU compiler: pip install "
-                         "libtpu (the version jax[tpu] pins for this JAX)") from None
-    # This machine's own TPU metadata is not asked for, and JAX runs here on the CPU.
-    for name, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"),
-                        ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")):
-        os.environ.setdefault(name, value)
+def tpu_chip(device: str) -> jax.Device:
+    """A TPU of `device`'s generation (`--device tpu-v5e-1`), which XLA compiles for ahead of
+    time here (`probe_jax.tpu_device`); JAX itself runs on this machine's CPU."""
     jax.config.update("jax_platforms", "cpu")
-    from jax.experimental import topologies
-
-    return topologies.get_topology_desc(platform="tpu", topology_name=topology).devices[0]
+    try:
+        return probe_jax.tpu_device(device)
+    except ImportError:
+        raise SystemExit(f"error: --ahead-of-time needs the TPU compiler, libtpu: pip install "
+                         f"\"jax[tpu]=={jax.__version__}\"") from None
+    except ValueError:
+        raise SystemExit(f"error: --ahead-of-time compiles for a TPU, and --device {device} is "
+                         "none; pass a TPU of tfmem's device table, e.g. --device "
+                         "tpu-v5e-1") from None
 
 
 def compare(name: str, batch: int, device: str, chip: jax.Device | None = None) -> dict:
@@ -118,18 +115,13 @@ def main(argv=None):
     parser.add_argument("--device", default="cpu",
                         help='the device the plan is for: "cpu" (XLA:CPU, what compiles here) '
                         "or a name of tfmem's device table (an accelerator plan)")
-    parser.add_argument("--compile-for", metavar="TOPOLOGY",
-                        help='compile for one chip of this TPU topology, libtpu\'s name (e.g. '
-                        '"v5e:2x2", "v4:2x2x1", "v6e:2x2"), ahead of time on this machine; '
-                        "plan for the same chip with --device (e.g. tpu-v5e-1)")
+    parser.add_argument("--ahead-of-time", action="store_true",
+                        help="XLA:TPU's figure for --device's TPU (e.g. tpu-v5e-1), compiled "
+                        "ahead of time on this machine (needs libtpu)")
     args = parser.parse_args(argv)
     if keras.backend.backend() != "jax":
         raise SystemExit("error: run with KERAS_BACKEND=jax; this compares with XLA's analysis")
-    if args.compile_for and not args.device.startswith("tpu-"):
-        raise SystemExit(f"error: --compile-for {args.compile_for} compiles for a TPU, and "
-                         f"--device {args.device} plans for another device; pass a TPU of "
-                         "tfmem's device table, e.g. --device tpu-v5e-1")
-    chip = tpu_chip(args.compile_for) if args.compile_for else None
+    chip = tpu_chip(args.device) if args.ahead_of_time else None
     began = time.time()
     target = chip.device_kind if chip else jax.devices()[0].platform
     print(f"Planner vs XLA's compiled memory analysis of `train_step`, Adam, "

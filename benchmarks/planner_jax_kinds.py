@@ -2,8 +2,8 @@
 
     KERAS_BACKEND=jax python benchmarks/planner_jax_kinds.py                 # every kind
     KERAS_BACKEND=jax python benchmarks/planner_jax_kinds.py --kinds conv_relu,attention
-    # XLA:TPU's figures, compiled ahead of time here (`pip install libtpu`), and a TPU's plan:
-    KERAS_BACKEND=jax python benchmarks/planner_jax_kinds.py --device tpu-v5e-1 --compile-for v5e:2x2
+    # XLA:TPU's figures, compiled ahead of time here (libtpu installed), and a TPU's plan:
+    KERAS_BACKEND=jax python benchmarks/planner_jax_kinds.py --device tpu-v5e-1 --ahead-of-time
 
 Each kind is a small model of four blocks (3×3 convolutions on 32×32×32, or 256 tokens of
 64 features) with a pooled Dense head, Adam, float32. For each: the per-sample slope of XLA's
@@ -138,13 +138,13 @@ def main(argv=None):
                         "multiples of 128: its layouts pad a small batch dimension)")
     parser.add_argument("--device", default="a100-80gb",
                         help="the accelerator of tfmem's device table the second plan is for")
-    parser.add_argument("--compile-for", metavar="TOPOLOGY",
-                        help='XLA\'s figures for one chip of this TPU topology (libtpu\'s name, '
-                        'e.g. "v5e:2x2"), compiled ahead of time here')
+    parser.add_argument("--ahead-of-time", action="store_true",
+                        help="XLA's figures for --device's TPU (e.g. tpu-v5e-1), compiled ahead "
+                        "of time here (needs libtpu)")
     args = parser.parse_args(argv)
     if keras.backend.backend() != "jax":
         raise SystemExit("error: run with KERAS_BACKEND=jax; this compares with XLA's analysis")
-    chip = tpu_chip(args.compile_for) if args.compile_for else None
+    chip = tpu_chip(args.device) if args.ahead_of_time else None
     batches = tuple(int(b) for b in args.batches.split(","))
     if len(batches) != 2 or not 0 < batches[0] < batches[1]:
         raise SystemExit(f"error: --batches {args.batches}: give two batch sizes, the smaller "

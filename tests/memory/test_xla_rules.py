@@ -73,7 +73,17 @@ try:
 except ValueError as error:
     refused = str(error)
 keras.distribution.set_distribution(None)
-text = {"mlp_xla": probe_jax.compiled_step_memory(mlp, mlp_batch)["peak_bytes"],
+# A TPU to compile for, named as in the device table (with the TPU compiler installed or not).
+import importlib.util
+from tfmem.runtime.devices import ACCELERATORS
+tpu = {}
+for name in ["a100-80gb", "tpu-x9"] + [a.name for a in ACCELERATORS.values() if a.kind == "tpu"]:
+    try:
+        tpu[name] = probe_jax.tpu_device(name).device_kind
+    except (ValueError, ImportError) as error:
+        tpu[name] = f"{type(error).__name__}: {error}"
+text = {"tpu": tpu, "libtpu": importlib.util.find_spec("libtpu") is not None,
+        "jax": jax.__version__,"mlp_xla": probe_jax.compiled_step_memory(mlp, mlp_batch)["peak_bytes"],
         "mlp_named": named, "refused": refused,
         "mlp_plan": mlp_plan.peak_bytes(BATCH, 1) - mlp_plan.runtime_bytes,
         "mlp_activation": mlp_plan.activation_bytes_per_sample}
@@ -196,3 +206,23 @@ def test_a_step_compiled_for_a_named_device_is_the_step_and_a_mesh_places_it_alo
     assert on_jax["mlp_named"]["argument_bytes"] > 0
     # Under a keras.distribution the mesh places the step: `device` is refused, by name.
     assert on_jax["refused"] and "`device`" in on_jax["refused"]
+
+
+def test_a_tpu_to_compile_for_is_named_as_in_the_device_table(on_jax):
+    tpu = dict(on_jax["tpu"])
+    assert tpu.pop("a100-80gb") == (
+        "ValueError: tpu_device(device='a100-80gb'): NVIDIA A100 80 GB is no TPU; name one, "
+        'e.g. device="tpu-v5e-8" or "tpu-v3-8"')
+    assert tpu.pop("tpu-x9").startswith(
+        "ValueError: tpu_device(device='tpu-x9'): 'tpu-x9' is not a known accelerator")
+    # Every TPU of the table is one of a generation XLA compiles for, without the hardware
+    # where the TPU compiler is installed; where it is not, the error says how to install it.
+    assert len(tpu) >= 6
+    for name, found in tpu.items():
+        if on_jax["libtpu"]:
+            assert found.startswith("TPU v"), (name, found)
+        else:
+            assert found == (
+                f"ImportError: tpu_device(device={name!r}) needs the TPU compiler, libtpu, to "
+                f'compile for a TPU on this machine: pip install "jax[tpu]=={on_jax["jax"]}" '
+                "(it pins the libtpu of this JAX)")

@@ -8,14 +8,22 @@ Two readings the planner's probe (`tfmem/memory/probe.py`) uses on the Keras JAX
 - `compiled_step_memory(model, data)`: XLA's memory analysis of the model's jitted train step
   for one batch, before running it: argument, output, aliased (donated) and temporary bytes
   per device. Available on every platform, including CPU.
+- `tpu_device(name)`: a TPU device of a generation of tfmem's device table, which
+  `compiled_step_memory(..., device=)` compiles for ahead of time on a machine without a TPU
+  (where the TPU compiler, libtpu, is installed).
 """
 
 from __future__ import annotations
+
+import importlib.util
+import os
 
 import jax
 import keras
 import numpy as np
 from keras import tree
+
+from tfmem.runtime import devices
 
 
 def device_memory_stats(device: jax.Device | None = None) -> dict[str, int]:
@@ -51,6 +59,63 @@ def peak_bytes_in_use() -> int | None:
     return max(peaks) if peaks else None
 
 
+# libtpu's name of a slice of one host of each TPU generation of tfmem's device table: a step
+# is compiled for its first device (one replica: a core of v2/v3, a chip of the others).
+_TPU_TOPOLOGIES = {"tpu-v2": "v2:2x2", "tpu-v3": "v3:2x2", "tpu-v4": "v4:2x2x1",
+                   "tpu-v5e": "v5e:2x2", "tpu-v5p": "v5p:2x2x1", "tpu-v6e": "v6e:2x2"}
+# What libtpu reads at start: this machine is no TPU host whose metadata server it would ask.
+_NO_TPU_HOST = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost",
+                "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+
+
+def tpu_device(device: str) -> jax.Device:
+    """A TPU device of `device`'s generation, to compile a step for ahead of time.
+
+    On a TPU host of that generation, its first device. Elsewhere (a laptop, a GPU machine),
+    a device of a TPU slice that XLA's TPU compiler describes without the hardware:
+    `compiled_step_memory(model, batch, device=tpu_device("tpu-v5e-8"))` is then XLA:TPU's
+    own figure of the step, per replica, on a machine that has no TPU. Nothing runs on it.
+    This needs the TPU compiler, `libtpu`, at the version JAX's `tpu` extra pins; with it
+    installed, JAX on a machine without a TPU says so once as it starts (set
+    `JAX_PLATFORMS=cpu` to keep it quiet).
+
+    Args:
+        device: a TPU of tfmem's device table (`"tpu-v5e-8"`, `"tpu-v3-8"`) or a Cloud TPU
+            type (`"v5litepod-16"`); only its generation matters.
+
+    Raises:
+        ValueError: `device` is no TPU of the table.
+        ImportError: libtpu is not installed; the message gives the command that installs it.
+
+    Example:
+        >>> chip = tpu_device("tpu-v5e-8")  # doctest: +SKIP
+        >>> compiled_step_memory(model, (x[:32], y[:32]), device=chip)["peak_bytes"]  # doctest: +SKIP
+    """
+    try:
+        accelerator = devices.by_name(device)
+    except ValueError as error:
+        raise ValueError(f"tpu_device(device={device!r}): {error}") from None
+    generation = accelerator.name.rsplit("-", 1)[0]
+    if accelerator.kind != "tpu" or generation not in _TPU_TOPOLOGIES:
+        raise ValueError(f"tpu_device(device={device!r}): {accelerator.description} is no "
+                         f"TPU; name one, e.g. device=\"tpu-v5e-8\" or \"tpu-v3-8\"")
+    local = [d for d in jax.devices() if d.platform == "tpu"]
+    if local and devices.lookup(local[0].device_kind).name.rsplit("-", 1)[0] == generation:
+        return local[0]
+    if importlib.util.find_spec("libtpu") is None:
+        raise ImportError(f"tpu_device(device={device!r}) needs the TPU compiler, libtpu, "
+                          f"to compile for a TPU on this machine: pip install "
+                          f"\"jax[tpu]=={jax.__version__}\" (it pins the libtpu of this "
+                          "JAX)")
+    for name, value in _NO_TPU_HOST.items():
+        os.environ.setdefault(name, value)
+    from jax.experimental import topologies  # the TPU compiler is loaded only here
+
+    topology = topologies.get_topology_desc(platform="tpu",
+                                            topology_name=_TPU_TOPOLOGIES[generation])
+    return topology.devices[0]
+
+
 def compiled_step_memory(model: keras.Model, data, step=None,
                          device: jax.Device | None = None) -> dict[str, int]:
     """XLA's memory analysis of `model.train_step` compiled for one batch shaped like `data`.
@@ -67,9 +132,9 @@ def compiled_step_memory(model: keras.Model, data, step=None,
         step: the jitted step to compile (default: a new `jax.jit` of `model.train_step`).
             Its later calls with arguments laid out like these run the executable compiled
             here (JAX caches it in the jitted function).
-        device: compile for this one device instead of where the state lives: e.g. a TPU
-            chip of `jax.experimental.topologies.get_topology_desc`, which XLA compiles for
-            ahead of time on a machine without one (where `libtpu` is installed).
+        device: compile for this one device instead of where the state lives: e.g.
+            `tpu_device("tpu-v5e-8")`, a TPU that XLA compiles for ahead of time on a
+            machine without one (where `libtpu` is installed).
 
     Returns:
         `{"argument_bytes", "output_bytes", "alias_bytes", "temp_bytes",
