@@ -60,7 +60,7 @@ def peak_bytes_in_use() -> int | None:
 
 
 # libtpu's name of a slice of one host of each TPU generation of tfmem's device table: a step
-# is compiled for its first device (one replica: a core of v2/v3, a chip of the others).
+# is compiled for its first device.
 _TPU_TOPOLOGIES = {"tpu-v2": "v2:2x2", "tpu-v3": "v3:2x2", "tpu-v4": "v4:2x2x1",
                    "tpu-v5e": "v5e:2x2", "tpu-v5p": "v5p:2x2x1", "tpu-v6e": "v6e:2x2"}
 # What libtpu reads at start: this machine is no TPU host whose metadata server it would ask.
@@ -100,8 +100,8 @@ def tpu_device(device: str) -> jax.Device:
         raise ValueError(f"tpu_device(device={device!r}): {accelerator.description} is no "
                          f"TPU; name one, e.g. device=\"tpu-v5e-8\" or \"tpu-v3-8\"")
     local = [d for d in jax.devices() if d.platform == "tpu"]
-    if local and devices.lookup(local[0].device_kind).name.rsplit("-", 1)[0] == generation:
-        return local[0]
+    if local and _generation(local[0].device_kind) == generation:
+        return local[0]  # this host's own TPU
     if importlib.util.find_spec("libtpu") is None:
         raise ImportError(f"tpu_device(device={device!r}) needs the TPU compiler, libtpu, "
                           f"to compile for a TPU on this machine: pip install "
@@ -114,6 +114,14 @@ def tpu_device(device: str) -> jax.Device:
     topology = topologies.get_topology_desc(platform="tpu",
                                             topology_name=_TPU_TOPOLOGIES[generation])
     return topology.devices[0]
+
+
+def _generation(device_kind: str) -> str | None:
+    """The device table's TPU generation of a JAX device kind ("TPU v5 lite": "tpu-v5e")."""
+    try:
+        return devices.lookup(device_kind).name.rsplit("-", 1)[0]
+    except ValueError:  # a TPU the table does not know yet
+        return None
 
 
 def compiled_step_memory(model: keras.Model, data, step=None,
