@@ -80,8 +80,8 @@ def timed(args, checkout: str, setting: str) -> list[float]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--before", required=True,
-                        help="the commit (or any git revision) timed as before")
+    parser.add_argument("--before",
+                        help="the commit (or any git revision) timed as before (required)")
     parser.add_argument("--models", default="gpt2", choices=("bert", "gpt2"))
     parser.add_argument("--settings", default="full", help="comma-separated: none, full, auto")
     parser.add_argument("--batch", type=int, default=16, help="the micro-batch timed")
@@ -97,6 +97,8 @@ def main(argv=None) -> int:
     if args.child:
         child(args)
         return 0
+    if not args.before:
+        parser.error("--before is required: the revision to time against, e.g. --before HEAD~1")
     settings = args.settings.split(",")
     if not set(settings) <= {"none", "full", "auto"}:
         parser.error(f"--settings {args.settings}: each must be none, full or auto")

@@ -40,12 +40,18 @@ import text_backbones  # noqa: E402
 MIB = 2**20
 
 
-def build(name: str) -> keras.Model:
-    """A model of the zoo, of its held-out models, or keras-hub's BERT or GPT-2 ("hub-bert",
+def build(name: str, image_size: int | None = None) -> keras.Model:
+    """A model of the zoo, of its held-out models, keras-hub's BERT or GPT-2 ("hub-bert",
     "hub-gpt2": 4 layers, width 256, 128 tokens, a vocabulary of 2048, GPT-2 with its
-    next-token head, as `benchmarks/text_backbones.py` builds them)."""
+    next-token head, as `benchmarks/text_backbones.py` builds them), or of tfmem's registry
+    ("registry:efficientnetv2-s": 10 classes, at `image_size`, its default without)."""
     if name in ("hub-bert", "hub-gpt2"):
         return text_backbones.build(name[4:], 128, 4, 256, 2048)[0]
+    if name.startswith("registry:"):
+        return tfmem.models.build(name.split(":", 1)[1], num_classes=10, image_size=image_size)
+    if image_size is not None:
+        raise SystemExit(f"error: --image-size {image_size} is for a model of tfmem's registry "
+                         f"(registry:NAME); {name} is built at {zoo.IMAGE[0]}×{zoo.IMAGE[1]}")
     return {**zoo.ZOO, **zoo.HELD_OUT}[name]()
 
 
@@ -77,9 +83,10 @@ def tpu_chip(device: str) -> jax.Device:
                          "tpu-v5e-1") from None
 
 
-def compare(name: str, batch: int, device: str, chip: jax.Device | None = None) -> dict:
+def compare(name: str, batch: int, device: str, chip: jax.Device | None = None,
+            image_size: int | None = None) -> dict:
     """The plan and XLA's analysis of one model's train step at `batch`."""
-    model = build(name)
+    model = build(name, image_size)
     model.compile(optimizer=keras.optimizers.Adam(), loss="mse")
     def one_or_all(values):  # a model of one input takes it alone (a subclassed call too)
         return values[0] if len(values) == 1 else values
@@ -110,8 +117,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(zoo.ZOO),
                         help="comma-separated names of the zoo, or of "
-                        f"{', '.join(zoo.HELD_OUT)}, hub-bert, hub-gpt2 (need keras-hub)")
+                        f"{', '.join(zoo.HELD_OUT)}, hub-bert, hub-gpt2 (need keras-hub), or "
+                        "registry:NAME (a model of tfmem's registry, e.g. "
+                        "registry:efficientnetv2-s)")
     parser.add_argument("--batches", default="32", help="comma-separated batch sizes")
+    parser.add_argument("--image-size", type=int,
+                        help="the image size of the registry's models (registry:NAME)")
     parser.add_argument("--device", default="cpu",
                         help='the device the plan is for: "cpu" (XLA:CPU, what compiles here) '
                         "or a name of tfmem's device table (an accelerator plan)")
@@ -125,13 +136,14 @@ def main(argv=None):
     began = time.time()
     target = chip.device_kind if chip else jax.devices()[0].platform
     print(f"Planner vs XLA's compiled memory analysis of `train_step`, Adam, "
-          f"{zoo.IMAGE[0]}×{zoo.IMAGE[1]}, float32, {target}\n")
+          f"{args.image_size or zoo.IMAGE[0]} px (the registry's models without "
+          f"--image-size: their own), float32, {target}\n")
     print("| model | batch | XLA arguments | XLA temporaries | XLA peak | plan: state | "
           "plan: activations + workspace | plan peak | plan / XLA |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in args.models.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
-            r = compare(name, batch, args.device, chip)
+            r = compare(name, batch, args.device, chip, args.image_size)
             xla = r["xla"]
             print(f"| {name} | {batch} | {xla['argument_bytes'] / MIB:.0f} MiB | "
                   f"{xla['temp_bytes'] / MIB:.0f} MiB | {xla['peak_bytes'] / MIB:.0f} MiB | "

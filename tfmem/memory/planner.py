@@ -222,7 +222,8 @@ def estimate(model: keras.Model, settings: PlanSettings,
         (f"framework runtime includes {format_bytes(retraced)} for the recomputed segments' "
          "forward, traced again in their gradient",) if retraced else ())
     notes = _notes(model, settings, saved, override, recomputed, ranges, saves, fraction,
-                   held.notes + runtime_notes)
+                   held.notes + runtime_notes) + (_tpu_lanes(model) if budget.kind == "tpu"
+                                                  else ())
     return MemoryPlan(
         model_name=model.name,
         num_parameters=int(model.count_params()),
@@ -380,6 +381,28 @@ def _notes(model: keras.Model, settings: PlanSettings, saved, override, recomput
                          saved.segments)
                      + (f"; ≈ +{100 * fraction:.0f}% compute" if ranges else ""))
     return tuple(notes)
+
+
+def _tpu_lanes(model: keras.Model) -> tuple[str, ...]:
+    """What a plan for a TPU does not count, where the model has feature maps or sequences
+    narrower than XLA:TPU's 128 lanes: below a micro-batch of 128 such a tensor is laid out
+    with its batch or its channels along the lanes, padded to 128 (docs/planning.md)."""
+    widths = set()
+    for layer in internals.flatten_layers(model):
+        try:
+            outputs = keras.tree.flatten(layer.output)
+        except (AttributeError, ValueError):  # not called once in a graph: no one output
+            continue
+        widths.update(shape[-1] for shape in (tuple(getattr(o, "shape", ())) for o in outputs)
+                      if len(shape) >= 3 and shape[-1] is not None and shape[-1] < 128)
+    if not widths:
+        return ()
+    return (f"on a TPU, below a micro-batch of 128, XLA:TPU lays tensors of fewer than 128 "
+            f"channels (here from {min(widths)}) out along 128 lanes, by their batch or "
+            "their channels, holding up to 128 / micro-batch times their bytes, which this "
+            "plan does not count: XLA:TPU's own figure of the step is "
+            "tfmem.memory.probe_jax.compiled_step_memory with device=probe_jax.tpu_device(…) "
+            "(and on JAX on the TPU, the memory check compiles the step)",)
 
 
 def _per_sample(nbytes: int) -> str:
