@@ -396,6 +396,12 @@ def jax_state_shardings(model: keras.Model) -> tuple:
                       "the JAX trainer's state shardings")()
 
 
+def is_initialized(variable) -> bool:
+    """Whether a Keras variable holds a value (one made under `shapes_only` never does: its
+    `value` would make the initial value, and its memory, each time it is read)."""
+    return _attribute(variable, "_value", "whether a variable holds its value") is not None
+
+
 @contextlib.contextmanager
 def shapes_only():
     """Builds models whose weights are never initialised: only their shapes exist.

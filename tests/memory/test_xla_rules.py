@@ -82,7 +82,53 @@ for name in ["a100-80gb", "tpu-x9"] + [a.name for a in ACCELERATORS.values() if 
         tpu[name] = probe_jax.tpu_device(name).device_kind
     except (ValueError, ImportError) as error:
         tpu[name] = f"{type(error).__name__}: {error}"
+# The same network built for its shapes alone (no weight initialised): the same step compiles.
+made = []  # the shapes of the initial values made (not those only traced)
+
+
+class Recorded(keras.initializers.GlorotUniform):
+    def __call__(self, shape, dtype=None):
+        value = super().__call__(shape, dtype)
+        if not isinstance(value, jax.core.Tracer):
+            made.append(tuple(shape))
+        return value
+
+
+def mlp_of_shapes():
+    with tfmem.models.shapes_only():
+        inner = tokens_of_shapes = keras.Input(TOKENS)
+        for _ in range(3):
+            inner = L.Dense(16, kernel_initializer=Recorded())(
+                GeluDropout()(L.Dense(64, kernel_initializer=Recorded())(inner)))
+        return keras.Model(tokens_of_shapes, L.Dense(4)(L.GlobalAveragePooling1D()(inner)))
+shapes_mlp = mlp_of_shapes()
+shapes_mlp.compile(optimizer="sgd", loss="mse")
+with tfmem.models.shapes_only():
+    shapes_mlp.optimizer.build(shapes_mlp.trainable_variables)
+    shapes_peak = probe_jax.compiled_step_memory(shapes_mlp, mlp_batch)["peak_bytes"]
+# An AccumModel of it, compiled for a TPU ahead of time where the TPU compiler is installed,
+# refused for a platform whose loop runs on the host.
+accum = tfmem.AccumModel.wrap(mlp_of_shapes())
+accum.compile(optimizer="adam", loss="mse")
+abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in mlp_batch]
+with tfmem.models.shapes_only():
+    try:
+        accum.compiled_peaks(*abstract, batch_size=BATCH, device=jax.devices()[0])(2)
+        on_host = None
+    except ValueError as error:
+        on_host = str(error)
+    tpu_peaks = None
+    if importlib.util.find_spec("libtpu") is not None:
+        peaks = accum.compiled_peaks(*abstract, batch_size=BATCH,
+                                     device=probe_jax.tpu_device("tpu-v5e-8"))
+        tpu_peaks = [peaks(1), peaks(2)]
+from tfmem import _keras_internals
 text = {"tpu": tpu, "libtpu": importlib.util.find_spec("libtpu") is not None,
+        "shapes_peak": shapes_peak, "initial_values": len(made), "accum_on_host": on_host, "accum_tpu_peaks": tpu_peaks,
+        # weights, optimizer slots and gradient sums (not the optimizers' scalar step counts)
+        "initialised": sum(_keras_internals.is_initialized(v) and len(v.shape) > 0
+                           for v in shapes_mlp.weights + accum.weights
+                           + shapes_mlp.optimizer.variables + accum.optimizer.variables),
         "jax": jax.__version__,"mlp_xla": probe_jax.compiled_step_memory(mlp, mlp_batch)["peak_bytes"],
         "mlp_named": named, "refused": refused,
         "mlp_plan": mlp_plan.peak_bytes(BATCH, 1) - mlp_plan.runtime_bytes,
@@ -226,3 +272,19 @@ def test_a_tpu_to_compile_for_is_named_as_in_the_device_table(on_jax):
                 f"ImportError: tpu_device(device={name!r}) needs the TPU compiler, libtpu, to "
                 f'compile for a TPU on this machine: pip install "jax[tpu]=={on_jax["jax"]}" '
                 "(it pins the libtpu of this JAX)")
+
+
+def test_a_model_built_for_its_shapes_compiles_its_step_without_a_weight(on_jax):
+    # XLA's figure of the step of a model made under `shapes_only` is the initialised one's,
+    # and no weight, slot or sum was made for it.
+    assert on_jax["shapes_peak"] == on_jax["mlp_xla"]
+    assert on_jax["initialised"] == 0 and on_jax["initial_values"] == 0
+    # AccumModel's step for one named device: refused for a platform whose micro-batch loop
+    # runs on the host (this CPU), compiled for a TPU where its compiler is installed.
+    assert on_jax["accum_on_host"] == (
+        "compiled_step_memory(device=cpu:0): a step for a cpu loops from the host; compile it "
+        "where it runs, without `device`")
+    if on_jax["libtpu"]:
+        assert all(peak > 0 for peak in on_jax["accum_tpu_peaks"])
+    else:
+        assert on_jax["accum_tpu_peaks"] is None

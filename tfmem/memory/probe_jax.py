@@ -23,6 +23,7 @@ import keras
 import numpy as np
 from keras import tree
 
+from tfmem import _keras_internals as internals
 from tfmem.runtime import devices
 
 
@@ -166,13 +167,9 @@ def compiled_step_memory(model: keras.Model, data, step=None,
             "The model's optimizer has no variables yet, so there is no train step to "
             "compile. Run one step first (`model.train_on_batch(x, y)` or a 1-step `fit`)."
         )
-    state = (
-        [v.value for v in model.trainable_variables],
-        [v.value for v in model.non_trainable_variables],
-        [v.value for v in model.optimizer.variables],
-        [v.value for v in model.metrics_variables],
-    )
-    abstract_state = tree.map_structure(abstract, state)
+    abstract_state = tuple([_abstract_variable(v) for v in variables] for variables in (
+        model.trainable_variables, model.non_trainable_variables, model.optimizer.variables,
+        model.metrics_variables))
     abstract_data = abstract_batch(data)
     if device is not None:
         if keras.distribution.distribution() is not None:
@@ -186,6 +183,14 @@ def compiled_step_memory(model: keras.Model, data, step=None,
     if step is None:
         step = jax.jit(model.train_step, donate_argnums=0)
     return memory_analysis(step.lower(abstract_state, abstract_data).compile())
+
+
+def _abstract_variable(variable) -> jax.ShapeDtypeStruct:
+    """A variable's value as `abstract` lays it out; one never initialised (a model built
+    under `tfmem.models.shapes_only`) by its shape and dtype alone, on no device yet."""
+    if internals.is_initialized(variable):
+        return abstract(variable.value)
+    return jax.ShapeDtypeStruct(tuple(variable.shape), variable.dtype)
 
 
 def memory_analysis(compiled) -> dict[str, int]:

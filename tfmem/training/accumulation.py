@@ -303,7 +303,7 @@ class AccumModel(_STEP.AccumTrainer, keras.Model):
         return run
 
     def compiled_peaks(self, x=None, y=None, batch_size=None, *, sample_weight=None,
-                       class_weight=None):
+                       class_weight=None, device=None):
         """The memory check's reading of the step `fit(x, y, batch_size=...)` runs: a
         function `(k, plan) →` XLA's peak bytes per device of the compiled step with `k`
         accumulation steps and the segments the `MemoryPlan` chose (which it cuts); what
@@ -313,6 +313,8 @@ class AccumModel(_STEP.AccumTrainer, keras.Model):
         Args:
             x, y, batch_size, sample_weight, class_weight: as in `fit` (only the data's
                 shapes and dtypes are read).
+            device: compile for this one device instead, a TPU's step for one replica
+                (`tfmem.memory.probe_jax.tpu_device`, ahead of time where there is none).
 
         Returns:
             The function, or None where the backend compiles no step ahead (TensorFlow),
@@ -332,7 +334,7 @@ class AccumModel(_STEP.AccumTrainer, keras.Model):
             chosen = self._accumulation_steps
             self._accumulation_steps = accumulation_steps
             try:
-                return self.compiled_step_memory(batch)["peak_bytes"]
+                return self.compiled_step_memory(batch, device)["peak_bytes"]
             finally:
                 self._accumulation_steps = chosen
 

@@ -91,7 +91,7 @@ class AccumTrainer:
         self._compiled_steps[key] = step
         self.train_function = internals.jax_train_function(self, step)
 
-    def compiled_step_memory(self, data) -> dict[str, int]:
+    def compiled_step_memory(self, data, device: jax.Device | None = None) -> dict[str, int]:
         """XLA's memory analysis of the step `fit` runs, compiled for a batch shaped like `data`.
 
         The step is compiled through the jitted function `fit` then calls with the same
@@ -102,12 +102,24 @@ class AccumTrainer:
 
         Args:
             data: one global batch as `fit` sees it; arrays or `jax.ShapeDtypeStruct`s.
+            device: compile the step a platform of an in-graph loop runs for this one
+                device instead (`probe_jax.tpu_device`: a TPU, ahead of time on a machine
+                without one); `fit` here does not run that program.
 
         Returns:
             As `probe_jax.compiled_step_memory`, per device; the host loop's the figures of
             its larger program.
+
+        Raises:
+            ValueError: `device` is of a platform whose loop runs on the host (a CPU).
         """
-        return self._step()[1].compiled_memory(data)
+        if device is None:
+            return self._step()[1].compiled_memory(data)
+        if placement.loop_on_host(device.platform):
+            raise ValueError(f"compiled_step_memory(device={device}): a step for a "
+                             f"{device.platform} loops from the host; compile it where it "
+                             "runs, without `device`")
+        return GraphStep(self).compiled_memory(data, device)
 
     def _step(self):
         """`(key, step)`: the compiled step for the model's `accumulation_steps` and segments,
@@ -217,10 +229,11 @@ class GraphStep:
     def __call__(self, state, data):
         return self.jitted(state, data)
 
-    def compiled_memory(self, data) -> dict[str, int]:
-        """XLA's memory analysis of the step for a batch shaped like `data`; a later call
-        with such a batch runs the executable compiled here."""
-        return probe_jax.compiled_step_memory(self.model, data, step=self.jitted)
+    def compiled_memory(self, data, device: jax.Device | None = None) -> dict[str, int]:
+        """XLA's memory analysis of the step for a batch shaped like `data` (for `device`
+        alone if given); a later call with such a batch runs the executable compiled here."""
+        return probe_jax.compiled_step_memory(self.model, data, step=self.jitted,
+                                              device=device)
 
 
 class HostLoopStep:
