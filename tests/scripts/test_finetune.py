@@ -1,5 +1,6 @@
 """scripts/finetune.py as users run it: the demo end to end, dry runs, resume after kill -9, errors."""
 
+import importlib.util
 import json
 import os
 import re
@@ -141,6 +142,29 @@ def test_an_error_on_the_jax_backend_is_one_line_without_tensorflows_banner(tmp_
     assert result.returncode == 2
     assert result.stderr == ("error: --device t4 plans for another machine; it only goes with "
                              "--dry-run (training always runs on the detected runtime)\n")
+
+
+def test_a_dry_run_on_jax_for_a_tpu_checks_the_split_with_xla_tpus_own_figure(tmp_path):
+    # Compiled here ahead of time where the TPU compiler (libtpu) is installed, for a model
+    # built for its shapes in the plan's precision; where it is not, the plan alone, saying
+    # what the compiled figure needs.
+    result = _finetune("--dry-run", "--device", "tpu-v5e-8", "--global-batch-size", "64",
+                       "--output", str(tmp_path), timeout=300, backend="jax",
+                       JAX_PLATFORMS="cpu", XLA_FLAGS=jax_xla_flags())
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert ("small-cnn: 57,060 parameters, Adam, mixed_bfloat16 on tpu-v5e-8, global batch 64 "
+            "= micro-batch 8 × 1 accumulation step × 8 replicas") in result.stdout
+    compiled = re.search(r"compiled step \(XLA\) +([\d.]+) MiB +arguments \+ outputs",
+                         result.stdout)
+    if importlib.util.find_spec("libtpu") is None:
+        import jax
+
+        assert compiled is None
+        assert ("finetune: the plan alone: XLA:TPU's own figure of this step needs the TPU "
+                f'compiler here: pip install "jax[tpu]=={jax.__version__}"') in result.stdout
+    else:
+        assert compiled and 0 < float(compiled.group(1)) < 64, result.stdout
+    assert not list(tmp_path.iterdir())  # a dry run writes nothing
 
 
 def test_killed_run_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path, finetune_cli,

@@ -26,7 +26,7 @@ from tfmem.memory.memory_plan import MemoryPlanError
 from tfmem.metrics.segmentation import MultiLabelIoU
 from tfmem._sizes import format_bytes
 from tfmem.remat.spec import Ranges, RematSpec
-from tfmem.runtime import current, precision as precision_lib
+from tfmem.runtime import current, devices, precision as precision_lib
 from tfmem.runtime.cluster import split_batch
 from tfmem.runtime.runtime import Runtime
 from tfmem.training import recovery, run_directory
@@ -279,6 +279,9 @@ def build_and_plan(config: FinetuneConfig, spec, runtime: Runtime, precision: st
                 raise ValueError("the training data has no static batch shape")
             return peaks(accumulation_steps, memory_plan)
 
+    elif config.dry_run and config.device and hasattr(AccumModel, "compiled_step_memory"):
+        # A TPU's own figure, compiled ahead of time here where the TPU compiler is installed.
+        compiled_peak = _compiled_ahead(config, spec, runtime, data)
     if attempt.plan_budget is not None:  # what fits under a memory limit
         where = dict(memory_budget=attempt.plan_budget, num_replicas=runtime.num_replicas,
                      precision=precision)
@@ -304,6 +307,59 @@ def build_and_plan(config: FinetuneConfig, spec, runtime: Runtime, precision: st
     else:
         print(f"{spec.name}: {model.count_params():,} parameters, {run_plan.describe()}")
     return model, optimizer, run_plan
+
+
+def _compiled_ahead(config: FinetuneConfig, spec, runtime: Runtime, data: DataFacts):
+    """For a dry run on JAX for a TPU (`--device tpu-v5e-8`): `(k, plan) →` XLA:TPU's peak of
+    the step one replica runs, compiled here ahead of time for a model built for its shapes
+    in the plan's precision, as the TPU would run it; None (after a line that says what it
+    needs) without the TPU compiler, or for another device."""
+    from tfmem.memory import probe_jax  # JAX's own module: this backend only
+
+    accelerator = devices.by_name(config.device)
+    if accelerator.kind != "tpu":
+        return None
+    try:
+        chip = probe_jax.tpu_device(config.device)
+    except ImportError:
+        print(f"finetune: the plan alone: XLA:TPU's own figure of this step needs the TPU "
+              f"compiler here: pip install \"jax[tpu]=={probe_jax.jax.__version__}\"")
+        return None
+    replicas = accelerator.num_replicas
+    shapes_only = dataclasses.replace(config, weights=None)  # weights change no memory
+    built = {}
+
+    def compiled_peak(accumulation_steps: int, memory_plan) -> int:
+        precision = memory_plan.precision
+        if precision not in built:
+            previous = keras.mixed_precision.dtype_policy()
+            keras.mixed_precision.set_dtype_policy(precision)
+            try:
+                model, optimizer = _build(shapes_only, spec, runtime, data)
+            finally:
+                keras.mixed_precision.set_dtype_policy(previous)
+            built[precision] = _trainer(config, runtime, data, model, optimizer, memory_plan)
+        accum = built[precision]
+        per_replica = config.global_batch_size // replicas
+        x, y = _batch_of_shapes(accum, data, per_replica)
+        with models.shapes_only():  # the optimizer's slots and the sums: shapes alone
+            peaks = accum.compiled_peaks(x, y, batch_size=per_replica, device=chip)
+            return peaks(accumulation_steps, memory_plan)
+
+    return compiled_peak
+
+
+def _batch_of_shapes(model: keras.Model, data: DataFacts, rows: int) -> tuple:
+    """`(images, labels)` of `rows` samples as the run's data gives them, shapes alone:
+    float32 images, int32 class indices (per pixel for masks), multi-label masks of 0/1."""
+    from jax import ShapeDtypeStruct  # noqa: N813 - JAX itself: this backend only
+
+    images = ShapeDtypeStruct((rows,) + tuple(model.inputs[0].shape[1:]), "float32")
+    if data.task != "segmentation":
+        return images, ShapeDtypeStruct((rows,), "int32")
+    if data.multi_label:
+        return images, ShapeDtypeStruct((rows, *data.image_size, data.num_classes), "float32")
+    return images, ShapeDtypeStruct((rows, *data.image_size), "int32")
 
 
 def _build(config: FinetuneConfig, spec, runtime: Runtime,
