@@ -322,8 +322,10 @@ def _compiled_ahead(config: FinetuneConfig, spec, runtime: Runtime, data: DataFa
     try:
         chip = probe_jax.tpu_device(config.device)
     except ImportError:
+        import jax  # JAX itself: this backend only
+
         print(f"finetune: the plan alone: XLA:TPU's own figure of this step needs the TPU "
-              f"compiler here: pip install \"jax[tpu]=={probe_jax.jax.__version__}\"")
+              f"compiler here: pip install \"jax[tpu]=={jax.__version__}\"")
         return None
     replicas = accelerator.num_replicas
     shapes_only = dataclasses.replace(config, weights=None)  # weights change no memory
@@ -342,6 +344,9 @@ def _compiled_ahead(config: FinetuneConfig, spec, runtime: Runtime, data: DataFa
         accum = built[precision]
         per_replica = config.global_batch_size // replicas
         x, y = _batch_of_shapes(accum, data, per_replica)
+        print(f"finetune: compiling the train step of one {chip.device_kind} replica at "
+              f"micro-batch {per_replica // accumulation_steps} × {accumulation_steps} ahead "
+              "of time (minutes for a large model)", flush=True)
         with models.shapes_only():  # the optimizer's slots and the sums: shapes alone
             peaks = accum.compiled_peaks(x, y, batch_size=per_replica, device=chip)
             return peaks(accumulation_steps, memory_plan)
