@@ -347,9 +347,14 @@ def _compiled_ahead(config: FinetuneConfig, spec, runtime: Runtime, data: DataFa
         print(f"finetune: compiling the train step of one {chip.device_kind} replica at "
               f"micro-batch {per_replica // accumulation_steps} × {accumulation_steps} ahead "
               "of time (minutes for a large model)", flush=True)
-        with models.shapes_only():  # the optimizer's slots and the sums: shapes alone
-            peaks = accum.compiled_peaks(x, y, batch_size=per_replica, device=chip)
-            return peaks(accumulation_steps, memory_plan)
+        try:
+            with models.shapes_only():  # the optimizer's slots and the sums: shapes alone
+                peaks = accum.compiled_peaks(x, y, batch_size=per_replica, device=chip)
+                return peaks(accumulation_steps, memory_plan)
+        except Exception as error:  # the guard keeps the plan's answer: say why
+            print(f"finetune: the plan alone: the step did not compile for the TPU here "
+                  f"({cli.one_line(error)})", flush=True)
+            raise
 
     return compiled_peak
 
