@@ -147,13 +147,15 @@ def test_an_error_on_the_jax_backend_is_one_line_without_tensorflows_banner(tmp_
 def test_a_dry_run_on_jax_for_a_tpu_checks_the_split_with_xla_tpus_own_figure(tmp_path):
     # Compiled here ahead of time where the TPU compiler (libtpu) is installed, for a model
     # built for its shapes in the plan's precision; where it is not, the plan alone, saying
-    # what the compiled figure needs.
-    result = _finetune("--dry-run", "--device", "tpu-v5e-8", "--global-batch-size", "64",
-                       "--output", str(tmp_path), timeout=300, backend="jax",
-                       JAX_PLATFORMS="cpu", XLA_FLAGS=jax_xla_flags())
+    # what the compiled figure needs. A U-Net on masks: its IoU metric traced on JAX too.
+    result = _finetune("--dry-run", "--device", "tpu-v5e-8", "--model", "unet", "--task",
+                       "segmentation", "--num-classes", "3", "--image-size", "64",
+                       "--global-batch-size", "32", "--output", str(tmp_path), timeout=300,
+                       backend="jax", JAX_PLATFORMS="cpu", XLA_FLAGS=jax_xla_flags())
     assert result.returncode == 0, result.stderr[-3000:]
-    assert ("small-cnn: 57,060 parameters, Adam, mixed_bfloat16 on tpu-v5e-8, global batch 64 "
-            "= micro-batch 8 × 1 accumulation step × 8 replicas") in result.stdout
+    assert ("unet: 1,945,555 parameters, Adam, mixed_bfloat16 on tpu-v5e-8, global batch 32 "
+            "= micro-batch 4 × 1 accumulation step × 8 replicas") in result.stdout
+    assert "warning:" not in result.stdout + result.stderr  # none of JAX's from the plan
     compiled = re.search(r"compiled step \(XLA\) +([\d.]+) MiB +arguments \+ outputs",
                          result.stdout)
     if importlib.util.find_spec("libtpu") is None:
@@ -163,7 +165,7 @@ def test_a_dry_run_on_jax_for_a_tpu_checks_the_split_with_xla_tpus_own_figure(tm
         assert ("finetune: the plan alone: XLA:TPU's own figure of this step needs the TPU "
                 f'compiler here: pip install "jax[tpu]=={jax.__version__}"') in result.stdout
     else:
-        assert compiled and 0 < float(compiled.group(1)) < 64, result.stdout
+        assert compiled and 0 < float(compiled.group(1)) < 1024, result.stdout
     assert not list(tmp_path.iterdir())  # a dry run writes nothing
 
 

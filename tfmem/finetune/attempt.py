@@ -21,7 +21,7 @@ from tfmem.data.integrity import SkippedRecords
 from tfmem.finetune import messages, outputs, validation as validation_lib
 from tfmem.finetune.config import FinetuneConfig, check_loss, model_spec
 from tfmem.finetune.data_facts import DataFacts, check_sizes, demo_data
-from tfmem.memory import guard, levers, plan_report
+from tfmem.memory import guard, levers, loss_trace, plan_report
 from tfmem.memory.memory_plan import MemoryPlanError
 from tfmem.metrics.segmentation import MultiLabelIoU
 from tfmem._sizes import format_bytes
@@ -348,7 +348,8 @@ def _compiled_ahead(config: FinetuneConfig, spec, runtime: Runtime, data: DataFa
               f"micro-batch {per_replica // accumulation_steps} × {accumulation_steps} ahead "
               "of time (minutes for a large model)", flush=True)
         try:
-            with models.shapes_only():  # the optimizer's slots and the sums: shapes alone
+            # The optimizer's slots and the sums: shapes alone.
+            with models.shapes_only(), loss_trace.int64_as_run():
                 peaks = accum.compiled_peaks(x, y, batch_size=per_replica, device=chip)
                 return peaks(accumulation_steps, memory_plan)
         except Exception as error:  # the guard keeps the plan's answer: say why

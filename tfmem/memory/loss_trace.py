@@ -14,8 +14,10 @@ cannot be traced, or no loss at all (an uncompiled model planned without `loss`)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import warnings
 
 import keras
 
@@ -146,9 +148,22 @@ def _metric_call(metric):
         return (lambda xs: metric(xs[1], xs[0])), [False, False], []
 
     def call(xs):  # the metric's variables are mapped to symbolic values by the trace
-        return metric.stateless_update_state([v.value for v in metric.variables], xs[1], xs[0])
+        with int64_as_run():
+            return metric.stateless_update_state([v.value for v in metric.variables],
+                                                 xs[1], xs[0])
 
     return call, [False, False], list(metric.variables)
+
+
+@contextlib.contextmanager
+def int64_as_run():
+    """Keras's confusion matrix (MeanIoU's update) asks for int64, which JAX without x64 makes
+    int32 and warns of, as the run's own step does: a trace made to measure the step does not
+    warn again."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Explicitly requested dtype int64",
+                                category=UserWarning)
+        yield
 
 
 def _traced(item, output, make_call, hold_output: bool) -> tuple[int | None, int]:
