@@ -53,11 +53,20 @@ class GeluDropout(keras.layers.Layer):  # no rule covers it: traced whole (JAX's
 
 
 TOKENS = (32, 16)
-tokens = keras.Input(TOKENS)
-x = tokens
-for _ in range(3):
-    x = L.Dense(16)(GeluDropout()(L.Dense(64)(x)))
-mlp = keras.Model(tokens, L.Dense(4)(L.GlobalAveragePooling1D()(x)))
+
+
+def gelu_mlp(initializer=keras.initializers.GlorotUniform):
+    # Three Dense -> GELU and dropout -> Dense blocks, pooled into 4 outputs; each Dense's
+    # kernel made by a new `initializer()`.
+    tokens = keras.Input(TOKENS)
+    x = tokens
+    for _ in range(3):
+        x = L.Dense(16, kernel_initializer=initializer())(
+            GeluDropout()(L.Dense(64, kernel_initializer=initializer())(x)))
+    return keras.Model(tokens, L.Dense(4)(L.GlobalAveragePooling1D()(x)))
+
+
+mlp = gelu_mlp()
 mlp.compile(optimizer="sgd", loss="mse")
 mlp.optimizer.build(mlp.trainable_variables)
 mlp_plan = tfmem.plan(mlp, global_batch_size=BATCH, optimizer="sgd",
@@ -96,11 +105,7 @@ class Recorded(keras.initializers.GlorotUniform):
 
 def mlp_of_shapes():
     with tfmem.models.shapes_only():
-        inner = tokens_of_shapes = keras.Input(TOKENS)
-        for _ in range(3):
-            inner = L.Dense(16, kernel_initializer=Recorded())(
-                GeluDropout()(L.Dense(64, kernel_initializer=Recorded())(inner)))
-        return keras.Model(tokens_of_shapes, L.Dense(4)(L.GlobalAveragePooling1D()(inner)))
+        return gelu_mlp(Recorded)
 shapes_mlp = mlp_of_shapes()
 shapes_mlp.compile(optimizer="sgd", loss="mse")
 with tfmem.models.shapes_only():

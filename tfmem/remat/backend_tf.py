@@ -152,13 +152,13 @@ def weights_first(call):
     no other call reads its inputs: their gradients are then added up inside it as the
     step would add them. Eagerly or under XLA, as it is."""
 
+    ordered = _weights_first(call)
+
     def running(*args, **kwargs):
-        if tf.executing_eagerly() or internals.in_xla_compilation():
+        if (tf.executing_eagerly() or internals.in_xla_compilation()
+                or not _float_inputs(args, kwargs)):
             return call(*args, **kwargs)
-        inputs = _float_inputs(args, kwargs)
-        if not inputs:
-            return call(*args, **kwargs)
-        return _weights_first(call)(*args, **kwargs)
+        return ordered(*args, **kwargs)
 
     return running
 
