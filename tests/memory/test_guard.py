@@ -94,6 +94,29 @@ def test_guard_splits_checks_and_picks_k():
         guard.guard(MODEL, global_batch_size=64, accumulation_steps="four", memory_budget=budget)
 
 
+def test_a_step_xla_could_not_compile_leaves_the_plans_answer_and_says_so():
+    # What the check of a run's compiled step raises for data of no static batch shape.
+    def compiled_peak(accumulation_steps, memory_plan):
+        raise ValueError("the training data has no static batch shape\nsecond line")
+
+    budget = _budget_between(MODEL, 16, 32, 64)
+    planned = guard.guard(MODEL, global_batch_size=64, memory_budget=budget)
+    with pytest.warns(guard.UncheckedSplitWarning) as caught:
+        run = guard.guard(MODEL, global_batch_size=64, memory_budget=budget,
+                          compiled_peak=compiled_peak)
+    assert (run.micro_batch_size, run.accumulation_steps) == (planned.micro_batch_size,
+                                                              planned.accumulation_steps)
+    assert run.compiled_peak_bytes is None
+    assert [str(w.message) for w in caught] == [
+        "the split was chosen by the plan alone: XLA's figure of the compiled step could not "
+        "be read (ValueError: the training data has no static batch shape)"]
+    with pytest.warns(guard.UncheckedSplitWarning, match="the split was refused by the plan "
+                                                         "alone"):
+        with pytest.raises(tfmem.MemoryPlanError, match="micro-batch 16 × 4 accumulation"):
+            guard.guard(MODEL, global_batch_size=64, accumulation_steps=1,
+                        memory_budget=budget, compiled_peak=compiled_peak)
+
+
 def test_when_nothing_fits_auto_over_budget_takes_micro_batch_one():
     tiny = 2**20  # less than the CPU runtime term alone: nothing fits
     with pytest.raises(tfmem.MemoryPlanError, match="not even micro-batch 1|exceeds the budget"):

@@ -32,11 +32,15 @@ from tfmem.memory.plan_report import PYTHON, Switches, describe_split, format_by
 from tfmem.runtime.budget import UnknownMemoryError, budget_for
 from tfmem.runtime.cluster import check_accumulation_steps, check_count, divisors, split_batch
 
-__all__ = ["RunPlan", "UnplannedRunWarning", "guard", "unplanned"]
+__all__ = ["RunPlan", "UncheckedSplitWarning", "UnplannedRunWarning", "guard", "unplanned"]
 
 
 class UnplannedRunWarning(UserWarning):
     """A run trains without its memory checked: the planner could not plan it."""
+
+
+class UncheckedSplitWarning(UserWarning):
+    """XLA's figure of the compiled step could not be read: the split stands on the plan."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,12 +198,14 @@ def _decided(memory_plan: MemoryPlan, steps: int | str, allow_over_budget: bool,
         except MemoryPlanError:
             raise
         except Exception as error:  # noqa: BLE001 - a step not compiled ahead: the plan's no
+            _not_compiled(error, "refused")
             raise refusal from error
     if compiled_peak is None:
         return run
     try:
         peak = compiled_peak(run.accumulation_steps, memory_plan)
-    except Exception:  # noqa: BLE001 - a step not compiled ahead: the plan's yes stands
+    except Exception as error:  # noqa: BLE001 - a step not compiled ahead: the plan's yes stands
+        _not_compiled(error, "chosen")
         return run
     fits = peak + memory_plan.runtime_bytes <= memory_plan.budget_bytes
     if steps != "auto" and (fits or allow_over_budget):
@@ -211,6 +217,14 @@ def _decided(memory_plan: MemoryPlan, steps: int | str, allow_over_budget: bool,
         if not allow_over_budget:
             raise
         return dataclasses.replace(run, compiled_peak_bytes=peak)  # nothing smaller fits
+
+
+def _not_compiled(error: Exception, decision: str) -> None:
+    """Says that the plan alone decides: XLA could not compile the step (`error`)."""
+    what = str(error).strip().splitlines()
+    warnings.warn(f"the split was {decision} by the plan alone: XLA's figure of the compiled "
+                  f"step could not be read ({type(error).__name__}"
+                  f"{': ' + what[0] if what else ''})", UncheckedSplitWarning, stacklevel=4)
 
 
 def _checked(memory_plan: MemoryPlan, steps: int | str, allow_over_budget: bool,
