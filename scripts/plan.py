@@ -9,7 +9,10 @@ the device's precision, the micro-batch × accumulation steps × replicas that r
 batch within 80% of the device (or, when nothing fits, the smallest change checked to fit),
 the scripts/finetune.py command that runs it, and, with --plot, draws predicted memory
 against the micro-batch with the budget line (needs matplotlib: `pip install -e '.[plot]'`
-in the checkout). Flags accept dashes or underscores. Errors are one line on stderr (exit 2:
+in the checkout). On JAX (`KERAS_BACKEND=jax`) for a TPU --device, where the TPU compiler is
+installed (`pip install "jax[tpu]"`), it also compiles the step one replica runs here ahead of
+time (minutes for a large model) and checks the split with XLA:TPU's own figure, as the guard
+does on the TPU (`--nocompile`: the plan alone). Flags accept dashes or underscores. Errors are one line on stderr (exit 2:
 a flag is wrong; `--debug` adds the traceback).
 """
 
@@ -20,8 +23,9 @@ from absl import flags
 import tfmem
 from tfmem import cli, finetune, models
 from tfmem.runtime import devices
-from tfmem.memory import levers, plan_report
+from tfmem.memory import guard, levers, plan_report
 from tfmem._install import install_command
+from tfmem._sizes import format_bytes
 from tfmem.remat.spec import RematSpec
 
 FLAGS = flags.FLAGS
@@ -44,6 +48,10 @@ flags.DEFINE_string("rematerialize", None, "Recompute activations in the backwar
 flags.DEFINE_enum("loss", "cross-entropy", list(finetune.LOSSES), "The loss the run trains "
                   "with, as scripts/finetune.py's --loss (a segmentation --model: also 'dice', "
                   "'cross-entropy+dice'); the plan counts what it and the task's metric hold.")
+flags.DEFINE_boolean("compile", True, "On JAX (KERAS_BACKEND=jax) for a TPU --device, where the "
+                     "TPU compiler is installed: check the split with XLA:TPU's own figure of "
+                     "the step one replica runs, compiled here ahead of time (minutes for a "
+                     "large model); --nocompile: the plan alone.")
 flags.mark_flags_as_required(["model", "global_batch_size"])
 for _name in ("global_batch_size", "num_classes"):
     flags.register_validator(_name, lambda value: value is None or value >= 1,
@@ -142,18 +150,60 @@ def _plan(argv):
     if setting:  # the plan counts what is recomputed
         model = tfmem.AccumModel.wrap(model, rematerialize=setting)
     loss, metrics = finetune.task_loss(spec.task, FLAGS.num_classes, FLAGS.loss)
-    plan = tfmem.plan(model, global_batch_size=FLAGS.global_batch_size, loss=loss,
-                      metrics=metrics,
-                      optimizer=FLAGS.optimizer, precision=FLAGS.precision,
-                      device=FLAGS.device, safety=FLAGS.safety,
-                      smaller_variants=levers.registry_variants(
-                          FLAGS.model, image_size=image_size,
-                          num_classes=FLAGS.num_classes))
-    print(plan_report.format_table(plan, switches=finetune_switches(image_size)))
+    arguments = dict(global_batch_size=FLAGS.global_batch_size, loss=loss, metrics=metrics,
+                     optimizer=FLAGS.optimizer, precision=FLAGS.precision,
+                     device=FLAGS.device, safety=FLAGS.safety,
+                     smaller_variants=levers.registry_variants(
+                         FLAGS.model, image_size=image_size, num_classes=FLAGS.num_classes))
+    switches = finetune_switches(image_size)
+    compiled_peak = compiled_ahead(image_size) if FLAGS.compile else None
+    run = None
+    if compiled_peak is not None:  # the plan's split, confirmed or moved by XLA:TPU's figure
+        run = guard.guard(model, accumulation_steps="auto", allow_over_budget=True,
+                          switches=switches, compiled_peak=compiled_peak, **arguments)
+    if run is None or run.compiled_peak_bytes is None:
+        plan = tfmem.plan(model, **arguments)
+        print(plan_report.format_table(plan, switches=switches))
+        fits = plan.fits
+    else:
+        plan = run.plan
+        print(run.table())
+        fits = run.compiled_peak_bytes + plan.runtime_bytes <= plan.budget_bytes
+        print(compiled_choice(run, switches, fits))
     if plot:
         draw(plan, plot)
         print(f"wrote {plot}")
-    return 0 if plan.fits else 1
+    return 0 if fits else 1
+
+
+def compiled_ahead(image_size: tuple[int, int]):
+    """`(k, plan) →` XLA:TPU's figure of the planned run's step (`tfmem.finetune
+    .compiled_ahead`), for a TPU --device on JAX where the TPU compiler is installed; else
+    None (without it, after a line that gives the install command)."""
+    if FLAGS.device.strip().lower() == "cpu":
+        return None
+    config = finetune.FinetuneConfig(
+        model=FLAGS.model, global_batch_size=FLAGS.global_batch_size, image_size=image_size,
+        num_classes=FLAGS.num_classes, device=FLAGS.device, precision=FLAGS.precision,
+        optimizer=FLAGS.optimizer, rematerialize=FLAGS.rematerialize or None,
+        loss=FLAGS.loss, dry_run=True)
+    return finetune.compiled_ahead(config, program="plan")
+
+
+def compiled_choice(run: guard.RunPlan, switches: plan_report.Switches, fits: bool) -> str:
+    """Why the split checked with XLA's figure was taken, against the plan's own choice, and
+    what to run next."""
+    plan, peak = run.plan, format_bytes(run.compiled_peak_bytes)
+    budget = format_bytes(plan.budget_bytes)
+    alone = (f"micro-batch {plan.micro_batch_size} × {plan.accumulation_steps}" if plan.fits
+             else "nothing fits")
+    if not fits:
+        return (f"nothing fits by XLA's figure either: micro-batch {run.micro_batch_size} × "
+                f"{run.accumulation_steps} needs {peak}, over the {budget} budget (the plan "
+                f"alone: {alone})")
+    return (f"chosen by XLA's figure of the compiled step: micro-batch "
+            f"{run.micro_batch_size} × {run.accumulation_steps}, {peak} of the {budget} "
+            f"budget (the plan alone: {alone})\nnext: {switches.run(run.accumulation_steps)}")
 
 
 if __name__ == "__main__":

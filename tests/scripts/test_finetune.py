@@ -30,7 +30,9 @@ def _finetune(*args, timeout=600, backend="tensorflow", cwd=ROOT, **env):
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True,
                           text=True, timeout=timeout, cwd=cwd,
                           env=dict(os.environ, KERAS_BACKEND=backend,
-                                   PYTHONPATH=str(ROOT), **env))
+                                   PYTHONPATH=os.pathsep.join(
+                                       [str(ROOT), *os.environ.get("PYTHONPATH", "").split(
+                                           os.pathsep)]).rstrip(os.pathsep), **env))
 
 
 def _newest_point(backup):

@@ -14,8 +14,8 @@ settings and their checks (config.py), the data's facts (data_facts.py), the run
 from tfmem.finetune.config import (LOSSES, OPTIMIZERS, TASKS, FinetuneConfig,
                                    memory_limit_bytes)
 from tfmem.finetune.data_facts import DEMO_SPLITS
-from tfmem.finetune.main import run, task_loss
+from tfmem.finetune.main import compiled_ahead, run, task_loss
 from tfmem.finetune.outputs import WRITES
 
 __all__ = ["DEMO_SPLITS", "LOSSES", "OPTIMIZERS", "TASKS", "WRITES", "FinetuneConfig",
-           "memory_limit_bytes", "run", "task_loss"]
+           "compiled_ahead", "memory_limit_bytes", "run", "task_loss"]

@@ -273,15 +273,16 @@ def build_and_plan(config: FinetuneConfig, spec, runtime: Runtime, precision: st
     if trainer is not None and not config.device and hasattr(AccumModel,
                                                              "compiled_step_memory"):
 
-        def compiled_peak(accumulation_steps: int, memory_plan) -> int:
+        def compiled_peak_of_the_run(accumulation_steps: int, memory_plan) -> int:
             peaks = trainer(model, optimizer, memory_plan).compiled_peaks(train_data)
             if peaks is None:  # data without a static batch shape
                 raise ValueError("the training data has no static batch shape")
             return peaks(accumulation_steps, memory_plan)
 
-    elif config.dry_run and config.device and hasattr(AccumModel, "compiled_step_memory"):
+        compiled_peak = compiled_peak_of_the_run
+    elif config.dry_run and config.device:
         # A TPU's own figure, compiled ahead of time here where the TPU compiler is installed.
-        compiled_peak = _compiled_ahead(config, spec, runtime, data)
+        compiled_peak = compiled_ahead(config, spec, runtime, data)
     if attempt.plan_budget is not None:  # what fits under a memory limit
         where = dict(memory_budget=attempt.plan_budget, num_replicas=runtime.num_replicas,
                      precision=precision)
@@ -309,22 +310,23 @@ def build_and_plan(config: FinetuneConfig, spec, runtime: Runtime, precision: st
     return model, optimizer, run_plan
 
 
-def _compiled_ahead(config: FinetuneConfig, spec, runtime: Runtime, data: DataFacts):
-    """For a dry run on JAX for a TPU (`--device tpu-v5e-8`): `(k, plan) →` XLA:TPU's peak of
+def compiled_ahead(config: FinetuneConfig, spec, runtime: Runtime, data: DataFacts,
+                   program: str = "finetune"):
+    """For a plan on JAX for a TPU (`--device tpu-v5e-8`): `(k, plan) →` XLA:TPU's peak of
     the step one replica runs, compiled here ahead of time for a model built for its shapes
-    in the plan's precision, as the TPU would run it; None (after a line that says what it
-    needs) without the TPU compiler, or for another device."""
-    from tfmem.memory import probe_jax  # JAX's own module: this backend only
-
+    in the plan's precision, as the TPU would run it; None (after a line, begun with
+    `program`, that says what it needs) without the TPU compiler; None for another device or
+    backend."""
     accelerator = devices.by_name(config.device)
-    if accelerator.kind != "tpu":
+    if accelerator.kind != "tpu" or not hasattr(AccumModel, "compiled_step_memory"):
         return None
+    from tfmem.memory import probe_jax  # JAX's own module: this backend only
     try:
         chip = probe_jax.tpu_device(config.device)
     except ImportError:
         import jax  # JAX itself: this backend only
 
-        print(f"finetune: the plan alone: XLA:TPU's own figure of this step needs the TPU "
+        print(f"{program}: the plan alone: XLA:TPU's own figure of this step needs the TPU "
               f"compiler here: pip install \"jax[tpu]=={jax.__version__}\"")
         return None
     replicas = accelerator.num_replicas
@@ -344,7 +346,7 @@ def _compiled_ahead(config: FinetuneConfig, spec, runtime: Runtime, data: DataFa
         accum = built[precision]
         per_replica = config.global_batch_size // replicas
         x, y = _batch_of_shapes(accum, data, per_replica)
-        print(f"finetune: compiling the train step of one {chip.device_kind} replica at "
+        print(f"{program}: compiling the train step of one {chip.device_kind} replica at "
               f"micro-batch {per_replica // accumulation_steps} × {accumulation_steps} ahead "
               "of time (minutes for a large model)", flush=True)
         # The optimizer's slots and the sums: shapes alone. A step that does not compile

@@ -6,12 +6,12 @@ from __future__ import annotations
 import sys
 
 from tfmem import cli
-from tfmem.finetune import config as config_lib, outputs
+from tfmem.finetune import attempt as attempt_lib, config as config_lib, outputs
 from tfmem.finetune.attempt import Attempt, loss_and_metrics, run_attempt
 from tfmem.finetune.config import FinetuneConfig
 from tfmem.finetune.data_facts import DEFAULT_IGNORE_VALUE, DataFacts, check_sizes
 from tfmem.finetune.supervisor import supervise
-from tfmem.runtime import memory_cap
+from tfmem.runtime import current, memory_cap
 from tfmem.training import run_directory
 
 
@@ -68,3 +68,24 @@ def task_loss(task: str, num_classes: int, loss: str = "cross-entropy") -> tuple
     facts = DataFacts(False, (1, 1), num_classes, None, task=task,
                       ignore_value=DEFAULT_IGNORE_VALUE if task == "segmentation" else None)
     return loss_and_metrics(facts, loss)
+
+
+def compiled_ahead(config: FinetuneConfig, program: str = "plan"):
+    """XLA:TPU's own figure of the step of the run `config` describes, for a TPU `device` on
+    JAX: `(k, plan) →` the peak bytes of the step one replica runs with k accumulation steps,
+    compiled here ahead of time for a model built for its shapes in the plan's precision
+    (minutes for a large model; a line begun with `program` before each compile): what
+    `tfmem.memory.guard.guard` takes as `compiled_peak`. The data are `config`'s classes,
+    image size and task (the model's by default), read from no file.
+
+    Returns:
+        The function; None, after a line that gives the install command, where the TPU
+        compiler (libtpu) is not installed; None for another device or on TensorFlow.
+    """
+    spec = config_lib.model_spec(config)
+    task = config.task or spec.task
+    facts = DataFacts(False, config.image_size or (spec.default_image_size,) * 2,
+                      config.num_classes or 1000, None, task=task,
+                      ignore_value=DEFAULT_IGNORE_VALUE if task == "segmentation" else None)
+    return attempt_lib.compiled_ahead(config, spec, current.detect(prefer=config.prefer), facts,
+                                      program)

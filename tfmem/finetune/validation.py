@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 
 import keras
-import numpy as np
 
 from tfmem import models
 from tfmem.data import manifest as manifest_lib, reader

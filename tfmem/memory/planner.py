@@ -400,8 +400,8 @@ def _tpu_lanes(model: keras.Model) -> tuple[str, ...]:
     return (f"on a TPU, below a micro-batch of 128, XLA:TPU lays tensors of fewer than 128 "
             f"channels (here from {min(widths)}) out along 128 lanes, by their batch or "
             "their channels, holding up to 128 / micro-batch times their bytes, which this "
-            "plan does not count; XLA:TPU's own figure of the step: a dry run of "
-            "scripts/finetune.py on JAX with the TPU compiler installed, or "
+            "plan does not count; XLA:TPU's own figure of the step: scripts/plan.py or a "
+            "dry run of scripts/finetune.py on JAX with the TPU compiler installed, or "
             "tfmem.memory.probe_jax.compiled_step_memory(…, device=probe_jax.tpu_device(…)) "
             "(on the TPU, JAX's memory check compiles the step)",)
 
