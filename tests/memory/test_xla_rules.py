@@ -122,14 +122,20 @@ with tfmem.models.shapes_only():
         on_host = None
     except ValueError as error:
         on_host = str(error)
+    host_loop_peak = accum.compiled_peaks(*abstract, batch_size=BATCH)(2)  # this CPU's own
     tpu_peaks = None
     if importlib.util.find_spec("libtpu") is not None:
         peaks = accum.compiled_peaks(*abstract, batch_size=BATCH,
                                      device=probe_jax.tpu_device("tpu-v5e-8"))
         tpu_peaks = [peaks(1), peaks(2)]
+# The same AccumModel with its weights initialised, for this CPU.
+accum_of_weights = tfmem.AccumModel.wrap(gelu_mlp())
+accum_of_weights.compile(optimizer="adam", loss="mse")
+host_loop_of_weights = accum_of_weights.compiled_peaks(*abstract, batch_size=BATCH)(2)
 from tfmem import _keras_internals
 text = {"tpu": tpu, "libtpu": importlib.util.find_spec("libtpu") is not None,
-        "shapes_peak": shapes_peak, "initial_values": len(made), "accum_on_host": on_host, "accum_tpu_peaks": tpu_peaks,
+        "shapes_peak": shapes_peak, "initial_values": len(made), "accum_on_host": on_host,
+        "host_loop_peak": host_loop_peak, "host_loop_of_weights": host_loop_of_weights, "accum_tpu_peaks": tpu_peaks,
         # weights, optimizer slots and gradient sums (not the optimizers' scalar step counts)
         "initialised": sum(_keras_internals.is_initialized(v) and len(v.shape) > 0
                            for v in shapes_mlp.weights + accum.weights
@@ -284,6 +290,9 @@ def test_a_model_built_for_its_shapes_compiles_its_step_without_a_weight(on_jax)
     # and no weight, slot or sum was made for it.
     assert on_jax["shapes_peak"] == on_jax["mlp_xla"]
     assert on_jax["initialised"] == 0 and on_jax["initial_values"] == 0
+    # AccumModel's step on this CPU (the micro-batch loop from the host) compiles too, to the
+    # figure of the same model with its weights.
+    assert on_jax["host_loop_peak"] == on_jax["host_loop_of_weights"] > 0
     # AccumModel's step for one named device: refused for a platform whose micro-batch loop
     # runs on the host (this CPU), compiled for a TPU where its compiler is installed.
     assert on_jax["accum_on_host"] == (
