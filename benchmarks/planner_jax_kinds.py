@@ -4,13 +4,16 @@
     KERAS_BACKEND=jax python benchmarks/planner_jax_kinds.py --kinds conv_relu,attention
     # XLA:TPU's figures, compiled ahead of time here (libtpu installed), and a TPU's plan:
     KERAS_BACKEND=jax python benchmarks/planner_jax_kinds.py --device tpu-v5e-1 --ahead-of-time
+    # ... at batches where a TPU's layouts pad nothing, in the TPU's precision:
+    KERAS_BACKEND=jax python benchmarks/planner_jax_kinds.py --device tpu-v5e-1 --ahead-of-time \
+        --batches 1024,2048 --precision mixed_bfloat16
 
 Each kind is a small model of four blocks (3×3 convolutions on 32×32×32, or 256 tokens of
-64 features) with a pooled Dense head, Adam, float32. For each: the per-sample slope of XLA's
-compiled figure of `train_step` (`tfmem.memory.probe_jax.compiled_step_memory`, between
-batches 16 and 32) and of the planner's peak (one batch in flight) for a GPU, which counts
-what TensorFlow's gradients read, and for this CPU, which adds XLA:CPU's rules, with their
-ratios. The fixed parts agree within a few KiB, so the slope is where the kinds differ.
+64 features) with a pooled Dense head, Adam, float32 (`--precision`: another policy). For
+each: the per-sample slope of XLA's compiled figure of `train_step`
+(`tfmem.memory.probe_jax.compiled_step_memory`, between batches 16 and 32) and of the
+planner's peak (one batch in flight) for a GPU, which counts what TensorFlow's gradients
+read, and for this CPU, which adds XLA:CPU's rules, with their ratios. The fixed parts agree within a few KiB, so the slope is where the kinds differ.
 The rules drawn from it: `tfmem/memory/xla_rules.py`; the table: docs/planning.md.
 """
 
@@ -108,9 +111,12 @@ KINDS = {
 
 
 def slopes(name: str, device: str = "a100-80gb", chip: jax.Device | None = None,
-           batches: tuple[int, int] = BATCHES) -> tuple[float, float, float]:
+           batches: tuple[int, int] = BATCHES, precision: str = "float32"
+           ) -> tuple[float, float, float]:
     """Bytes per sample of XLA's figure (for `chip`, else this CPU) and of the plans for
-    `device` (no XLA:CPU rules) and for this CPU (XLA:CPU's), between the two batches."""
+    `device` (no XLA:CPU rules) and for this CPU (XLA:CPU's), between the two batches, for
+    the kind built under the dtype policy `precision`."""
+    keras.mixed_precision.set_dtype_policy(precision)  # clear_session resets it
     model = KINDS[name]()
     model.compile(optimizer="adam", loss="mse")
     shape = tuple(model.input_shape[1:])
@@ -123,7 +129,7 @@ def slopes(name: str, device: str = "a100-80gb", chip: jax.Device | None = None,
         for planned, where in ((gpu, dict(device=device)),
                                (cpu, dict(memory_budget=2**40))):
             plan = tfmem.plan(model, global_batch_size=batch, optimizer=model.optimizer,
-                              input_batches_in_flight=1, **where)
+                              input_batches_in_flight=1, precision=precision, **where)
             planned.append(plan.peak_bytes(batch, 1))
     keras.backend.clear_session()
     step = batches[1] - batches[0]
@@ -138,6 +144,9 @@ def main(argv=None):
                         "multiples of 128: its layouts pad a small batch dimension)")
     parser.add_argument("--device", default="a100-80gb",
                         help="the accelerator of tfmem's device table the second plan is for")
+    parser.add_argument("--precision", default="float32",
+                        choices=["float32", "mixed_bfloat16", "mixed_float16"],
+                        help="the Keras dtype policy the kinds are built and planned in")
     parser.add_argument("--ahead-of-time", action="store_true",
                         help="XLA's figures for --device's TPU (e.g. tpu-v5e-1), compiled ahead "
                         "of time here (needs libtpu)")
@@ -150,12 +159,13 @@ def main(argv=None):
         raise SystemExit(f"error: --batches {args.batches}: give two batch sizes, the smaller "
                          "first, e.g. --batches 16,32")
     began = time.time()
-    print(f"Per-sample bytes of one train step, batches {batches}, Adam, float32, "
+    print(f"Per-sample bytes of one train step, batches {batches}, Adam, "
+          f"{args.precision}, "
           f"{chip.device_kind if chip else jax.devices()[0].platform}\n")
     print(f"| kind | XLA KiB/sample | plan for {args.device} | plan for XLA:CPU |")
     print("|---|---:|---:|---:|")
     for name in args.kinds.split(","):
-        xla, gpu, cpu = slopes(name, args.device, chip, batches)
+        xla, gpu, cpu = slopes(name, args.device, chip, batches, args.precision)
         print(f"| {name} | {xla / 1024:.0f} | {gpu / 1024:.0f} ({gpu / xla:.2f}) | "
               f"{cpu / 1024:.0f} ({cpu / xla:.2f}) |", flush=True)
     print(f"\n{(time.time() - began) / 60:.1f} min, load average {os.getloadavg()[0]:.1f}")

@@ -12,8 +12,8 @@ against the micro-batch with the budget line (needs matplotlib: `pip install -e 
 in the checkout). On JAX (`KERAS_BACKEND=jax`) for a TPU --device, where the TPU compiler is
 installed (`pip install "jax[tpu]"`), it also compiles the step one replica runs here ahead of
 time (minutes for a large model) and checks the split with XLA:TPU's own figure, as the guard
-does on the TPU (`--nocompile`: the plan alone). Flags accept dashes or underscores. Errors are one line on stderr (exit 2:
-a flag is wrong; `--debug` adds the traceback).
+does on the TPU (`--nocompile`: the plan alone). Flags accept dashes or underscores. Errors
+are one line on stderr (exit 2: a flag is wrong; `--debug` adds the traceback).
 """
 
 import os

@@ -135,7 +135,8 @@ host_loop_of_weights = accum_of_weights.compiled_peaks(*abstract, batch_size=BAT
 from tfmem import _keras_internals
 text = {"tpu": tpu, "libtpu": importlib.util.find_spec("libtpu") is not None,
         "shapes_peak": shapes_peak, "initial_values": len(made), "accum_on_host": on_host,
-        "host_loop_peak": host_loop_peak, "host_loop_of_weights": host_loop_of_weights, "accum_tpu_peaks": tpu_peaks,
+        "host_loop_peak": host_loop_peak, "host_loop_of_weights": host_loop_of_weights,
+        "accum_tpu_peaks": tpu_peaks,
         # weights, optimizer slots and gradient sums (not the optimizers' scalar step counts)
         "initialised": sum(_keras_internals.is_initialized(v) and len(v.shape) > 0
                            for v in shapes_mlp.weights + accum.weights
