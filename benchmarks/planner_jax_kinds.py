@@ -13,8 +13,9 @@ Each kind is a small model of four blocks (3×3 convolutions on 32×32×32, or 2
 each: the per-sample slope of XLA's compiled figure of `train_step`
 (`tfmem.memory.probe_jax.compiled_step_memory`, between batches 16 and 32) and of the
 planner's peak (one batch in flight) for a GPU, which counts what TensorFlow's gradients
-read, and for this CPU, which adds XLA:CPU's rules, with their ratios. The fixed parts agree within a few KiB, so the slope is where the kinds differ.
-The rules drawn from it: `tfmem/memory/xla_rules.py`; the table: docs/planning.md.
+read, and for this CPU, which adds XLA:CPU's rules, with their ratios. The fixed parts agree
+within a few KiB, so the slope is where the kinds differ. The rules drawn from it:
+`tfmem/memory/xla_rules.py`; the table: docs/planning.md.
 """
 
 from __future__ import annotations
