@@ -6,15 +6,16 @@
     # XLA:TPU's analysis, compiled ahead of time on this machine (libtpu installed):
     KERAS_BACKEND=jax python benchmarks/planner_jax.py --device tpu-v5e-1 --ahead-of-time
 
-For each model of `benchmarks/planner_accuracy.py` (Adam, 64×64, float32), keras-hub's ViT,
-BERT or GPT-2: the planner's estimate for one plain step (one batch in flight) on the device
-`--device` names, by default this CPU with XLA:CPU's rules (`tfmem.memory.xla_rules`) and
-without the host's framework runtime, and `tfmem.memory.probe_jax.compiled_step_memory` of the
-model's jitted `train_step` at the same batch: what XLA's buffer assignment holds at once
-(arguments + outputs − donated aliases + temporaries). Nothing runs but one tiny step that
-builds the optimizer; on a CPU host this is XLA:CPU's plan. Prints both and the ratio
-(2026-11-28, 2 shared cores: 0.98–1.11 for the zoo, 1.14 for keras-hub's ViT, 0.98 for
-BERT, 1.00 for GPT-2; the zoo takes about 16 min). Where and why they differ: docs/planning.md.
+For each model of `benchmarks/planner_accuracy.py` (Adam, 64×64, float32 or the policy
+`--precision` names), keras-hub's ViT, BERT or GPT-2: the planner's estimate for one plain step
+(one batch in flight) on the device `--device` names, by default this CPU with XLA:CPU's rules
+(`tfmem.memory.xla_rules`) and without the host's framework runtime, and
+`tfmem.memory.probe_jax.compiled_step_memory` of the model's jitted `train_step` at the same
+batch: what XLA's buffer assignment holds at once (arguments + outputs − donated aliases +
+temporaries). Nothing runs but one tiny step that builds the optimizer; on a CPU host this is
+XLA:CPU's plan. Prints both and the ratio (2026-11-28, 2 shared cores: 0.98–1.11 for the zoo,
+1.14 for keras-hub's ViT, 0.98 for BERT, 1.00 for GPT-2; the zoo takes about 16 min). Where and
+why they differ: docs/planning.md.
 """
 
 from __future__ import annotations
@@ -84,8 +85,10 @@ def tpu_chip(device: str) -> jax.Device:
 
 
 def compare(name: str, batch: int, device: str, chip: jax.Device | None = None,
-            image_size: int | None = None) -> dict:
-    """The plan and XLA's analysis of one model's train step at `batch`."""
+            image_size: int | None = None, precision: str = "float32") -> dict:
+    """The plan and XLA's analysis of one model's train step at `batch`, the model built
+    and planned under the dtype policy `precision`."""
+    keras.mixed_precision.set_dtype_policy(precision)  # clear_session resets it
     model = build(name, image_size)
     model.compile(optimizer=keras.optimizers.Adam(), loss="mse")
     def one_or_all(values):  # a model of one input takes it alone (a subclassed call too)
@@ -104,7 +107,7 @@ def compare(name: str, batch: int, device: str, chip: jax.Device | None = None,
     # does not hold.
     where = dict(memory_budget=2**40) if device == "cpu" else dict(device=device)
     plan = tfmem.plan(model, global_batch_size=batch, optimizer=model.optimizer,
-                      input_batches_in_flight=1, **where)
+                      input_batches_in_flight=1, precision=precision, **where)
     rows = plan.breakdown(batch, 1)
     state = plan.parameter_bytes + plan.gradient_bytes + plan.optimizer_bytes
     per_batch = sum(v for t, v in rows.items() if t.per_micro_batch)
@@ -126,6 +129,9 @@ def main(argv=None):
     parser.add_argument("--device", default="cpu",
                         help='the device the plan is for: "cpu" (XLA:CPU, what compiles here) '
                         "or a name of tfmem's device table (an accelerator plan)")
+    parser.add_argument("--precision", default="float32",
+                        choices=["float32", "mixed_bfloat16", "mixed_float16"],
+                        help="the Keras dtype policy the models are built and planned in")
     parser.add_argument("--ahead-of-time", action="store_true",
                         help="XLA:TPU's figure for --device's TPU (e.g. tpu-v5e-1), compiled "
                         "ahead of time on this machine (needs libtpu)")
@@ -137,13 +143,13 @@ def main(argv=None):
     target = chip.device_kind if chip else jax.devices()[0].platform
     print(f"Planner vs XLA's compiled memory analysis of `train_step`, Adam, "
           f"{args.image_size or zoo.IMAGE[0]} px (the registry's models without "
-          f"--image-size: their own), float32, {target}\n")
+          f"--image-size: their own), {args.precision}, {target}\n")
     print("| model | batch | XLA arguments | XLA temporaries | XLA peak | plan: state | "
           "plan: activations + workspace | plan peak | plan / XLA |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in args.models.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
-            r = compare(name, batch, args.device, chip, args.image_size)
+            r = compare(name, batch, args.device, chip, args.image_size, args.precision)
             xla = r["xla"]
             print(f"| {name} | {batch} | {xla['argument_bytes'] / MIB:.0f} MiB | "
                   f"{xla['temp_bytes'] / MIB:.0f} MiB | {xla['peak_bytes'] / MIB:.0f} MiB | "

@@ -78,8 +78,9 @@ def plot_path(path: str) -> str:
     return path
 
 
-def draw(plan, path: str) -> None:
-    """Predicted peak per replica against the micro-batch, with the budget and the choice."""
+def draw(plan, path: str, run: guard.RunPlan | None = None) -> None:
+    """Predicted peak per replica against the micro-batch, with the budget and the choice;
+    with `run` (checked with XLA's figure of the compiled step), its split at that figure."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -92,10 +93,16 @@ def draw(plan, path: str) -> None:
                  label=f"budget ({plan.safety:.0%} of {plan.memory_per_replica / gib:.1f} GiB)")
     axes.axhline(plan.memory_per_replica / gib, color="tab:gray", linestyle=":",
                  label=f"{plan.device} memory per replica")
+    compiled = run is not None and run.compiled_peak_bytes is not None
     if plan.fits:
         chosen = plan.peak_bytes(plan.micro_batch_size, plan.accumulation_steps) / gib
         axes.plot([plan.micro_batch_size], [chosen], "o", color="tab:green",
-                  label=f"chosen: {plan.micro_batch_size} × {plan.accumulation_steps} steps")
+                  label=f"{'the plan alone' if compiled else 'chosen'}: "
+                  f"{plan.micro_batch_size} × {plan.accumulation_steps} steps")
+    if compiled:
+        axes.plot([run.micro_batch_size], [run.compiled_peak_bytes / gib], "s", color="black",
+                  label=f"XLA's figure of {run.micro_batch_size} × {run.accumulation_steps} "
+                  "steps, compiled")
     axes.set_xlabel("micro-batch size per replica")
     axes.set_ylabel("predicted peak memory (GiB)")
     axes.set_title(f"{plan.model_name}, {plan.optimizer}, {plan.precision}, "
@@ -171,7 +178,7 @@ def _plan(argv):
         fits = run.compiled_peak_bytes + plan.runtime_bytes <= plan.budget_bytes
         print(compiled_choice(run, switches, fits))
     if plot:
-        draw(plan, plot)
+        draw(plan, plot, run)
         print(f"wrote {plot}")
     return 0 if fits else 1
 

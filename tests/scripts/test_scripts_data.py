@@ -245,7 +245,7 @@ def test_plan_script_prints_the_plan_and_draws_it(tmp_path, run):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_plan_on_jax_for_a_tpu_checks_its_split_with_xla_tpus_own_figure():
+def test_plan_on_jax_for_a_tpu_checks_its_split_with_xla_tpus_own_figure(tmp_path):
     # docs/planning.md's example. Compiled here ahead of time where the TPU compiler (libtpu)
     # is installed; where it is not, the plan alone, after a line that says what the
     # compiled figure needs. Either way the lines the page shows that do not come from the
@@ -258,8 +258,10 @@ def test_plan_on_jax_for_a_tpu_checks_its_split_with_xla_tpus_own_figure():
     environment = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu",
                        XLA_FLAGS=jax_xla_flags(), TF_CPP_MIN_LOG_LEVEL="2",
                        PYTHONPATH=os.pathsep.join(paths).rstrip(os.pathsep))
-    result = subprocess.run([sys.executable, "scripts/plan.py", *command], capture_output=True,
-                            text=True, timeout=300, cwd=ROOT, env=environment)
+    png = tmp_path / "plan.png"  # XLA's figure drawn beside the plan's line
+    result = subprocess.run([sys.executable, "scripts/plan.py", *command, f"--plot={png}"],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT,
+                            env=environment)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     compiled = re.search(r"compiled step \(XLA\) +([\d.]+) MiB +arguments \+ outputs",
@@ -271,15 +273,16 @@ def test_plan_on_jax_for_a_tpu_checks_its_split_with_xla_tpus_own_figure():
         assert compiled is None
         assert lines[0] == ("plan: the plan alone: XLA:TPU's own figure of this step needs "
                             f'the TPU compiler here: pip install "jax[tpu]=={jax.__version__}"')
-        assert lines[-2].startswith("chosen: one step of micro-batch 4 (no accumulation)")
+        assert lines[-3].startswith("chosen: one step of micro-batch 4 (no accumulation)")
         shown = [line for line in shown if not line.startswith(from_the_compile)]
     else:
         assert compiled and 0 < float(compiled.group(1)) < 1024, result.stdout
-        assert lines[-2] == (f"chosen by XLA's figure of the compiled step: micro-batch 4 × "
+        assert lines[-3] == (f"chosen by XLA's figure of the compiled step: micro-batch 4 × "
                              f"1, {compiled.group(1)} MiB of the 12.80 GiB budget (the plan "
                              "alone: micro-batch 4 × 1)")
         # The compiled figure, to the page's 0.1 MiB, may move with the compiler's version.
         shown = [line for line in shown if not line.startswith(from_the_compile[1:])]
     assert [line for line in shown if line.strip() != "…"] == [
         line for line in lines if line in shown]
-    assert lines[-1] == shown[-1]  # the command that trains it
+    assert lines[-2:] == [shown[-1], f"wrote {png}"]  # the command that trains it, the plot
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
