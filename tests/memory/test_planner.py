@@ -171,19 +171,21 @@ def test_frozen_backbone_keeps_nothing_before_first_trainable_layer():
         16 * 16 * 3 * 4 + 16 * 16 * 8 * 4 + 16 * 16 * 8 * 4)
 
 
-def test_a_tpu_plan_names_what_the_lanes_of_xla_tpu_pad_for_tensors_narrower_than_128():
+def test_a_tpu_plan_names_what_the_lanes_of_xla_tpu_pad_for_channels_off_128():
     inputs = keras.Input((8, 8, 128))
-    wide = keras.Model(inputs, keras.layers.Conv2D(128, 3, padding="same")(inputs))
-    narrow = keras.Model(inputs, keras.layers.Conv2D(16, 3, padding="same")(inputs))
+
+    def convolution(filters):
+        return keras.Model(inputs, keras.layers.Conv2D(filters, 3, padding="same")(inputs))
 
     def lanes(model, device):
         plan = tfmem.plan(model, global_batch_size=8, device=device)
         return [note for note in plan.notes if "128 lanes" in note]
 
-    assert lanes(wide, "tpu-v5e-1") == []
-    (note,) = lanes(narrow, "tpu-v5e-1")
-    assert "(here from 16)" in note and "probe_jax.tpu_device" in note
-    assert lanes(narrow, "a100-80gb") == []
+    assert lanes(convolution(256), "tpu-v5e-1") == []
+    for filters in (16, 192):
+        (note,) = lanes(convolution(filters), "tpu-v5e-1")
+        assert f"(here from {filters})" in note and "probe_jax.tpu_device" in note
+    assert lanes(convolution(16), "a100-80gb") == []
 
 
 def test_choice_is_largest_dividing_micro_batch_that_fits():
