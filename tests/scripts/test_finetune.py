@@ -169,6 +169,18 @@ def test_a_dry_run_on_jax_for_a_tpu_checks_the_split_with_xla_tpus_own_figure(tm
     else:
         assert compiled and 0 < float(compiled.group(1)) < 1024, result.stdout
     assert not list(tmp_path.iterdir())  # a dry run writes nothing
+    # --nocompile: the plan alone, without a word of the compile.
+    alone = _finetune("--dry-run", "--device", "tpu-v5e-8", "--model", "unet", "--task",
+                      "segmentation", "--num-classes", "3", "--image-size", "64",
+                      "--global-batch-size", "32", "--output", str(tmp_path), "--nocompile",
+                      timeout=300, backend="jax", JAX_PLATFORMS="cpu",
+                      XLA_FLAGS=jax_xla_flags())
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert not [line for line in alone.stdout.splitlines() if line.startswith((
+        "finetune: compiling", "finetune: the plan alone", "  compiled step (XLA)"))]
+    assert [line for line in alone.stdout.splitlines() if "total (peak per replica)" in line
+            ] == [line for line in result.stdout.splitlines()
+                  if "total (peak per replica)" in line]
 
 
 def test_killed_run_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path, finetune_cli,
@@ -383,6 +395,8 @@ def written_sets(tmp_path_factory):
     (["--accumulation-steps", "3", "--dry-run"],
      r"must be divisible by replicas × accumulation_steps \(1 × 3 = 3\)\. Try 63 or 66"),
     (["--device", "t4"], r"--device t4 plans for another machine; it only goes with --dry-run"),
+    (["--nocompile", "--dry-run"], r"--nocompile leaves out the compile of a dry run for "
+                                   r"another --device; it only goes with --dry-run --device"),
     (["--rematerialize", "block1_conv,nope", "--dry-run"],
      r"rematerialize: 'nope' is not a layer of '[^']+'; its layers: .*block1_conv"),
     (["--rematerialize", "avg_pool:small_cnn", "--dry-run"],

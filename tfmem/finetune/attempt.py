@@ -280,7 +280,7 @@ def build_and_plan(config: FinetuneConfig, spec, runtime: Runtime, precision: st
             return peaks(accumulation_steps, memory_plan)
 
         compiled_peak = compiled_peak_of_the_run
-    elif config.dry_run and config.device:
+    elif config.dry_run and config.device and config.compile:
         # A TPU's own figure, compiled ahead of time here where the TPU compiler is installed.
         compiled_peak = compiled_ahead(config, spec, runtime, data)
     if attempt.plan_budget is not None:  # what fits under a memory limit

@@ -52,6 +52,9 @@ class FinetuneConfig:
         prefer: force a device kind ("tpu", "gpu", "cpu").
         allow_over_budget: train even when the plan exceeds the memory budget.
         dry_run: build, plan and print; train nothing.
+        compile: a dry run on JAX for a TPU `device` checks its split with XLA:TPU's figure
+            of the step, compiled here ahead of time where the TPU compiler is installed
+            (minutes for a large model); False: the plan alone.
         save_every_steps: updates between resume points (default: 4 per epoch).
         seed: seed of weights, shuffling and augmentation.
         deterministic: deterministic ops (a resumed run ends bit-identical).
@@ -91,6 +94,7 @@ class FinetuneConfig:
     prefer: str | None = None
     allow_over_budget: bool = False
     dry_run: bool = False
+    compile: bool = True
     save_every_steps: int | None = None
     seed: int = 0
     deterministic: bool = False
@@ -135,6 +139,10 @@ def check_combinations(config: FinetuneConfig) -> None:
     if config.device and not config.dry_run:
         raise cli.UsageError(f"--device {config.device} plans for another machine; it only goes "
                              "with --dry-run (training always runs on the detected runtime)")
+    if not config.compile and not (config.dry_run and config.device):
+        raise cli.UsageError("--nocompile leaves out the compile of a dry run for another "
+                             "--device; it only goes with --dry-run --device (a run on JAX "
+                             "compiles the step it trains, and checks its split with it)")
     if config.data == "demo":
         # A dry run may name the classes of data it does not have (planning for another machine).
         names = ("validation_data",) if config.dry_run else ("validation_data", "num_classes",
