@@ -98,8 +98,8 @@ flags.DEFINE_bool("dry_run", False, "Build the model, print its parameters and "
 flags.DEFINE_bool(
     "compile", True, "A dry run on JAX (KERAS_BACKEND=jax) for a TPU --device, where the TPU "
     "compiler is installed: check the split with XLA:TPU's own figure of the step one replica "
-    "runs, compiled here ahead of time (minutes for a large model); --nocompile: the plan "
-    "alone.")
+    "runs, compiled here ahead of time (for a large model, minutes and gigabytes of RAM); "
+    "--nocompile: the plan alone.")
 flags.DEFINE_integer(
     "save_every_steps", None, "Save a resume point every this many updates (default: 4 "
     "times per epoch).", lower_bound=1)

@@ -6,14 +6,14 @@
 Any machine, no accelerator needed (it builds the model on the CPU to read its graph; a few
 seconds for ResNet50, half a minute for EfficientNetV2-XL). Prints the breakdown per replica in
 the device's precision, the micro-batch × accumulation steps × replicas that reach the global
-batch within 80% of the device (or, when nothing fits, the smallest change checked to fit),
-the scripts/finetune.py command that runs it, and, with --plot, draws predicted memory
-against the micro-batch with the budget line (needs matplotlib: `pip install -e '.[plot]'`
-in the checkout). On JAX (`KERAS_BACKEND=jax`) for a TPU --device, where the TPU compiler is
-installed (`pip install "jax[tpu]"`), it also compiles the step one replica runs here ahead of
-time (minutes for a large model) and checks the split with XLA:TPU's own figure, as the guard
-does on the TPU (`--nocompile`: the plan alone). Flags accept dashes or underscores. Errors
-are one line on stderr (exit 2: a flag is wrong; `--debug` adds the traceback).
+batch within 80% of the device (or, when nothing fits, the smallest change checked to fit), the
+scripts/finetune.py command that runs it, and, with --plot, draws predicted memory against the
+micro-batch with the budget line (needs matplotlib: `pip install -e '.[plot]'` in the
+checkout). On JAX (`KERAS_BACKEND=jax`) for a TPU --device, where the TPU compiler is installed
+(`pip install "jax[tpu]"`), it also compiles the step one replica runs here ahead of time (for
+a large model, minutes and gigabytes of RAM) and checks the split with XLA:TPU's own figure, as
+the guard does on the TPU (`--nocompile`: the plan alone). Flags accept dashes or underscores.
+Errors are one line on stderr (exit 2: a flag is wrong; `--debug` adds the traceback).
 """
 
 import os
@@ -50,8 +50,8 @@ flags.DEFINE_enum("loss", "cross-entropy", list(finetune.LOSSES), "The loss the 
                   "'cross-entropy+dice'); the plan counts what it and the task's metric hold.")
 flags.DEFINE_boolean("compile", True, "On JAX (KERAS_BACKEND=jax) for a TPU --device, where the "
                      "TPU compiler is installed: check the split with XLA:TPU's own figure of "
-                     "the step one replica runs, compiled here ahead of time (minutes for a "
-                     "large model); --nocompile: the plan alone.")
+                     "the step one replica runs, compiled here ahead of time (for a large "
+                     "model, minutes and gigabytes of RAM); --nocompile: the plan alone.")
 flags.mark_flags_as_required(["model", "global_batch_size"])
 for _name in ("global_batch_size", "num_classes"):
     flags.register_validator(_name, lambda value: value is None or value >= 1,

@@ -348,7 +348,7 @@ def compiled_ahead(config: FinetuneConfig, spec, runtime: Runtime, data: DataFac
         x, y = _batch_of_shapes(accum, data, per_replica)
         print(f"{program}: compiling the train step of one {chip.device_kind} replica at "
               f"micro-batch {per_replica // accumulation_steps} × {accumulation_steps} ahead "
-              "of time (minutes for a large model)", flush=True)
+              "of time (for a large model, minutes and gigabytes of RAM)", flush=True)
         # The optimizer's slots and the sums: shapes alone. A step that does not compile
         # for the TPU leaves the plan's answer, which the guard says.
         with models.shapes_only(), loss_trace.int64_as_run():

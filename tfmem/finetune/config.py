@@ -54,7 +54,7 @@ class FinetuneConfig:
         dry_run: build, plan and print; train nothing.
         compile: a dry run on JAX for a TPU `device` checks its split with XLA:TPU's figure
             of the step, compiled here ahead of time where the TPU compiler is installed
-            (minutes for a large model); False: the plan alone.
+            (for a large model, minutes and gigabytes of RAM); False: the plan alone.
         save_every_steps: updates between resume points (default: 4 per epoch).
         seed: seed of weights, shuffling and augmentation.
         deterministic: deterministic ops (a resumed run ends bit-identical).

@@ -74,9 +74,9 @@ def compiled_ahead(config: FinetuneConfig, program: str = "plan"):
     """XLA:TPU's own figure of the step of the run `config` describes, for a TPU `device` on
     JAX: `(k, plan) →` the peak bytes of the step one replica runs with k accumulation steps,
     compiled here ahead of time for a model built for its shapes in the plan's precision
-    (minutes for a large model; a line begun with `program` before each compile): what
-    `tfmem.memory.guard.guard` takes as `compiled_peak`. The data are `config`'s classes,
-    image size and task (the model's by default), read from no file.
+    (for a large model, minutes and gigabytes of RAM; a line begun with `program` before
+    each compile): what `tfmem.memory.guard.guard` takes as `compiled_peak`. The data are
+    `config`'s classes, image size and task (the model's by default), read from no file.
 
     Returns:
         The function; None, after a line that gives the install command, where the TPU
