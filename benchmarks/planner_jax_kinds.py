@@ -94,6 +94,21 @@ def _attention():
     return keras.Model(inputs, _head(x))
 
 
+def _efficientnet_blocks(fused: bool):
+    """EfficientNetV2's blocks as tfmem builds them (`tfmem.models.efficientnetv2_xl`), whose
+    calls the planner traces: expansion 4, stochastic depth; MBConv with squeeze-excite."""
+    from tfmem.models.efficientnetv2_xl import FusedMBConv, MBConv
+
+    def build():
+        inputs = keras.Input((32, 32, 32))
+        x = inputs
+        for _ in range(4):
+            x = (FusedMBConv(32, 32, expand_ratio=4, drop_rate=0.1) if fused else
+                 MBConv(32, 32, expand_ratio=4, se_ratio=0.25, drop_rate=0.1))(x)
+        return keras.Model(inputs, _head(x))
+    return build
+
+
 KINDS = {
     "conv": _convolutions(),
     "conv_relu": _convolutions("relu"),
@@ -108,6 +123,8 @@ KINDS = {
     "concatenate": _concatenations,
     "dense_gelu": _dense_gelu,
     "attention": _attention,
+    "mbconv": _efficientnet_blocks(fused=False),
+    "fused_mbconv": _efficientnet_blocks(fused=True),
 }
 
 

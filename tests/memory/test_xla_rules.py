@@ -255,6 +255,9 @@ def test_xla_cpu_holds_a_traced_calls_transcendental_residuals_and_row_sums_broa
     # XLA:CPU: t and the exp (transcendental, not made twice) and the row sum broadcast to
     # the row; the differences and the inverse square are made again from them.
     assert held("cpu") == 3 * row
+    # XLA:TPU: t, the exp, and the row sum as it is (one float); the differences and the
+    # inverse square made again from them.
+    assert held("tpu") == 2 * row + 4
 
 
 def test_a_step_compiled_for_a_named_device_is_the_step_and_a_mesh_places_it_alone(on_jax):

@@ -5,7 +5,9 @@ is one XLA program, which keeps a different set around element-wise activations 
 normalizations. Each rule holds for the XLA targets it was measured on (`holds`: the device
 kind of the plan, "cpu" for XLA:CPU, against XLA's own memory analysis,
 `tfmem.memory.probe_jax.compiled_step_memory`; the per-kind table is in docs/planning.md);
-a plan for another target counts what `layer_rules` says:
+a plan for another target counts what `layer_rules` says. A plan for a TPU (measured on
+XLA:TPU, compiled ahead of time) applies two of them so far: a traced call's residual that
+cheap element-wise ops make again, and a scalar broadcast, hold nothing. The rules:
 
 - A piecewise activation (relu, relu6, elu, selu, hard_sigmoid) is differentiated on its
   input, not its output (TensorFlow's `ReluGrad` reads the output): XLA fuses the mask into
@@ -54,16 +56,18 @@ from tfmem._sizes import itemsize
 PIECEWISE = frozenset({"relu", "relu6", "elu", "selu", "hard_sigmoid"})
 _GATED = frozenset({"silu", "swish"})
 
-# The XLA targets (a plan's device kind) each rule holds for: where it was measured.
+# The XLA targets (a plan's device kind) each rule holds for: where it was measured (XLA:TPU
+# compiled ahead of time, against its own figure of the step).
 _XLA_CPU = frozenset({"cpu"})
+_XLA_CPU_TPU = frozenset({"cpu", "tpu"})
 _TARGETS = {
     "activation": _XLA_CPU,
     "batch_normalization": _XLA_CPU,
     "boolean_residual": _XLA_CPU,
-    "broadcast": _XLA_CPU,
+    "broadcast": _XLA_CPU_TPU,
     "broadcast_residual": _XLA_CPU,
     "convolution": _XLA_CPU,
-    "derived_residual": _XLA_CPU,
+    "derived_residual": _XLA_CPU_TPU,
     "element_wise": _XLA_CPU,
     "max_pooling": _XLA_CPU,
     "random_mask": _XLA_CPU,
