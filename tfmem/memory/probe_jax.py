@@ -167,9 +167,8 @@ def compiled_step_memory(model: keras.Model, data, step=None,
             "The model's optimizer has no variables yet, so there is no train step to "
             "compile. Run one step first (`model.train_on_batch(x, y)` or a 1-step `fit`)."
         )
-    abstract_state = tuple([_abstract_variable(v) for v in variables] for variables in (
-        model.trainable_variables, model.non_trainable_variables, model.optimizer.variables,
-        model.metrics_variables))
+    abstract_state = tuple([abstract(value) for value in values]
+                           for values in step_state(model))
     abstract_data = abstract_batch(data)
     if device is not None:
         if keras.distribution.distribution() is not None:
@@ -185,12 +184,19 @@ def compiled_step_memory(model: keras.Model, data, step=None,
     return memory_analysis(step.lower(abstract_state, abstract_data).compile())
 
 
-def _abstract_variable(variable) -> jax.ShapeDtypeStruct:
-    """A variable's value as `abstract` lays it out; one never initialised (a model built
-    under `tfmem.models.shapes_only`) by its shape and dtype alone, on no device yet."""
-    if internals.is_initialized(variable):
-        return abstract(variable.value)
-    return jax.ShapeDtypeStruct(tuple(variable.shape), variable.dtype)
+def step_state(model: keras.Model) -> tuple[list, list, list, list]:
+    """The values a train step takes, as Keras's JAX trainer groups them: trainable,
+    non-trainable, optimizer and metric variables. A variable never initialised (a model
+    built under `tfmem.models.shapes_only`) is its shape and dtype alone, on no device yet, so
+    that reading it makes no initial value."""
+    def value(variable):
+        if internals.is_initialized(variable):
+            return variable.value
+        return jax.ShapeDtypeStruct(tuple(variable.shape), variable.dtype)
+
+    return tuple([value(v) for v in variables] for variables in (
+        model.trainable_variables, model.non_trainable_variables, model.optimizer.variables,
+        model.metrics_variables))
 
 
 def memory_analysis(compiled) -> dict[str, int]:

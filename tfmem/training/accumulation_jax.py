@@ -312,10 +312,7 @@ class HostLoopStep:
         shaped like `data` (nothing runs). Each program is lowered for arguments placed as a
         step's call places them, so the step's calls run the executables compiled here."""
         model = self.model
-        state = tuple([_value_or_shape(v) for v in variables] for variables in (
-            model.trainable_variables, model.non_trainable_variables, model.optimizer.variables,
-            model.metrics_variables))
-        start, fixed, starts = self._window(state, shapes_only=True)
+        start, fixed, starts = self._window(probe_jax.step_state(model), shapes_only=True)
         data = probe_jax.abstract_batch(data)
         for attempt in range(_TRACES):  # again only when the loss sums other parts
             carry = _laid_out(start, loss_terms.stored_layout(model), like=probe_jax.placed)
@@ -543,14 +540,6 @@ def _as_is(values):
 
 def _copies(values: list) -> list:
     return [jnp.copy(v) for v in values]
-
-
-def _value_or_shape(variable):
-    """A variable's value; one never initialised (a model built under
-    `tfmem.models.shapes_only`) by its shape and dtype alone, so that no value is made."""
-    if internals.is_initialized(variable):
-        return variable.value
-    return jax.ShapeDtypeStruct(tuple(variable.shape), variable.dtype)
 
 
 def _replicated_zero(values: list, dtype):
