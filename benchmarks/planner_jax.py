@@ -84,6 +84,17 @@ def tpu_chip(device: str) -> jax.Device:
                          "tpu-v5e-1") from None
 
 
+def add_target_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--precision` and `--ahead-of-time`: the policy the models are built and planned in,
+    and XLA:TPU's figure for `--device`'s TPU instead of this CPU's."""
+    parser.add_argument("--precision", default="float32",
+                        choices=["float32", "mixed_bfloat16", "mixed_float16"],
+                        help="the Keras dtype policy the models are built and planned in")
+    parser.add_argument("--ahead-of-time", action="store_true",
+                        help="XLA:TPU's figure for --device's TPU (e.g. tpu-v5e-1), compiled "
+                        "ahead of time on this machine (needs libtpu)")
+
+
 def compare(name: str, batch: int, device: str, chip: jax.Device | None = None,
             image_size: int | None = None, precision: str = "float32") -> dict:
     """The plan and XLA's analysis of one model's train step at `batch`, the model built
@@ -129,12 +140,7 @@ def main(argv=None):
     parser.add_argument("--device", default="cpu",
                         help='the device the plan is for: "cpu" (XLA:CPU, what compiles here) '
                         "or a name of tfmem's device table (an accelerator plan)")
-    parser.add_argument("--precision", default="float32",
-                        choices=["float32", "mixed_bfloat16", "mixed_float16"],
-                        help="the Keras dtype policy the models are built and planned in")
-    parser.add_argument("--ahead-of-time", action="store_true",
-                        help="XLA:TPU's figure for --device's TPU (e.g. tpu-v5e-1), compiled "
-                        "ahead of time on this machine (needs libtpu)")
+    add_target_arguments(parser)
     args = parser.parse_args(argv)
     if keras.backend.backend() != "jax":
         raise SystemExit("error: run with KERAS_BACKEND=jax; this compares with XLA's analysis")

@@ -35,7 +35,7 @@ import tfmem  # noqa: E402
 from tfmem.memory import probe_jax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from planner_jax import tpu_chip  # noqa: E402
+from planner_jax import add_target_arguments, tpu_chip  # noqa: E402
 
 L = keras.layers
 BATCHES = (16, 32)
@@ -162,12 +162,7 @@ def main(argv=None):
                         "multiples of 128: its layouts pad a small batch dimension)")
     parser.add_argument("--device", default="a100-80gb",
                         help="the accelerator of tfmem's device table the second plan is for")
-    parser.add_argument("--precision", default="float32",
-                        choices=["float32", "mixed_bfloat16", "mixed_float16"],
-                        help="the Keras dtype policy the kinds are built and planned in")
-    parser.add_argument("--ahead-of-time", action="store_true",
-                        help="XLA's figures for --device's TPU (e.g. tpu-v5e-1), compiled ahead "
-                        "of time here (needs libtpu)")
+    add_target_arguments(parser)
     args = parser.parse_args(argv)
     if keras.backend.backend() != "jax":
         raise SystemExit("error: run with KERAS_BACKEND=jax; this compares with XLA's analysis")
