@@ -169,7 +169,9 @@ def _plan(argv):
         run = guard.guard(model, accumulation_steps="auto", allow_over_budget=True,
                           switches=switches, compiled_peak=compiled_peak, **arguments)
     if run is None or run.compiled_peak_bytes is None:
-        plan = tfmem.plan(model, **arguments)
+        # The guard's own plan where it planned (its compile could not be read).
+        plan = run.plan if run is not None and run.plan is not None else tfmem.plan(
+            model, **arguments)
         print(plan_report.format_table(plan, switches=switches))
         fits = plan.fits
     else:
