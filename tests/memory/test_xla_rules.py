@@ -40,7 +40,8 @@ model.optimizer.build(model.trainable_variables)
 batch = (np.zeros((BATCH,) + SHAPE, "float32"), np.zeros((BATCH, 4), "float32"))
 plans = {kind: tfmem.plan(model, global_batch_size=BATCH, optimizer="sgd",
                          input_batches_in_flight=1, **where)
-         for kind, where in (("cpu", {"memory_budget": 2**34}), ("gpu", {"device": "t4"}))}
+         for kind, where in (("cpu", {"memory_budget": 2**34}), ("gpu", {"device": "t4"}),
+                             ("tpu", {"device": "tpu-v5e-8"}))}
 
 
 class GeluDropout(keras.layers.Layer):  # no rule covers it: traced whole (JAX's residuals)
@@ -211,6 +212,22 @@ def test_a_gpu_plan_counts_what_tensorflows_gradients_read(on_jax):
     assert on_jax["gpu_fixed_workspace"] == 0
 
 
+def test_a_tpu_plan_counts_what_xla_tpu_keeps(on_jax):
+    # XLA:TPU makes what BatchNormalization, an activation of it and hard-swish compute again
+    # inside the fusions that read it (a convolution's kernel gradient included), and reads
+    # the model's input in place. Kept in float32: the two BatchNormalizations' inputs, silu's
+    # pre-activation, max pooling's input (4 maps); as bfloat16 copies for the kernel
+    # gradients (XLA:TPU multiplies in bfloat16): the concatenation (two maps in 2 bytes: 1),
+    # the pooled map (1/8) and the Dense layer's 16 inputs; ops.relu's mask, compared from a
+    # tensor not kept, a byte an element (1/4).
+    assert on_jax["tpu_activation"] == (
+        5 * FEATURE_MAP + FEATURE_MAP // 4 + FEATURE_MAP // 8 + 16 * 2)
+    # One gradient map, but at the concatenation, which holds its two inputs while it copies
+    # them into its output: four maps.
+    assert on_jax["tpu_workspace"] == 4 * FEATURE_MAP
+    assert on_jax["tpu_fixed_workspace"] == 0
+
+
 WIDE = 32 * 64 * 4  # bytes per sample of the block's width
 
 
@@ -245,7 +262,8 @@ def test_xla_cpu_holds_a_traced_calls_transcendental_residuals_and_row_sums_broa
         return sum(xla_rules.residual_bytes(target, nbytes, dtype, None,
                                             derived=index in traced.derived,
                                             drawn=index in traced.drawn,
-                                            widened=widened.get(index, 0))
+                                            widened=widened.get(index, 0),
+                                            fused=index in traced.fused)
                    for index, (nbytes, dtype) in enumerate(traced.internal))
 
     assert traced.kept_inputs == (0,)
@@ -255,9 +273,10 @@ def test_xla_cpu_holds_a_traced_calls_transcendental_residuals_and_row_sums_broa
     # XLA:CPU: t and the exp (transcendental, not made twice) and the row sum broadcast to
     # the row; the differences and the inverse square are made again from them.
     assert held("cpu") == 3 * row
-    # XLA:TPU: t, the exp, and the row sum as it is (one float); the differences and the
-    # inverse square made again from them.
-    assert held("tpu") == 2 * row + 4
+    # XLA:TPU, which fuses element-wise ops of any cost into what reads them: the row sum
+    # (one float, made by a reduction); t, the exp, the differences and the inverse square
+    # are made again from the input and it.
+    assert held("tpu") == 4
 
 
 def test_a_step_compiled_for_a_named_device_is_the_step_and_a_mesh_places_it_alone(on_jax):

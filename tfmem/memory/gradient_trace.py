@@ -80,6 +80,17 @@ class TracedCall:
             made by a cheap element-wise op that an element-wise op reads beside larger
             tensors (a softmax's sum, a normalization's rsqrt), at that op's size: a
             compiler may keep the broadcast.
+        narrowed: `(index into internal, bytes per sample)` of a JAX trace's residuals not
+            `fused` that element-wise ops make from a narrower tensor of their shape, at
+            that tensor's size: a compiler that fuses them keeps that tensor instead.
+        internal_shapes: the shape of one sample of each tensor of `internal` where a JAX
+            trace has the batch first (None elsewhere): how a target's tiles lay it out
+            (`tpu_layout`).
+        fused: indices into `internal` of a JAX trace's residuals made by element-wise ops
+            of any cost from other kept tensors of their shape and from smaller tensors
+            broadcast, whether or not a contraction reads them (`jaxpr_residuals`): a
+            compiler that fuses element-wise producers into every reader, contractions
+            included, holds none.
     """
 
     kept_inputs: tuple[int, ...]
@@ -94,6 +105,9 @@ class TracedCall:
     derived: tuple[int, ...] = ()
     drawn: tuple[int, ...] = ()
     widened: tuple[tuple[int, int], ...] = ()
+    fused: tuple[int, ...] = ()
+    internal_shapes: tuple[tuple[int, ...] | None, ...] = ()
+    narrowed: tuple[tuple[int, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +124,9 @@ class _Trace:
     derived: frozenset = frozenset()  # names in `internal` (`TracedCall.derived`)
     drawn: frozenset = frozenset()  # names in `internal` (`TracedCall.drawn`)
     widened: dict = dataclasses.field(default_factory=dict)  # name -> `TracedCall.widened`
+    fused: frozenset = frozenset()  # names in `internal` (`TracedCall.fused`)
+    narrowed: dict = dataclasses.field(default_factory=dict)  # `TracedCall.narrowed`
+    shapes: dict = dataclasses.field(default_factory=dict)  # name -> shape, the batch first
 
 
 def trace_call_tensorflow(call: Callable, specs: Sequence[tuple[tuple, str]], *,
@@ -168,7 +185,8 @@ def _per_sample(trace, arguments) -> TracedCall:
 
     small_internal = {name: nbytes for name, (nbytes, _) in small.internal.items()}
     large_internal = {name: nbytes for name, (nbytes, _) in large.internal.items()}
-    internal, broadcasts, derived, drawn, widened = [], [], [], [], []
+    internal, broadcasts, derived, drawn, widened, fused = [], [], [], [], [], []
+    shapes, narrowed = [], []
     for name, (_, dtype) in large.internal.items():
         nbytes = per_sample(name, small_internal, large_internal)
         if nbytes <= 0:  # a weight or a cast of one, not an activation
@@ -176,12 +194,18 @@ def _per_sample(trace, arguments) -> TracedCall:
         if name.startswith(_BROADCAST):
             broadcasts.append((nbytes, dtype))
             continue
-        for names, indices in ((large.derived, derived), (large.drawn, drawn)):
+        for names, indices in ((large.derived, derived), (large.drawn, drawn),
+                               (large.fused, fused)):
             if name in names:
                 indices.append(len(internal))
         if name in large.widened:
             widened.append((len(internal), per_sample(name, small.widened, large.widened)))
+        if name in large.narrowed:
+            narrowed.append((len(internal), per_sample(name, small.narrowed, large.narrowed)))
         internal.append((nbytes, dtype))
+        shape = large.shapes.get(name)
+        shapes.append(tuple(shape[1:]) if shape and shape[0] == _BATCHES[1]
+                      and small.shapes.get(name, (None,))[0] == _BATCHES[0] else None)
     largest = max((per_sample(name, small.forward, large.forward) for name in large.forward),
                   default=0)
     outputs = tuple((big - little) // (_BATCHES[1] - _BATCHES[0])
@@ -194,7 +218,8 @@ def _per_sample(trace, arguments) -> TracedCall:
     return TracedCall(tuple(sorted(large.kept_inputs)), tuple(sorted(large.kept_outputs)),
                       tuple(internal), max(largest, 0), outputs, large.has_loop,
                       max(transient, 0), windows, tuple(broadcasts), tuple(derived),
-                      tuple(drawn), tuple(widened))
+                      tuple(drawn), tuple(widened), tuple(fused), tuple(shapes),
+                      tuple(narrowed))
 
 
 def _map_variables(trainable, non_trainable, trainable_values, non_trainable_values):
@@ -512,9 +537,12 @@ def _trace_jax(call, specs, differentiable, trainable, non_trainable, *, batch) 
                     for eqn in _equations(jaxpr) if eqn.primitive.name in _WINDOWS)
     kept = [v for i, v in enumerate(jaxpr.invars[:len(specs)]) if i in kept_inputs] + [
         v for i, v in enumerate(jaxpr.outvars[:num_outputs]) if i in kept_outputs]
-    derived, drawn, widened = jaxpr_residuals.origins(jaxpr, residuals, kept)
+    derived, drawn, widened, fused, narrowed = jaxpr_residuals.origins(jaxpr, residuals,
+                                                                         kept)
     return _Trace(frozenset(kept_inputs), frozenset(kept_outputs), internal, forward, outputs,
-                  False, windows=windows, derived=derived, drawn=drawn, widened=widened)
+                  False, windows=windows, derived=derived, drawn=drawn, widened=widened,
+                  fused=fused, narrowed=narrowed, shapes={name: tuple(var.aval.shape)
+                                       for name, var in residuals.items()})
 
 
 # The name of a JAX trace's residual that is a broadcast scalar (`TracedCall.broadcasts`).

@@ -63,13 +63,16 @@ class Walker:
         self.context: tuple = ()  # the nested-model calls the walk is inside
         self.alias: dict = {}  # key -> key of the tensor whose buffer it shares
         self.sizes: dict = {}  # kept key -> bytes per sample
+        self.layouts: dict = {}  # kept key -> (shape of a sample, itemsize), where known
         self.new_tensors = 0  # tensors kept that have no key of their own so far
         self.needs_grad: set = set()
         self.model_inputs: set = set()
         self.largest = 0  # outside the rematerialized ranges, bytes per sample
         self.largest_anywhere = 0  # inside them (the largest outside is `largest`)
-        # The most a call's gradients hold at once, bytes per sample (`workspace`).
+        # The most a call's gradients hold at once, bytes per sample (`workspace`): a tensor's
+        # gradient beside its producer's (`xla_rules.gradient_maps`: one where XLA fuses them).
         self.gradients = 0
+        self.maps = xla_rules.gradient_maps(target)
         self.transient = 0  # the largest call's own transient, bytes per sample
         self.fixed_transient = 0  # the largest call's transient of a weight's size, bytes
         # What the largest grouped convolution's XLA call leaves in glibc's default heap,
@@ -124,28 +127,33 @@ class Walker:
         dtype = keras.backend.standardize_dtype(dtype) if dtype else own
         key = self.key(tensor) if dtype == own else (self.key(tensor), dtype)
         self.sizes[key] = sample_bytes(tensor.shape, dtype)
+        self.layouts[key] = (tuple(tensor.shape)[1:], itemsize(dtype))
         self.touched.add(key)
         self.largest = max(self.largest, self.sizes[key])
-        self.gradients = max(self.gradients, 2 * self.sizes[key])
+        self.gradients = max(self.gradients, self.maps * self.sizes[key])
 
     def sample_bytes(self, tensor, dtype=None) -> int:
         return sample_bytes(tensor.shape, dtype or self.dtype_of(tensor))
 
     def keep_new(self, shape, dtype, kind: str = "new") -> None:
         nbytes = sample_bytes(shape, dtype)
-        self.keep_bytes(nbytes, kind=kind)
+        self.keep_bytes(nbytes, kind=kind, layout=(tuple(shape)[1:], itemsize(dtype)))
         self.largest = max(self.largest, nbytes)
-        self.gradients = max(self.gradients, 2 * nbytes)
+        self.gradients = max(self.gradients, self.maps * nbytes)
 
     def keep_drawn(self, shape, dtype) -> None:
         """Keeps a new tensor drawn from the layer's seed, not made from its inputs' values
         (a dropout's mask): recomputing it needs no input (`segments.GraphFacts`)."""
         self.keep_new(shape, dtype, kind="drawn")
 
-    def keep_bytes(self, nbytes: int, kind: str = "new") -> None:
+    def keep_bytes(self, nbytes: int, kind: str = "new", layout=None) -> None:
+        """Keeps a new tensor of `nbytes` a sample (`layout`: its sample shape and itemsize,
+        where known)."""
         self.new_tensors += 1  # a count, not len(sizes): rematerialized layers remove keys
         key = (kind, self.new_tensors)
         self.sizes[key] = int(nbytes)
+        if layout is not None:
+            self.layouts[key] = layout
         self.touched.add(key)
 
     # -- the walk ---------------------------------------------------------------------------
@@ -238,7 +246,8 @@ class Walker:
         into = sum(sample_bytes(tensor.shape, self.dtype_of(tensor)) for tensor in inputs
                    if None not in tuple(tensor.shape)[1:])
         self.gradients = max(self.gradients, max(sizes, default=0)
-                             + min(max(sizes, default=0), into))
+                             + min(max(sizes, default=0), into)
+                             * (xla_rules.gradient_maps(self.target, operation) - 1))
         viewing = isinstance(operation, layer_rules.VIEWS) or (
             isinstance(operation, layer_rules.DROPOUTS) and not operation.rate)
         if viewing and len(inputs) == 1:
@@ -358,21 +367,31 @@ class Walker:
         scale = (itemsize(self.override), 4) if self.override else (1, 1)
         broadcasts = tuple(entry for entry in result.broadcasts
                            if not xla_rules.holds("broadcast", self.target))
-        widened = dict(result.widened)
+        widened, narrowed = dict(result.widened), dict(result.narrowed)
+        held = max(result.output_bytes, default=0)  # the largest tensor kept, or an output
+        shapes = result.internal_shapes
         for index, (nbytes, dtype) in enumerate(result.internal + broadcasts):
+            shape = shapes[index] if index < len(shapes) else None
             nbytes = xla_rules.residual_bytes(self.target, nbytes, dtype, self.override,
                                               derived=index in result.derived,
+                                              fused=index in result.fused,
+                                              narrowed=narrowed.get(index, 0),
                                               drawn=index in result.drawn,
                                               widened=widened.get(index, 0))
             if dtype == "float32":
                 nbytes = nbytes * scale[0] // scale[1]
+            held = max(held, nbytes)
             if nbytes:
-                self.keep_bytes(nbytes * repeat)
+                layout = None
+                if shape is not None and repeat == 1 and nbytes % max(math.prod(shape), 1) == 0:
+                    layout = (shape, nbytes // max(math.prod(shape), 1))
+                self.keep_bytes(nbytes * repeat, layout=layout)
         self.largest = max(self.largest, result.largest_bytes)
-        if result.largest_bytes > max(result.output_bytes, default=0):
-            # A tensor inside the call, its gradient beside it (an output's is counted with
-            # the call's gradients).
-            self.gradients = max(self.gradients, 2 * result.largest_bytes)
+        # A tensor inside the call, its gradient beside it (an output's is counted with the
+        # call's gradients); where XLA fuses the rest into what reads it, of what it keeps.
+        inside = held if self.maps == 1 else result.largest_bytes
+        if inside > max(result.output_bytes, default=0):
+            self.gradients = max(self.gradients, self.maps * inside)
         self.transient = max(self.transient, result.transient_bytes * scale[0] // scale[1],
                              xla_rules.traced_transient(self.target, result.windows)
                              * scale[0] // scale[1])

@@ -103,12 +103,16 @@ def _nested_jaxpr(eqn):
     return None
 
 
-def origins(jaxpr, residuals: dict, kept) -> tuple[frozenset, frozenset, dict]:
+def origins(jaxpr, residuals: dict,
+            kept) -> tuple[frozenset, frozenset, dict, frozenset, dict]:
     """Names of `residuals` (name -> variable) that are `TracedCall.derived` from the rest
     and from `kept` (the call's inputs and outputs the backward reads), of those that are
-    `TracedCall.drawn`, and `{name: bytes}` of those not made by a cheap element-wise op
+    `TracedCall.drawn`, `{name: bytes}` of those not made by a cheap element-wise op
     that an element-wise op reads beside larger tensors, at that op's size
-    (`TracedCall.widened`)."""
+    (`TracedCall.widened`), the names of those that are `TracedCall.fused`, and `{name:
+    bytes}` of the others that element-wise ops make from a narrower tensor of their shape
+    (a cast to float32 of a bfloat16 convolution's output), at that tensor's size
+    (`TracedCall.narrowed`)."""
     producers, readers, top = _flat_equations(jaxpr)
 
     def value_of(var):
@@ -117,9 +121,13 @@ def origins(jaxpr, residuals: dict, kept) -> tuple[frozenset, frozenset, dict]:
     values = {name: value_of(var) for name, var in residuals.items()}
     held = set(values.values()) | {value_of(var) for var in kept}
 
-    def derivable(value, shape, mask, depth, seen) -> bool:
+    def derivable(value, shape, mask, depth, seen, fusing=False) -> bool:
+        """Whether cheap element-wise ops make `value` from held tensors of `shape`
+        (`fusing`: any element-wise op, from held tensors and anything smaller)."""
         if value is None or not value.shape:  # a literal or a scalar
             return True
+        if fusing and math.prod(value.shape) < math.prod(shape):
+            return True  # a smaller tensor (a normalization's statistics), broadcast
         if value in held:
             return value.shape == shape
         found = producers.get(value)
@@ -127,12 +135,15 @@ def origins(jaxpr, residuals: dict, kept) -> tuple[frozenset, frozenset, dict]:
             return False
         if value not in seen:
             primitive, inputs, _ = found
-            if primitive == "broadcast_in_dim" and (mask or all(
+            smaller = all(v is None or math.prod(v.shape) < math.prod(value.shape)
+                          for v in inputs)
+            if primitive == "broadcast_in_dim" and (mask or (fusing and smaller) or all(
                     v is None or not v.shape for v in inputs)):
                 seen[value] = True  # a scalar, or for a mask a smaller tensor, broadcast
             else:
-                seen[value] = (primitive in _ELEMENT_WISE and value.shape == shape
-                               and all(derivable(v, shape, mask, depth - 1, seen)
+                ops = _ELEMENT_WISE | _EXPENSIVE_ELEMENT_WISE if fusing else _ELEMENT_WISE
+                seen[value] = (primitive in ops and value.shape == shape
+                               and all(derivable(v, shape, mask, depth - 1, seen, fusing)
                                        for v in inputs))
         return seen[value]
 
@@ -148,10 +159,38 @@ def origins(jaxpr, residuals: dict, kept) -> tuple[frozenset, frozenset, dict]:
                                                   for v in found[1]))
         return random[value]
 
-    derived, drawn = set(), set()
-    made = [name for name in values if values[name] in producers]
+    def narrowest(value, depth) -> int:
+        """The fewest bytes among `value` and what element-wise ops make it from (beside
+        smaller tensors broadcast), following the operand of its own shape."""
+        nbytes = math.prod(value.shape) * value.itemsize
+        found = producers.get(value)
+        ops = _ELEMENT_WISE | _EXPENSIVE_ELEMENT_WISE
+        if found is None or depth == 0 or found[0] not in ops:
+            return nbytes
+        operands = [v for v in found[1] if v is not None and v.shape == value.shape]
+        if len(operands) != 1 or any(v is not None and math.prod(v.shape) >= math.prod(
+                value.shape) and v.shape != value.shape for v in found[1]):
+            return nbytes
+        return min(nbytes, narrowest(operands[0], depth - 1))
+
+    derived, drawn, fused, narrowed = set(), set(), set(), {}
+    made = sorted((name for name in values if values[name] in producers),
+                  key=lambda n: -producers[values[n]][2])
     # The latest first: each is made again from what was made before it.
-    for name in sorted(made, key=lambda n: -producers[values[n]][2]):
+    for name in made:
+        value = values[name]
+        if value.dtype == "bool" and from_random_bits(value, _DEPTH):
+            continue
+        held.discard(value)
+        if derivable(value, value.shape, value.dtype == "bool", _DEPTH, {}, fusing=True):
+            fused.add(name)
+        else:
+            held.add(value)
+            narrow = narrowest(value, _DEPTH)
+            if narrow < math.prod(value.shape) * value.itemsize:
+                narrowed[name] = narrow
+    held = set(values.values()) | {value_of(var) for var in kept}
+    for name in made:
         value = values[name]
         if {primitive for primitive, _ in readers.get(value, ())} & _CONTRACTIONS:
             continue
@@ -173,4 +212,4 @@ def origins(jaxpr, residuals: dict, kept) -> tuple[frozenset, frozenset, dict]:
         made_by = producers.get(value, ("",))[0]
         if sizes and name not in derived and made_by not in _ELEMENT_WISE:
             widened[name] = max(sizes)
-    return frozenset(derived), frozenset(drawn), widened
+    return frozenset(derived), frozenset(drawn), widened, frozenset(fused), narrowed

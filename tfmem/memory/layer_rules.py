@@ -76,9 +76,10 @@ def _activation(walker, name: str, output, pre_activation=None) -> bool:
     return True
 
 
-def _known_activation(layer) -> bool:
+def _known_activation(walker, layer) -> bool:
     name = activation_name(getattr(layer, "activation", None))
-    return name in {"linear"} | _KEEPS_OUTPUT | _KEEPS_INPUT
+    return (name in {"linear"} | _KEEPS_OUTPUT | _KEEPS_INPUT
+            or xla_rules.fuses_activation(walker, name))
 
 
 def apply(walker, layer, inputs, outputs, has_trainable: bool) -> bool:
@@ -91,7 +92,7 @@ def apply(walker, layer, inputs, outputs, has_trainable: bool) -> bool:
     out = outputs[0]
     compute = walker.compute_dtype(layer)
     if kind in _SEPARABLE:
-        if not _known_activation(layer):
+        if not _known_activation(walker, layer):
             return False
         if has_trainable:
             walker.keep(inputs[0], compute)
@@ -99,9 +100,9 @@ def apply(walker, layer, inputs, outputs, has_trainable: bool) -> bool:
         walker.keep_new(tuple(out.shape[:-1]) + (channels,), compute)
         return _activation(walker, activation_name(layer.activation), out)
     if kind in _KERNEL_LAYERS:
-        if not _known_activation(layer):
+        if not _known_activation(walker, layer):
             return False
-        by_xla = has_trainable and xla_rules.convolution(walker, layer, inputs[0], out, compute)
+        by_xla = has_trainable and xla_rules.contraction(walker, layer, inputs[0], out, compute)
         if has_trainable and not by_xla:
             walker.keep(inputs[0], compute)
         if getattr(layer, "groups", 1) > 1 and not by_xla:
@@ -116,7 +117,7 @@ def apply(walker, layer, inputs, outputs, has_trainable: bool) -> bool:
         return _activation(walker, activation_name(getattr(layer, "activation", None)), out)
     if kind is keras.layers.BatchNormalization:
         if layer.trainable and not walker.is_frozen(layer):
-            walker.keep(inputs[0], "float32")
+            walker.keep(inputs[0], xla_rules.batch_normalization_input_dtype(walker, inputs[0]))
             xla_rules.batch_normalization(walker, inputs, out)
         return True
     if kind is keras.layers.Activation:

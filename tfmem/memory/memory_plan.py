@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from tfmem.memory import plan_report
+from tfmem.memory import plan_report, tpu_layout
 from tfmem.runtime.cluster import divisors
 
 
@@ -31,6 +31,8 @@ class Term(enum.Enum):
     ACTIVATIONS = ("activations", "tensors the backward reads, from the model graph", True)
     WORKSPACE = ("backward workspace",
                  "the largest call's transient, beside what is alive then", True)
+    LANE_PADDING = ("lane padding (XLA:TPU)", "kept tensors and gradients to 8 × 128 tiles, "
+                    "by channels or batch", True)
     LOSS = ("loss and metrics", "the loss's forward + backward (or a metric update), traced, "
             "beyond the workspace", True)
     MEASURED_FIXED = ("measured fixed (probe)", "tfmem.probe: intercept of the measured line",
@@ -97,7 +99,9 @@ class MemoryPlan:
     excess over those two (`loss_row_bytes_per_sample`). The workspace adds
     `workspace_fixed_bytes`, the part of a call's transient that is the size of a weight (on
     XLA:CPU, a grouped convolution's kernel gradient made as a dense kernel), which does not
-    grow with the micro-batch. `measured`, when set by `tfmem.probe`,
+    grow with the micro-batch. `lane_tensors`, on a TPU: the kept tensors by shape
+    (`SavedTensors.lane_tensors`), whose tiles' padding (`tpu_layout`) is a step function of
+    the micro-batch, its own row of the breakdown. `measured`, when set by `tfmem.probe`,
     replaces the estimated runtime, state and per-sample terms with a measured line.
     `rematerialized`: the segments recomputed in the backward pass ("full", "auto",
     `(first, last)` pairs) as `(path, ranges)` pairs (`tfmem.remat.plan`), and
@@ -132,6 +136,7 @@ class MemoryPlan:
     loss_bytes_per_sample: int = 0
     recomputed_bytes_per_sample: int = 0
     workspace_fixed_bytes: int = 0
+    lane_tensors: tuple = ()
     micro_batch_size: int = 0
     accumulation_steps: int = 0
     measured: MeasuredLine | None = None
@@ -190,7 +195,7 @@ class MemoryPlan:
                 Term.MEASURED_PER_SAMPLE: self.measured.per_sample_bytes * b,
                 Term.INPUT_BEYOND_PROBE: inputs - self.input_bytes_per_sample * b,
             }
-        return {
+        rows = {
             Term.PARAMETERS: self.parameter_bytes,
             Term.GRADIENTS: self.gradient_bytes,
             Term.OPTIMIZER_SLOTS: self.optimizer_bytes,
@@ -202,6 +207,17 @@ class MemoryPlan:
             Term.WORKSPACE: self.workspace_bytes_per_sample * b + self.workspace_fixed_bytes,
             Term.LOSS: self.loss_row_bytes_per_sample * b,
         }
+        if self.lane_tensors:
+            rows[Term.LANE_PADDING] = self.lane_padding_bytes(b)
+        return rows
+
+    def lane_padding_bytes(self, micro_batch_size: int) -> int:
+        """What XLA:TPU's tiles add at `micro_batch_size` to the kept tensors whose shapes
+        are known, and to the workspace in the same proportion (its gradient maps have
+        those tensors' shapes)."""
+        extra = tpu_layout.padding_bytes(self.lane_tensors, micro_batch_size)
+        known = sum(nbytes for _, nbytes in self.lane_tensors)
+        return extra + (extra * self.workspace_bytes_per_sample // known if known else 0)
 
     def peak_bytes(self, micro_batch_size: int, accumulation_steps: int | None = None) -> int:
         """Predicted peak bytes per replica for one micro-batch size (k defaults to the
@@ -227,10 +243,26 @@ class MemoryPlan:
 
     def largest_micro_batch(self, limit_bytes: float) -> int:
         """The largest batch one plain step (k = 1) can run within `limit_bytes`; 0 if none."""
-        fixed, slope = self.peak_bytes(1, 1), self.peak_bytes(2, 1) - self.peak_bytes(1, 1)
-        if fixed > limit_bytes:
+        if self.peak_bytes(1, 1) > limit_bytes:
             return 0
-        return 1 + int((limit_bytes - fixed) // slope)
+
+        def unpadded(b: int) -> int:
+            return sum(v for t, v in self.breakdown(b, 1).items() if t is not Term.LANE_PADDING)
+
+        fixed, slope = unpadded(1), unpadded(2) - unpadded(1)
+        largest = 1 + int((limit_bytes - fixed) // slope)
+        if not self.lane_tensors:
+            return largest
+        # The padding only adds, and never shrinks as the micro-batch grows: the line's
+        # answer bounds a bisection.
+        low, high = 1, largest  # low fits
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self.peak_bytes(middle, 1) <= limit_bytes:
+                low = middle
+            else:
+                high = middle - 1
+        return low
 
     def split(self, accumulation_steps: int | None = None) -> str:
         """The run's split in words: "global batch 64 = micro-batch 8 × 1 accumulation

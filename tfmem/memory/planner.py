@@ -222,8 +222,8 @@ def estimate(model: keras.Model, settings: PlanSettings,
         (f"framework runtime includes {format_bytes(retraced)} for the recomputed segments' "
          "forward, traced again in their gradient",) if retraced else ())
     notes = _notes(model, settings, saved, override, recomputed, ranges, saves, fraction,
-                   held.notes + runtime_notes) + (_tpu_lanes(model) if budget.kind == "tpu"
-                                                  else ())
+                   held.notes + runtime_notes) + (
+        _tpu_lanes(model) if budget.kind == "tpu" and not saved.lane_tensors else ())
     return MemoryPlan(
         model_name=model.name,
         num_parameters=int(model.count_params()),
@@ -258,6 +258,7 @@ def estimate(model: keras.Model, settings: PlanSettings,
         # and temporaries; beside them, what the heap keeps of the grouped convolutions'.
         workspace_bytes_per_sample=saved.workspace_bytes + heap_scratch,
         workspace_fixed_bytes=saved.workspace_fixed_bytes,
+        lane_tensors=saved.lane_tensors,
         # Held next to every kept activation when the loss runs, before the backward pass:
         # the plan's row is what it holds beyond the backward's workspace and recomputation.
         loss_bytes_per_sample=held.per_sample,
@@ -384,10 +385,11 @@ def _notes(model: keras.Model, settings: PlanSettings, saved, override, recomput
 
 
 def _tpu_lanes(model: keras.Model) -> tuple[str, ...]:
-    """What a plan for a TPU does not count, where the model has feature maps or sequences
-    whose channels are not a multiple of XLA:TPU's 128 lanes: below a micro-batch of 128 such
-    a tensor is laid out with its batch or its channels along the lanes, whichever pads
-    less, padded to a multiple of 128 (docs/planning.md)."""
+    """What a plan for a TPU made without XLA:TPU's rules (TensorFlow's) does not count, where
+    the model has feature maps or sequences whose channels are not a multiple of XLA:TPU's
+    128 lanes: below a micro-batch of 128 such a tensor is laid out with its batch or its
+    channels along the lanes, whichever pads less, padded to a multiple of 128
+    (`tpu_layout`; a JAX plan counts it in its own row)."""
     widths = set()
     for layer in internals.flatten_layers(model):
         try:

@@ -22,7 +22,7 @@ import keras
 
 from tfmem import _keras_internals as internals
 from tfmem import backend
-from tfmem.memory import gradient_trace
+from tfmem.memory import gradient_trace, xla_rules
 from tfmem.memory.graph_walk import Walker, itemsize, sample_bytes
 from tfmem.remat import flat_graph, segments
 from tfmem.remat.graph import last_uses, node_order
@@ -60,6 +60,9 @@ class SavedTensors:
             while it is recomputed in the backward pass.
         kept_output_bytes: bytes per sample of the model's outputs among the kept tensors
             (a softmax's output, which its backward reads).
+        lane_tensors: for a step XLA compiles for a TPU, `((sample shape, itemsize), bytes
+            per sample)` of the kept tensors whose shapes are known, summed by layout: what
+            its tiles pad (`tpu_layout`); empty for other targets.
     """
 
     saved_bytes: int
@@ -73,6 +76,7 @@ class SavedTensors:
     kept_output_bytes: int = 0
     workspace_fixed_bytes: int = 0
     heap_scratch_bytes: int = 0
+    lane_tensors: tuple = ()
 
     @property
     def recomputed_bytes(self) -> int:
@@ -265,7 +269,20 @@ def _result(walker: Walker, inputs, outputs=()) -> SavedTensors:
                                   for t in {id(t): t for t in outputs}.values())),
         workspace_fixed_bytes=int(walker.fixed_transient),
         heap_scratch_bytes=int(walker.heap_scratch),
+        lane_tensors=_lane_tensors(walker),
     )
+
+
+def _lane_tensors(walker: Walker) -> tuple:
+    """`SavedTensors.lane_tensors` of what `walker` kept."""
+    if not xla_rules.holds("lane_padding", walker.target):
+        return ()
+    totals: dict = {}
+    for key, nbytes in walker.sizes.items():
+        layout = walker.layouts.get(key)
+        if layout is not None and nbytes:
+            totals[layout] = totals.get(layout, 0) + nbytes
+    return tuple(sorted(totals.items()))
 
 
 def model_outputs(model: keras.Model, input_shapes=None) -> tuple[list, list | None]:

@@ -6,8 +6,8 @@ normalizations. Each rule holds for the XLA targets it was measured on (`holds`:
 kind of the plan, "cpu" for XLA:CPU, against XLA's own memory analysis,
 `tfmem.memory.probe_jax.compiled_step_memory`; the per-kind table is in docs/planning.md);
 a plan for another target counts what `layer_rules` says. A plan for a TPU (measured on
-XLA:TPU, compiled ahead of time) applies two of them so far: a traced call's residual that
-cheap element-wise ops make again, and a scalar broadcast, hold nothing. The rules:
+XLA:TPU, compiled ahead of time) has rules of its own, below the XLA:CPU ones. The rules
+for XLA:CPU:
 
 - A piecewise activation (relu, relu6, elu, selu, hard_sigmoid) is differentiated on its
   input, not its output (TensorFlow's `ReluGrad` reads the output): XLA fuses the mask into
@@ -42,6 +42,29 @@ cheap element-wise ops make again, and a scalar broadcast, hold nothing. The rul
 - A residual made by an expensive op (a reduction, rsqrt) that an element-wise op reads
   beside larger tensors (a softmax's row sum, a normalization's rsqrt) is held broadcast
   to that op's size.
+
+XLA:TPU fuses element-wise ops into what reads them more than XLA:CPU does, convolutions'
+and dots' operands and their kernel gradients included, and multiplies in bfloat16 at its
+default precision:
+
+- A convolution's or Dense's input is kept as a bfloat16 copy (a float32 model's), and not
+  at all where it is made again from kept tensors (a BatchNormalization's output, an
+  activation of it) or is the model's input (an argument of the step, read in place).
+- A training BatchNormalization keeps its input in its own dtype and nothing else; what it
+  computes, and an activation or element-wise call of that, is made again where it is read.
+- An activation of a kept tensor keeps a byte an element for a piecewise-linear one (relu's
+  mask; in a 16-bit compute dtype, its output, which what reads it keeps, and the mask made
+  again from it), its input for another (silu, gelu), and its output is made again where
+  read.
+- Max pooling keeps its input alone (its backward finds each window's maximum again).
+- Of a traced call's residuals, those element-wise ops of any cost make from other kept
+  tensors and smaller ones broadcast hold nothing, and one made so from a narrower tensor (a
+  float32 cast of a bfloat16 convolution's output) is held at that tensor's size; a scalar
+  broadcast holds nothing.
+- A call's backward holds one gradient map beside the kept tensors (a concatenation its
+  inputs and its output while it copies them).
+- Tensors are laid out in 8 × 128 tiles (`tpu_layout`), which the plan counts in a row of
+  its own.
 """
 
 from __future__ import annotations
@@ -55,11 +78,18 @@ from tfmem._sizes import itemsize
 
 PIECEWISE = frozenset({"relu", "relu6", "elu", "selu", "hard_sigmoid"})
 _GATED = frozenset({"silu", "swish"})
+# Activations XLA:TPU fuses into what reads them; of the piecewise-linear ones, whose
+# gradient is a mask, it keeps that mask (a byte an element), of the others their input.
+_MASKED = frozenset({"relu", "relu6", "hard_sigmoid"})
+_FUSED_ACTIVATIONS = PIECEWISE | _GATED | frozenset({
+    "gelu", "sigmoid", "tanh", "softplus", "softsign", "exponential", "mish", "hard_swish",
+    "hard_silu", "leaky_relu", "log_sigmoid", "celu"})
 
 # The XLA targets (a plan's device kind) each rule holds for: where it was measured (XLA:TPU
 # compiled ahead of time, against its own figure of the step).
 _XLA_CPU = frozenset({"cpu"})
 _XLA_CPU_TPU = frozenset({"cpu", "tpu"})
+_XLA_TPU = frozenset({"tpu"})
 _TARGETS = {
     "activation": _XLA_CPU,
     "batch_normalization": _XLA_CPU,
@@ -68,9 +98,11 @@ _TARGETS = {
     "broadcast_residual": _XLA_CPU,
     "convolution": _XLA_CPU,
     "derived_residual": _XLA_CPU_TPU,
-    "element_wise": _XLA_CPU,
+    "element_wise": _XLA_CPU_TPU,
     "max_pooling": _XLA_CPU,
     "random_mask": _XLA_CPU,
+    "lane_padding": _XLA_TPU,
+    "tpu_fusion": _XLA_TPU,
 }
 _CONVOLUTIONS = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D,
                  keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose,
@@ -91,6 +123,8 @@ def holds(rule: str, target: str | None) -> bool:
 def activation(walker, name: str, output, pre_activation=None) -> bool:
     """Keeps what XLA holds for activation `name` (`pre_activation` None: a tensor inside
     the layer); False where it holds what `layer_rules` says."""
+    if fuses_activation(walker, name):
+        return _tpu_activation(walker, name, output, pre_activation)
     if not holds("activation", walker.target) or (name not in PIECEWISE
                                                   and name not in _GATED):
         return False
@@ -106,10 +140,55 @@ def activation(walker, name: str, output, pre_activation=None) -> bool:
     return True
 
 
+def gradient_maps(target: str | None, operation=None) -> int:
+    """How many maps of a call's size it holds at once beside the kept tensors: its output's
+    gradient and its input's; one on XLA:TPU, whose fusions compute the input's gradient as
+    they read the output's, but for a concatenation, whose inputs are alive while it copies
+    them into its output."""
+    if holds("tpu_fusion", target) and not isinstance(operation, keras.layers.Concatenate):
+        return 1
+    return 2
+
+
+def fuses_activation(walker, name: str) -> bool:
+    """Whether the target fuses activation `name` (`_tpu_activation`)."""
+    return holds("tpu_fusion", walker.target) and name in _FUSED_ACTIVATIONS
+
+
+def _tpu_activation(walker, name: str, output, pre_activation) -> bool:
+    """XLA:TPU: an activation of a tensor made again from kept ones is made again in turn
+    and keeps nothing; else a piecewise-linear one keeps its mask (a byte an element),
+    another its input, and its output is made again inside what reads it."""
+    if pre_activation is not None and walker.key(pre_activation) in walker.fused:
+        walker.fused.add(walker.key(output))
+        return True
+    if name in _MASKED:
+        if itemsize(walker.dtype_of(output)) <= 2:
+            walker.keep(output)  # in 16 bits, as what reads it keeps it: the mask made again
+        else:
+            walker.keep_new(output.shape, "bool")
+        return True
+    if pre_activation is None:
+        walker.keep_new(output.shape, walker.dtype_of(output))
+    else:
+        walker.keep(pre_activation)
+    walker.fused.add(walker.key(output))
+    return True
+
+
+def batch_normalization_input_dtype(walker, tensor) -> str:
+    """The dtype a training BatchNormalization keeps its input in: float32 (TensorFlow's
+    gradient, XLA:CPU), the input's own on XLA:TPU, which fuses the normalization."""
+    return walker.dtype_of(tensor) if holds("tpu_fusion", walker.target) else "float32"
+
+
 def batch_normalization(walker, inputs, output) -> None:
     """What XLA holds for a training BatchNormalization besides its input (`layer_rules`):
-    its output is recomputed from that input wherever the backward reads it; a biased
-    convolution or Dense before it keeps its output before the bias too."""
+    its output is recomputed from that input wherever the backward reads it; on XLA:CPU a
+    biased convolution or Dense before it keeps its output before the bias too."""
+    if holds("tpu_fusion", walker.target):
+        walker.fused.add(walker.key(output))
+        return
     if not holds("batch_normalization", walker.target):
         return
     walker.fused.add(walker.key(output))
@@ -121,15 +200,20 @@ def batch_normalization(walker, inputs, output) -> None:
 
 
 def residual_bytes(target: str | None, nbytes: int, dtype: str, compute_dtype: str | None,
-                   derived: bool = False, drawn: bool = False, widened: int = 0) -> int:
+                   derived: bool = False, drawn: bool = False, widened: int = 0,
+                   fused: bool = False, narrowed: int = 0) -> int:
     """Bytes XLA holds for a residual of `nbytes` in `dtype` that JAX's gradient keeps
-    (`derived`, `drawn`, `widened`: `gradient_trace.TracedCall`'s): none for one made again
-    by cheap element-wise ops from kept tensors; a mask compared from random bits as those
-    bits (two 32-bit words per element); another boolean mask as the compared tensor in
-    `compute_dtype` (default float32); one an element-wise op broadcasts at that op's size
-    (`widened`)."""
-    if derived and holds("derived_residual", target):
+    (`derived`, `drawn`, `widened`, `fused`, `narrowed`: `gradient_trace.TracedCall`'s):
+    none for one made again by cheap element-wise ops from kept tensors (on XLA:TPU, by any
+    element-wise ops); on XLA:TPU one made from a narrower tensor as that tensor; a mask
+    compared from random bits as those bits (two 32-bit words per element); another boolean
+    mask as the compared tensor in `compute_dtype` (default float32); one an element-wise op
+    broadcasts at that op's size (`widened`)."""
+    if (derived and holds("derived_residual", target)) or (fused
+                                                           and holds("tpu_fusion", target)):
         return 0
+    if narrowed and holds("tpu_fusion", target):
+        return narrowed
     if drawn and holds("random_mask", target):
         return nbytes * _RANDOM_WORDS * _INDEX_BYTES
     if widened and holds("broadcast_residual", target):
@@ -161,9 +245,26 @@ def element_wise(walker, inputs, outputs, result) -> bool:
     return True
 
 
+def contraction(walker, layer, tensor, output, dtype: str) -> bool:
+    """Keeps what XLA holds of the input `tensor` of trained kernel layer `layer` (a
+    convolution or Dense, computing in `dtype`) and notes its workspace; False where
+    `layer_rules`' own rule holds. XLA:TPU multiplies in bfloat16 at its default precision,
+    so it keeps a float32 input as a bfloat16 copy, and none of an input made again from
+    kept tensors (a normalization's output, an activation of it), which it makes again
+    inside the kernel gradient's fusion."""
+    if holds("tpu_fusion", walker.target):
+        # A model input is an argument of the step, read in place; a tensor made again
+        # from kept ones is made again inside the kernel gradient's fusion.
+        key = walker.key(tensor)
+        if key not in walker.fused and key not in walker.model_inputs:
+            walker.keep(tensor, "bfloat16" if itemsize(dtype) > 2 else dtype)
+        return True
+    return convolution(walker, layer, tensor, output, dtype)
+
+
 def convolution(walker, layer, tensor, output, dtype: str) -> bool:
-    """Keeps what XLA holds of trained convolution `layer`'s input `tensor` (in `dtype`) and
-    notes its workspace; False where `layer_rules`' own rule holds."""
+    """Keeps what XLA:CPU holds of trained convolution `layer`'s input `tensor` (in `dtype`)
+    and notes its workspace; False where `layer_rules`' own rule holds."""
     if not holds("convolution", walker.target) or type(layer) not in _CONVOLUTIONS:
         return False
     input_bytes = walker.sample_bytes(tensor, dtype)
@@ -194,7 +295,11 @@ def convolution_workspace(input_bytes: int, output_bytes: int) -> int:
 
 def max_pooling(walker, layer, inputs, output) -> bool:
     """Keeps what XLA holds for max pooling `layer` and notes its forward's transient;
-    False where `layer_rules`' own rule holds."""
+    False where `layer_rules`' own rule holds. XLA:TPU keeps the input alone: its backward
+    finds each window's maximum again."""
+    if holds("tpu_fusion", walker.target) and type(layer) in _MAX_POOLS:
+        walker.keep(inputs[0])
+        return True
     if not holds("max_pooling", walker.target) or type(layer) not in _MAX_POOLS:
         return False
     rank = len(output.shape)
