@@ -73,6 +73,8 @@ mlp.optimizer.build(mlp.trainable_variables)
 mlp_plan = tfmem.plan(mlp, global_batch_size=BATCH, optimizer="sgd",
                       input_batches_in_flight=1, memory_budget=2**34)
 mlp_batch = (np.zeros((BATCH,) + TOKENS, "float32"), np.zeros((BATCH, 4), "float32"))
+mlp_tpu_plan = tfmem.plan(mlp, global_batch_size=BATCH, optimizer="sgd",
+                          input_batches_in_flight=1, device="tpu-v5e-8")
 # Compiled for a device named (as for a TPU chip of a topology): here the CPU, the same step.
 import jax
 named = probe_jax.compiled_step_memory(mlp, mlp_batch, device=jax.devices()[0])
@@ -145,7 +147,9 @@ text = {"tpu": tpu, "libtpu": importlib.util.find_spec("libtpu") is not None,
         "jax": jax.__version__,"mlp_xla": probe_jax.compiled_step_memory(mlp, mlp_batch)["peak_bytes"],
         "mlp_named": named, "refused": refused,
         "mlp_plan": mlp_plan.peak_bytes(BATCH, 1) - mlp_plan.runtime_bytes,
-        "mlp_activation": mlp_plan.activation_bytes_per_sample}
+        "mlp_activation": mlp_plan.activation_bytes_per_sample,
+        "mlp_tpu_activation": mlp_tpu_plan.activation_bytes_per_sample,
+        "mlp_tpu_workspace": mlp_tpu_plan.workspace_bytes_per_sample}
 print(json.dumps({"backend": keras.backend.backend(), **text,
                   "xla": probe_jax.compiled_step_memory(model, batch)["peak_bytes"],
                   # XLA's buffers, not the host's framework runtime a CPU plan adds
@@ -241,6 +245,14 @@ def test_a_traced_gelu_keeps_what_xla_keeps_and_a_dropout_its_random_bits(on_jax
     # 8 bytes per element. The Dense after it keeps its input (the block's output), the
     # Dense before it its own (32 × 16); the head its 16 pooled features.
     assert on_jax["mlp_activation"] == 3 * (2 * WIDE + 2 * WIDE + WIDE + 32 * 16 * 4) + 16 * 4
+    # For XLA:TPU, which makes the GELU's tanh and products again from its input, each block
+    # keeps that input and the dropout's mask (a byte an element); the Dense after it a
+    # bfloat16 copy of the block's output, the Dense of the next block one of its own input
+    # (32 × 16), the head one of its 16 pooled features; the first Dense reads the model's
+    # input in place. One gradient map of the block's width.
+    assert on_jax["mlp_tpu_activation"] == (
+        3 * (WIDE + WIDE // 4 + WIDE // 2) + 2 * 32 * 16 * 2 + 16 * 2)
+    assert on_jax["mlp_tpu_workspace"] == WIDE
 
 
 def test_xla_cpu_holds_a_traced_calls_transcendental_residuals_and_row_sums_broadcast():

@@ -49,13 +49,14 @@ default precision:
 
 - A convolution's or Dense's input is kept as a bfloat16 copy (a float32 model's), and not
   at all where it is made again from kept tensors (a BatchNormalization's output, an
-  activation of it) or is the model's input (an argument of the step, read in place).
+  activation of it) or is the model's input (an argument of the step, read in place); a
+  concatenation's operands are kept as they are instead (it is made again from them).
 - A training BatchNormalization keeps its input in its own dtype and nothing else; what it
   computes, and an activation or element-wise call of that, is made again where it is read.
 - An activation of a kept tensor keeps a byte an element for a piecewise-linear one (relu's
   mask; in a 16-bit compute dtype, its output, which what reads it keeps, and the mask made
   again from it), its input for another (silu, gelu), and its output is made again where
-  read.
+  read (gelu's, in a 16-bit compute dtype, is kept too).
 - Max pooling keeps its input alone (its backward finds each window's maximum again).
 - Of a traced call's residuals, those element-wise ops of any cost make from other kept
   tensors and smaller ones broadcast hold nothing, and one made so from a narrower tensor (a
@@ -78,12 +79,15 @@ from tfmem._sizes import itemsize
 
 PIECEWISE = frozenset({"relu", "relu6", "elu", "selu", "hard_sigmoid"})
 _GATED = frozenset({"silu", "swish"})
-# Activations XLA:TPU fuses into what reads them; of the piecewise-linear ones, whose
-# gradient is a mask, it keeps that mask (a byte an element), of the others their input.
-_MASKED = frozenset({"relu", "relu6", "hard_sigmoid"})
+# Activations XLA:TPU fuses into what reads them (`_tpu_activation`): of the piecewise-linear
+# ones, whose gradient is a mask, it keeps that mask, of the others their input; and of
+# gelu in a 16-bit compute dtype its output too, rather than make it again where it is read
+# (silu's it makes again).
 _FUSED_ACTIVATIONS = PIECEWISE | _GATED | frozenset({
     "gelu", "sigmoid", "tanh", "softplus", "softsign", "exponential", "mish", "hard_swish",
     "hard_silu", "leaky_relu", "log_sigmoid", "celu"})
+_MASKED = frozenset({"relu", "relu6", "hard_sigmoid"})
+_KEPT_IN_16_BITS = frozenset({"gelu"})
 
 # The XLA targets (a plan's device kind) each rule holds for: where it was measured (XLA:TPU
 # compiled ahead of time, against its own figure of the step).
@@ -172,7 +176,10 @@ def _tpu_activation(walker, name: str, output, pre_activation) -> bool:
         walker.keep_new(output.shape, walker.dtype_of(output))
     else:
         walker.keep(pre_activation)
-    walker.fused.add(walker.key(output))
+    if name in _KEPT_IN_16_BITS and itemsize(walker.dtype_of(output)) <= 2:
+        walker.keep(output)
+    else:
+        walker.fused.add(walker.key(output))
     return True
 
 
@@ -247,19 +254,32 @@ def element_wise(walker, inputs, outputs, result) -> bool:
 
 def contraction(walker, layer, tensor, output, dtype: str) -> bool:
     """Keeps what XLA holds of the input `tensor` of trained kernel layer `layer` (a
-    convolution or Dense, computing in `dtype`) and notes its workspace; False where
-    `layer_rules`' own rule holds. XLA:TPU multiplies in bfloat16 at its default precision,
-    so it keeps a float32 input as a bfloat16 copy, and none of an input made again from
-    kept tensors (a normalization's output, an activation of it), which it makes again
-    inside the kernel gradient's fusion."""
+    convolution or Dense, computing in `dtype`) and, on XLA:CPU, notes its workspace; False
+    where `layer_rules`' own rule holds. XLA:TPU multiplies in bfloat16 at its default
+    precision, so it keeps a float32 input as a bfloat16 copy; none of the model's input (an
+    argument of the step, read in place) or of an input made again from kept tensors (a
+    normalization's output, an activation of it), which it makes again inside the kernel
+    gradient's fusion; of a concatenation, which it makes again too, its operands as they
+    are."""
     if holds("tpu_fusion", walker.target):
-        # A model input is an argument of the step, read in place; a tensor made again
-        # from kept ones is made again inside the kernel gradient's fusion.
-        key = walker.key(tensor)
-        if key not in walker.fused and key not in walker.model_inputs:
-            walker.keep(tensor, "bfloat16" if itemsize(dtype) > 2 else dtype)
+        parts = _concatenated(tensor)
+        copied = len(parts) == 1 and parts[0] is tensor  # not a concatenation
+        for part in parts:
+            key = walker.key(part)
+            if key not in walker.fused and key not in walker.model_inputs:
+                walker.keep(part, ("bfloat16" if itemsize(dtype) > 2 else dtype) if copied
+                            else walker.dtype_of(part))
         return True
     return convolution(walker, layer, tensor, output, dtype)
+
+
+def _concatenated(tensor) -> list:
+    """What `tensor` concatenates, down through concatenations of concatenations (a dense
+    block's); `[tensor]` for any other tensor."""
+    found = internals.concatenation(internals.node_of(tensor))
+    if found is None:
+        return [tensor]
+    return [part for operand in found[1] for part in _concatenated(operand)]
 
 
 def convolution(walker, layer, tensor, output, dtype: str) -> bool:
