@@ -63,7 +63,7 @@ default precision:
   float32 cast of a bfloat16 convolution's output) is held at that tensor's size; a scalar
   broadcast holds nothing.
 - A call's backward holds one gradient map beside the kept tensors (a concatenation its
-  inputs and its output while it copies them).
+  inputs and its output while it copies them, max pooling two maps).
 - Tensors are laid out in 8 × 128 tiles (`tpu_layout`), which the plan counts in a row of
   its own.
 """
@@ -148,8 +148,10 @@ def gradient_maps(target: str | None, operation=None) -> int:
     """How many maps of a call's size it holds at once beside the kept tensors: its output's
     gradient and its input's; one on XLA:TPU, whose fusions compute the input's gradient as
     they read the output's, but for a concatenation, whose inputs are alive while it copies
-    them into its output."""
-    if holds("tpu_fusion", target) and not isinstance(operation, keras.layers.Concatenate):
+    them into its output, and for max pooling, whose backward scatters into a map of zeros
+    beside its output's gradient."""
+    if holds("tpu_fusion", target) and not isinstance(operation,
+                                                      (keras.layers.Concatenate, *_MAX_POOLS)):
         return 1
     return 2
 
