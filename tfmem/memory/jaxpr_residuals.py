@@ -119,18 +119,68 @@ def origins(jaxpr, residuals: dict,
         return top.get(id(var)) or _value(0, var)
 
     values = {name: value_of(var) for name, var in residuals.items()}
-    held = set(values.values()) | {value_of(var) for var in kept}
+    kept_values = {value_of(var) for var in kept}
+    recipes = _Recipes(producers)
+    # The latest first: each is made again from what was made before it.
+    made = sorted((name for name in values if values[name] in producers),
+                  key=lambda n: -producers[values[n]][2])
+    derived, drawn, _ = recipes.made_again(made, values, kept_values, readers)
+    fused, _, narrowed = recipes.made_again(made, values, kept_values, readers, fusing=True)
+    widened = {}
+    for name, value in values.items():
+        sizes = [math.prod(out.shape) * out.itemsize
+                 for primitive, outputs in readers.get(value, ())
+                 if primitive in _ELEMENT_WISE or primitive in _EXPENSIVE_ELEMENT_WISE
+                 for out in outputs if math.prod(out.shape) > math.prod(value.shape)]
+        made_by = producers.get(value, ("",))[0]
+        if sizes and name not in derived and made_by not in _ELEMENT_WISE:
+            widened[name] = max(sizes)
+    return frozenset(derived), frozenset(drawn), widened, frozenset(fused), narrowed
 
-    def derivable(value, shape, mask, depth, seen, fusing=False) -> bool:
+
+class _Recipes:
+    """What element-wise ops make a residual from, over one flattened jaxpr's `producers`."""
+
+    def __init__(self, producers: dict):
+        self.producers = producers
+        self.held: set = set()
+        self.random: dict = {}
+
+    def made_again(self, made, values, kept_values, readers, fusing=False):
+        """`(made again, drawn, {name: narrower bytes})` among the residuals `made` (latest
+        first): made again by cheap element-wise ops, none a contraction reads; `fusing`:
+        by element-wise ops of any cost, from smaller tensors too, whatever reads them."""
+        self.held = set(values.values()) | kept_values
+        again, drawn, narrowed = set(), set(), {}
+        for name in made:
+            value = values[name]
+            if not fusing and {primitive for primitive, _ in readers.get(value, ())
+                               } & _CONTRACTIONS:
+                continue
+            mask = value.dtype == "bool"
+            if mask and self.from_random_bits(value, _DEPTH):
+                drawn.add(name)
+                continue
+            self.held.discard(value)
+            if self.derivable(value, value.shape, mask, _DEPTH, {}, fusing):
+                again.add(name)
+                continue
+            self.held.add(value)
+            narrow = self.narrowest(value, _DEPTH) if fusing else 0
+            if narrow and narrow < math.prod(value.shape) * value.itemsize:
+                narrowed[name] = narrow
+        return again, drawn, narrowed
+
+    def derivable(self, value, shape, mask, depth, seen, fusing=False) -> bool:
         """Whether cheap element-wise ops make `value` from held tensors of `shape`
         (`fusing`: any element-wise op, from held tensors and anything smaller)."""
         if value is None or not value.shape:  # a literal or a scalar
             return True
         if fusing and math.prod(value.shape) < math.prod(shape):
             return True  # a smaller tensor (a normalization's statistics), broadcast
-        if value in held:
+        if value in self.held:
             return value.shape == shape
-        found = producers.get(value)
+        found = self.producers.get(value)
         if found is None or depth == 0:
             return False
         if value not in seen:
@@ -143,27 +193,25 @@ def origins(jaxpr, residuals: dict,
             else:
                 ops = _ELEMENT_WISE | _EXPENSIVE_ELEMENT_WISE if fusing else _ELEMENT_WISE
                 seen[value] = (primitive in ops and value.shape == shape
-                               and all(derivable(v, shape, mask, depth - 1, seen, fusing)
+                               and all(self.derivable(v, shape, mask, depth - 1, seen, fusing)
                                        for v in inputs))
         return seen[value]
 
-    random: dict = {}
-
-    def from_random_bits(value, depth) -> bool:
-        found = producers.get(value) if value is not None else None
+    def from_random_bits(self, value, depth) -> bool:
+        found = self.producers.get(value) if value is not None else None
         if found is None or depth == 0:
             return False
-        if value not in random:
-            random[value] = found[0] == "random_bits" or (
-                found[0] in _ELEMENT_WISE and any(from_random_bits(v, depth - 1)
+        if value not in self.random:
+            self.random[value] = found[0] == "random_bits" or (
+                found[0] in _ELEMENT_WISE and any(self.from_random_bits(v, depth - 1)
                                                   for v in found[1]))
-        return random[value]
+        return self.random[value]
 
-    def narrowest(value, depth) -> int:
+    def narrowest(self, value, depth) -> int:
         """The fewest bytes among `value` and what element-wise ops make it from (beside
         smaller tensors broadcast), following the operand of its own shape."""
         nbytes = math.prod(value.shape) * value.itemsize
-        found = producers.get(value)
+        found = self.producers.get(value)
         ops = _ELEMENT_WISE | _EXPENSIVE_ELEMENT_WISE
         if found is None or depth == 0 or found[0] not in ops:
             return nbytes
@@ -171,45 +219,4 @@ def origins(jaxpr, residuals: dict,
         if len(operands) != 1 or any(v is not None and math.prod(v.shape) >= math.prod(
                 value.shape) and v.shape != value.shape for v in found[1]):
             return nbytes
-        return min(nbytes, narrowest(operands[0], depth - 1))
-
-    derived, drawn, fused, narrowed = set(), set(), set(), {}
-    made = sorted((name for name in values if values[name] in producers),
-                  key=lambda n: -producers[values[n]][2])
-    # The latest first: each is made again from what was made before it.
-    for name in made:
-        value = values[name]
-        if value.dtype == "bool" and from_random_bits(value, _DEPTH):
-            continue
-        held.discard(value)
-        if derivable(value, value.shape, value.dtype == "bool", _DEPTH, {}, fusing=True):
-            fused.add(name)
-        else:
-            held.add(value)
-            narrow = narrowest(value, _DEPTH)
-            if narrow < math.prod(value.shape) * value.itemsize:
-                narrowed[name] = narrow
-    held = set(values.values()) | {value_of(var) for var in kept}
-    for name in made:
-        value = values[name]
-        if {primitive for primitive, _ in readers.get(value, ())} & _CONTRACTIONS:
-            continue
-        mask = value.dtype == "bool"
-        if mask and from_random_bits(value, _DEPTH):
-            drawn.add(name)
-            continue
-        held.discard(value)
-        if derivable(value, value.shape, mask, _DEPTH, {}):
-            derived.add(name)
-        else:
-            held.add(value)
-    widened = {}
-    for name, value in values.items():
-        sizes = [math.prod(out.shape) * out.itemsize
-                 for primitive, outputs in readers.get(value, ())
-                 if primitive in _ELEMENT_WISE or primitive in _EXPENSIVE_ELEMENT_WISE
-                 for out in outputs if math.prod(out.shape) > math.prod(value.shape)]
-        made_by = producers.get(value, ("",))[0]
-        if sizes and name not in derived and made_by not in _ELEMENT_WISE:
-            widened[name] = max(sizes)
-    return frozenset(derived), frozenset(drawn), widened, frozenset(fused), narrowed
+        return min(nbytes, self.narrowest(operands[0], depth - 1))
