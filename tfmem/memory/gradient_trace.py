@@ -80,17 +80,17 @@ class TracedCall:
             made by a cheap element-wise op that an element-wise op reads beside larger
             tensors (a softmax's sum, a normalization's rsqrt), at that op's size: a
             compiler may keep the broadcast.
-        narrowed: `(index into internal, bytes per sample)` of a JAX trace's residuals not
-            `fused` that element-wise ops make from a narrower tensor of their shape, at
-            that tensor's size: a compiler that fuses them keeps that tensor instead.
-        internal_shapes: the shape of one sample of each tensor of `internal` where a JAX
-            trace has the batch first (None elsewhere): how a target's tiles lay it out
-            (`tpu_layout`).
         fused: indices into `internal` of a JAX trace's residuals made by element-wise ops
             of any cost from other kept tensors of their shape and from smaller tensors
             broadcast, whether or not a contraction reads them (`jaxpr_residuals`): a
             compiler that fuses element-wise producers into every reader, contractions
             included, holds none.
+        internal_shapes: the shape of one sample of each tensor of `internal` where a JAX
+            trace has the batch first (None elsewhere): how a target's tiles lay it out
+            (`tpu_layout`).
+        narrowed: `(index into internal, bytes per sample)` of a JAX trace's residuals not
+            `fused` that element-wise ops make from a narrower tensor of their shape, at
+            that tensor's size: a compiler that fuses them keeps that tensor instead.
     """
 
     kept_inputs: tuple[int, ...]
