@@ -4,9 +4,10 @@
     KERAS_BACKEND=jax python benchmarks/planner_jax_kinds.py --kinds conv_relu,attention
     # XLA:TPU's figures, compiled ahead of time here (libtpu installed), and a TPU's plan:
     KERAS_BACKEND=jax python benchmarks/planner_jax_kinds.py --device tpu-v5e-1 --ahead-of-time
-    # ... at batches where a TPU's layouts pad nothing, in the TPU's precision:
+    # ... at batches where a TPU's layouts pad nothing and the maps are far above its vector
+    # memory (float32 from 1024, bfloat16 from 2048), in the TPU's precision:
     KERAS_BACKEND=jax python benchmarks/planner_jax_kinds.py --device tpu-v5e-1 --ahead-of-time \
-        --batches 1024,2048 --precision mixed_bfloat16
+        --batches 2048,4096 --precision mixed_bfloat16
 
 Each kind is a small model of four blocks (3×3 convolutions on 32×32×32, or 256 tokens of
 64 features) with a pooled Dense head, Adam, float32 (`--precision`: another policy). For
