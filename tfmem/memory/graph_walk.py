@@ -382,9 +382,10 @@ class Walker:
                 nbytes = nbytes * scale[0] // scale[1]
             held = max(held, nbytes)
             if nbytes:
-                layout = None
-                if shape is not None and repeat == 1 and nbytes % max(math.prod(shape), 1) == 0:
-                    layout = (shape, nbytes // max(math.prod(shape), 1))
+                # Its shape and the itemsize it is counted in, where it is one tensor.
+                elements = max(math.prod(shape), 1) if shape is not None else 0
+                layout = ((shape, nbytes // elements) if elements and repeat == 1
+                          and nbytes % elements == 0 else None)
                 self.keep_bytes(nbytes * repeat, layout=layout)
         self.largest = max(self.largest, result.largest_bytes)
         # A tensor inside the call, its gradient beside it (an output's is counted with the

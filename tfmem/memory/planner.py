@@ -406,10 +406,9 @@ def _tpu_lanes(model: keras.Model) -> tuple[str, ...]:
             "(at micro-batch 8: 24 channels 5.3×, 192 channels 1.33×); this plan does not "
             "count that, and counts more tensors than XLA:TPU keeps (a plan made on "
             "KERAS_BACKEND=jax counts what XLA:TPU keeps, and the padding). XLA:TPU's own "
-            "figure of "
-            "the step: scripts/plan.py or a dry run of scripts/finetune.py on JAX with the "
-            "TPU compiler installed, or tfmem.memory.probe_jax.compiled_step_memory(…, "
-            "device=probe_jax.tpu_device(…)) (on the TPU, JAX's memory check compiles the "
+            "figure of the step: scripts/plan.py or a dry run of scripts/finetune.py on JAX "
+            "with the TPU compiler installed, or tfmem.memory.probe_jax.compiled_step_memory("
+            "…, device=probe_jax.tpu_device(…)) (on the TPU, JAX's memory check compiles the "
             "step)",)
 
 
