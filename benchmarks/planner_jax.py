@@ -5,6 +5,8 @@
     KERAS_BACKEND=jax python benchmarks/planner_jax.py --models hub-vit,hub-bert,hub-gpt2
     # XLA:TPU's analysis, compiled ahead of time on this machine (libtpu installed):
     KERAS_BACKEND=jax python benchmarks/planner_jax.py --device tpu-v5e-1 --ahead-of-time
+    # XLA:GPU's, the same way (JAX's CUDA plugin installed; no GPU or driver needed):
+    KERAS_BACKEND=jax python benchmarks/planner_jax.py --device h200 --ahead-of-time
 
 For each model of `benchmarks/planner_accuracy.py` (Adam, 64×64, float32 or the policy
 `--precision` names), keras-hub's ViT, BERT or GPT-2: the planner's estimate for one plain step
@@ -33,6 +35,7 @@ import numpy as np  # noqa: E402
 
 import tfmem  # noqa: E402
 from tfmem.memory import probe_jax  # noqa: E402
+from tfmem.runtime import devices  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import planner_accuracy as zoo  # noqa: E402
@@ -69,30 +72,39 @@ def inputs(model: keras.Model, batch: int) -> list:
             for t in tensors]
 
 
-def tpu_chip(device: str) -> jax.Device:
-    """A TPU of `device`'s generation (`--device tpu-v5e-1`), which XLA compiles for ahead of
-    time here (`probe_jax.tpu_device`); JAX itself runs on this machine's CPU."""
+def chip_ahead(device: str) -> jax.Device:
+    """The TPU or GPU `--device` names (`tpu-v5e-1`, `t4`), which XLA compiles for ahead of
+    time here (`probe_jax.tpu_device`, `probe_jax.gpu_device`); JAX itself runs on this
+    machine's CPU."""
     jax.config.update("jax_platforms", "cpu")
     try:
-        return probe_jax.tpu_device(device)
+        accelerator = devices.by_name(device)
+    except ValueError as error:
+        raise SystemExit(f"error: --device {device}: {error}; pass a TPU or GPU of tfmem's "
+                         "device table, e.g. --device tpu-v5e-1 or t4") from None
+    find = probe_jax.gpu_device if accelerator.kind == "gpu" else probe_jax.tpu_device
+    try:
+        return find(device)
     except ImportError:
-        raise SystemExit(f"error: --ahead-of-time needs the TPU compiler, libtpu: pip install "
-                         f"\"jax[tpu]=={jax.__version__}\"") from None
-    except ValueError:
-        raise SystemExit(f"error: --ahead-of-time compiles for a TPU, and --device {device} is "
-                         "none; pass a TPU of tfmem's device table, e.g. --device "
-                         "tpu-v5e-1") from None
+        compiler = (f"JAX's CUDA plugin: pip install \"jax[cuda12]=={jax.__version__}\""
+                    if accelerator.kind == "gpu" else
+                    f"the TPU compiler, libtpu: pip install \"jax[tpu]=={jax.__version__}\"")
+        raise SystemExit(f"error: --ahead-of-time for --device {device} needs "
+                         f"{compiler}") from None
+    except ValueError as error:
+        raise SystemExit(f"error: --ahead-of-time for --device {device}: {error}") from None
 
 
 def add_target_arguments(parser: argparse.ArgumentParser) -> None:
     """`--precision` and `--ahead-of-time`: the policy the models are built and planned in,
-    and XLA:TPU's figure for `--device`'s TPU instead of this CPU's."""
+    and XLA's figure for `--device`'s TPU or GPU instead of this CPU's."""
     parser.add_argument("--precision", default="float32",
                         choices=["float32", "mixed_bfloat16", "mixed_float16"],
                         help="the Keras dtype policy the models are built and planned in")
     parser.add_argument("--ahead-of-time", action="store_true",
-                        help="XLA:TPU's figure for --device's TPU (e.g. tpu-v5e-1), compiled "
-                        "ahead of time on this machine (needs libtpu)")
+                        help="XLA's figure for --device's TPU or GPU (e.g. tpu-v5e-1, t4), "
+                        "compiled ahead of time on this machine (needs libtpu, or JAX's CUDA "
+                        "plugin)")
 
 
 def compare(name: str, batch: int, device: str, chip: jax.Device | None = None,
@@ -144,7 +156,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if keras.backend.backend() != "jax":
         raise SystemExit("error: run with KERAS_BACKEND=jax; this compares with XLA's analysis")
-    chip = tpu_chip(args.device) if args.ahead_of_time else None
+    chip = chip_ahead(args.device) if args.ahead_of_time else None
     began = time.time()
     target = chip.device_kind if chip else jax.devices()[0].platform
     print(f"Planner vs XLA's compiled memory analysis of `train_step`, Adam, "

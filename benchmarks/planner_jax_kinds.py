@@ -36,7 +36,7 @@ import tfmem  # noqa: E402
 from tfmem.memory import probe_jax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from planner_jax import add_target_arguments, tpu_chip  # noqa: E402
+from planner_jax import add_target_arguments, chip_ahead  # noqa: E402
 
 L = keras.layers
 BATCHES = (16, 32)
@@ -167,7 +167,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if keras.backend.backend() != "jax":
         raise SystemExit("error: run with KERAS_BACKEND=jax; this compares with XLA's analysis")
-    chip = tpu_chip(args.device) if args.ahead_of_time else None
+    chip = chip_ahead(args.device) if args.ahead_of_time else None
     batches = tuple(int(b) for b in args.batches.split(","))
     if len(batches) != 2 or not 0 < batches[0] < batches[1]:
         raise SystemExit(f"error: --batches {args.batches}: give two batch sizes, the smaller "

@@ -96,10 +96,10 @@ flags.DEFINE_bool(
 flags.DEFINE_bool("dry_run", False, "Build the model, print its parameters and "
                              "the memory plan, train nothing.")
 flags.DEFINE_bool(
-    "compile", True, "A dry run on JAX (KERAS_BACKEND=jax) for a TPU --device, where the TPU "
-    "compiler is installed: check the split with XLA:TPU's own figure of the step one replica "
-    "runs, compiled here ahead of time (for a large model, minutes and gigabytes of RAM); "
-    "--nocompile: the plan alone.")
+    "compile", True, "A dry run on JAX (KERAS_BACKEND=jax) for a TPU or GPU --device, where "
+    "its compiler is installed (libtpu; JAX's CUDA plugin, no GPU needed): check the split "
+    "with XLA's own figure of the step one replica runs, compiled here ahead of time (for a "
+    "large model, minutes and gigabytes of RAM); --nocompile: the plan alone.")
 flags.DEFINE_integer(
     "save_every_steps", None, "Save a resume point every this many updates (default: 4 "
     "times per epoch).", lower_bound=1)

@@ -9,10 +9,11 @@ the device's precision, the micro-batch × accumulation steps × replicas that r
 batch within 80% of the device (or, when nothing fits, the smallest change checked to fit), the
 scripts/finetune.py command that runs it, and, with --plot, draws predicted memory against the
 micro-batch with the budget line (needs matplotlib: `pip install -e '.[plot]'` in the
-checkout). On JAX (`KERAS_BACKEND=jax`) for a TPU --device, where the TPU compiler is installed
-(`pip install "jax[tpu]"`), it also compiles the step one replica runs here ahead of time (for
-a large model, minutes and gigabytes of RAM) and checks the split with XLA:TPU's own figure, as
-the guard does on the TPU (`--nocompile`: the plan alone). Flags accept dashes or underscores.
+checkout). On JAX (`KERAS_BACKEND=jax`) for a TPU or GPU --device, where its compiler is
+installed (`pip install "jax[tpu]"`; for a GPU `pip install "jax[cuda12]"`, no GPU or driver
+needed), it also compiles the step one replica runs here ahead of time (for a large model,
+minutes and gigabytes of RAM) and checks the split with XLA's own figure, as the guard does on
+the device (`--nocompile`: the plan alone). Flags accept dashes or underscores.
 Errors are one line on stderr (exit 2: a flag is wrong; `--debug` adds the traceback).
 """
 
@@ -48,10 +49,11 @@ flags.DEFINE_string("rematerialize", None, "Recompute activations in the backwar
 flags.DEFINE_enum("loss", "cross-entropy", list(finetune.LOSSES), "The loss the run trains "
                   "with, as scripts/finetune.py's --loss (a segmentation --model: also 'dice', "
                   "'cross-entropy+dice'); the plan counts what it and the task's metric hold.")
-flags.DEFINE_boolean("compile", True, "On JAX (KERAS_BACKEND=jax) for a TPU --device, where the "
-                     "TPU compiler is installed: check the split with XLA:TPU's own figure of "
-                     "the step one replica runs, compiled here ahead of time (for a large "
-                     "model, minutes and gigabytes of RAM); --nocompile: the plan alone.")
+flags.DEFINE_boolean("compile", True, "On JAX (KERAS_BACKEND=jax) for a TPU or GPU --device, "
+                     "where its compiler is installed (libtpu; JAX's CUDA plugin, no GPU "
+                     "needed): check the split with XLA's own figure of the step one replica "
+                     "runs, compiled here ahead of time (for a large model, minutes and "
+                     "gigabytes of RAM); --nocompile: the plan alone.")
 flags.mark_flags_as_required(["model", "global_batch_size"])
 for _name in ("global_batch_size", "num_classes"):
     flags.register_validator(_name, lambda value: value is None or value >= 1,
@@ -186,8 +188,8 @@ def _plan(argv):
 
 
 def compiled_ahead(image_size: tuple[int, int]):
-    """`(k, plan) →` XLA:TPU's figure of the planned run's step (`tfmem.finetune
-    .compiled_ahead`), for a TPU --device on JAX where the TPU compiler is installed; else
+    """`(k, plan) →` XLA's figure of the planned run's step (`tfmem.finetune
+    .compiled_ahead`), for a TPU or GPU --device on JAX where its compiler is installed; else
     None (without it, after a line that gives the install command)."""
     if FLAGS.device.strip().lower() == "cpu":
         return None

@@ -94,6 +94,16 @@ for name in ["a100-80gb", "tpu-x9"] + [a.name for a in ACCELERATORS.values() if 
         tpu[name] = probe_jax.tpu_device(name).device_kind
     except (ValueError, ImportError) as error:
         tpu[name] = f"{type(error).__name__}: {error}"
+# A GPU to compile for, as well (with JAX's CUDA plugin installed or not), and the targets
+# XLA:GPU compiles for without one.
+gpu_targets = {a.name: probe_jax._gpu_target(a) for a in ACCELERATORS.values()
+               if a.kind == "gpu" and a.compute_capability >= (6, 0)}
+gpu = {}
+for name in ["tpu-v3-8", "k80", "t4", "h200"]:
+    try:
+        gpu[name] = probe_jax.gpu_device(name).device_kind
+    except (ValueError, ImportError) as error:
+        gpu[name] = f"{type(error).__name__}: {error}"
 # The same network built for its shapes alone (no weight initialised): the same step compiles.
 made = []  # the shapes of the initial values made (not those only traced)
 
@@ -136,7 +146,9 @@ accum_of_weights = tfmem.AccumModel.wrap(gelu_mlp())
 accum_of_weights.compile(optimizer="adam", loss="mse")
 host_loop_of_weights = accum_of_weights.compiled_peaks(*abstract, batch_size=BATCH)(2)
 from tfmem import _keras_internals
-text = {"tpu": tpu, "libtpu": importlib.util.find_spec("libtpu") is not None,
+text = {"tpu": tpu, "libtpu": importlib.util.find_spec("libtpu") is not None, "gpu": gpu,
+        "gpu_targets": gpu_targets,
+        "cuda_plugin": probe_jax._installed("jax_plugins.xla_cuda12"),
         "shapes_peak": shapes_peak, "initial_values": len(made), "accum_on_host": on_host,
         "host_loop_peak": host_loop_peak, "host_loop_of_weights": host_loop_of_weights,
         "accum_tpu_peaks": tpu_peaks,
@@ -318,6 +330,42 @@ def test_a_tpu_to_compile_for_is_named_as_in_the_device_table(on_jax):
                 f"ImportError: tpu_device(device={name!r}) needs the TPU compiler, libtpu, to "
                 f'compile for a TPU on this machine: pip install "jax[tpu]=={on_jax["jax"]}" '
                 "(it pins the libtpu of this JAX)")
+
+
+def test_a_gpu_to_compile_for_is_named_as_in_the_device_table(on_jax):
+    gpu = on_jax["gpu"]
+    assert gpu["tpu-v3-8"] == (
+        "ValueError: gpu_device(device='tpu-v3-8'): TPU v3-8: 8 cores × 16 GiB HBM (Kaggle "
+        "'TPU v3-8') is no GPU; name one, e.g. device=\"t4\" or \"a100-80gb\"")
+    assert gpu["k80"] == (
+        "ValueError: gpu_device(device='k80'): JAX's CUDA plugin compiles for compute "
+        'capability 6.0 and later; name a newer GPU, e.g. device="t4"')
+    for name, description in (("t4", "NVIDIA T4 16 GB (Colab/Kaggle 'T4')"),
+                              ("h200", "NVIDIA H200 141 GB")):
+        if on_jax["cuda_plugin"]:  # XLA:GPU describes the card from the table, no GPU here
+            assert gpu[name] == description
+        else:
+            assert gpu[name] == (
+                f"ImportError: gpu_device(device={name!r}) needs JAX's CUDA plugin to compile "
+                "for a GPU on this machine (no GPU or driver needed): pip install "
+                f'"jax[cuda12]=={on_jax["jax"]}"')
+
+
+def test_a_gpus_target_is_the_device_tables_card(on_jax):
+    targets = on_jax["gpu_targets"]
+    t4 = targets.pop("t4")
+    # XLA's GpuTargetConfig, text format: the card's compute capability and memory, and
+    # what CUDA's guide gives for capability 7.5 (64 KiB of shared memory, 1024 threads).
+    assert "cuda_compute_capability { major: 7 minor: 5 }" in t4
+    assert f"device_memory_size: {15360 * 2**20}\n" in t4
+    assert "shared_memory_per_core: 65536\n" in t4
+    assert "threads_per_core_limit: 1024\n" in t4
+    assert "core_count: 40\n" in t4
+    assert 'device_description_str: "NVIDIA T4 16 GB (Colab/Kaggle \'T4\')"' in t4
+    # Every other GPU of the table that JAX compiles for has one, of its own capability.
+    assert len(targets) >= 7
+    for name, target in targets.items():
+        assert "cuda_compute_capability { major: " in target and "core_count: " in target
 
 
 def test_a_model_built_for_its_shapes_compiles_its_step_without_a_weight(on_jax):

@@ -164,8 +164,10 @@ def test_a_dry_run_on_jax_for_a_tpu_checks_the_split_with_xla_tpus_own_figure(tm
         import jax
 
         assert compiled is None
-        assert ("finetune: the plan alone: XLA:TPU's own figure of this step needs the TPU "
-                f'compiler here: pip install "jax[tpu]=={jax.__version__}"') in result.stdout
+        assert ("finetune: the plan alone: XLA's own figure of this step needs the TPU "
+                "compiler, libtpu, to compile for a TPU on this machine: pip install "
+                f'"jax[tpu]=={jax.__version__}" (it pins the libtpu of this JAX)'
+                ) in result.stdout
     else:
         assert compiled and 0 < float(compiled.group(1)) < 1024, result.stdout
     assert not list(tmp_path.iterdir())  # a dry run writes nothing
@@ -181,6 +183,32 @@ def test_a_dry_run_on_jax_for_a_tpu_checks_the_split_with_xla_tpus_own_figure(tm
     assert [line for line in alone.stdout.splitlines() if "total (peak per replica)" in line
             ] == [line for line in result.stdout.splitlines()
                   if "total (peak per replica)" in line]
+
+
+def test_a_dry_run_on_jax_for_a_gpu_checks_the_split_with_xla_gpus_own_figure(tmp_path):
+    # Compiled here ahead of time, without a GPU, where JAX's CUDA plugin is installed; where
+    # it is not, the plan alone, saying what the compiled figure needs.
+    result = _finetune("--dry-run", "--device", "t4", "--model", "unet", "--task",
+                       "segmentation", "--num-classes", "3", "--image-size", "64",
+                       "--global-batch-size", "32", "--output", str(tmp_path), timeout=300,
+                       backend="jax", JAX_PLATFORMS="cpu", XLA_FLAGS=jax_xla_flags())
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert ("unet: 1,945,555 parameters, Adam, mixed_float16 on t4, global batch 32 = "
+            "micro-batch 32 × 1 accumulation step × 1 replica") in result.stdout
+    compiled = re.search(r"compiled step \(XLA\) +([\d.]+) MiB +arguments \+ outputs",
+                         result.stdout)
+    from tfmem.memory import probe_jax
+
+    if not probe_jax._installed("jax_plugins.xla_cuda12"):
+        import jax
+
+        assert compiled is None
+        assert ("finetune: the plan alone: XLA's own figure of this step needs JAX's CUDA "
+                "plugin to compile for a GPU on this machine (no GPU or driver needed): pip "
+                f'install "jax[cuda12]=={jax.__version__}"') in result.stdout
+    else:
+        assert compiled and 0 < float(compiled.group(1)) < 2048, result.stdout
+    assert not list(tmp_path.iterdir())  # a dry run writes nothing
 
 
 def test_killed_run_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path, finetune_cli,

@@ -271,8 +271,10 @@ def test_plan_on_jax_for_a_tpu_checks_its_split_with_xla_tpus_own_figure(tmp_pat
         import jax
 
         assert compiled is None
-        assert lines[0] == ("plan: the plan alone: XLA:TPU's own figure of this step needs "
-                            f'the TPU compiler here: pip install "jax[tpu]=={jax.__version__}"')
+        assert lines[0] == ("plan: the plan alone: XLA's own figure of this step needs the "
+                            "TPU compiler, libtpu, to compile for a TPU on this machine: pip "
+                            f'install "jax[tpu]=={jax.__version__}" (it pins the libtpu of '
+                            "this JAX)")
         assert lines[-3].startswith("chosen: one step of micro-batch 4 (no accumulation)")
         shown = [line for line in shown if not line.startswith(from_the_compile)]
     else:

@@ -281,7 +281,8 @@ def build_and_plan(config: FinetuneConfig, spec, runtime: Runtime, precision: st
 
         compiled_peak = compiled_peak_of_the_run
     elif config.dry_run and config.device and config.compile:
-        # A TPU's own figure, compiled ahead of time here where the TPU compiler is installed.
+        # A TPU's or GPU's own figure, compiled ahead of time here where its compiler is
+        # installed.
         compiled_peak = compiled_ahead(config, spec, runtime, data)
     if attempt.plan_budget is not None:  # what fits under a memory limit
         where = dict(memory_budget=attempt.plan_budget, num_replicas=runtime.num_replicas,
@@ -312,22 +313,21 @@ def build_and_plan(config: FinetuneConfig, spec, runtime: Runtime, precision: st
 
 def compiled_ahead(config: FinetuneConfig, spec, runtime: Runtime, data: DataFacts,
                    program: str = "finetune"):
-    """For a plan on JAX for a TPU (`--device tpu-v5e-8`): `(k, plan) →` XLA:TPU's peak of
-    the step one replica runs, compiled here ahead of time for a model built for its shapes
-    in the plan's precision, as the TPU would run it; None (after a line, begun with
-    `program`, that says what it needs) without the TPU compiler; None for another device or
-    backend."""
+    """For a plan on JAX for a TPU or GPU (`--device tpu-v5e-8`, `--device t4`): `(k, plan)
+    →` XLA's peak of the step one replica runs, compiled here ahead of time for a model
+    built for its shapes in the plan's precision, as the device would run it; None (after a
+    line, begun with `program`, that says what it needs) without that device's compiler (the
+    TPU compiler, JAX's CUDA plugin); None on another backend."""
     accelerator = devices.by_name(config.device)
-    if accelerator.kind != "tpu" or not hasattr(AccumModel, "compiled_step_memory"):
+    if not hasattr(AccumModel, "compiled_step_memory"):
         return None
     from tfmem.memory import probe_jax  # JAX's own module: this backend only
     try:
-        chip = probe_jax.tpu_device(config.device)
-    except ImportError:
-        import jax  # JAX itself: this backend only
-
-        print(f"{program}: the plan alone: XLA:TPU's own figure of this step needs the TPU "
-              f"compiler here: pip install \"jax[tpu]=={jax.__version__}\"")
+        chip = (probe_jax.tpu_device(config.device) if accelerator.kind == "tpu" else
+                probe_jax.gpu_device(config.device))
+    except (ImportError, ValueError) as error:  # no compiler; a GPU XLA cannot compile for
+        print(f"{program}: the plan alone: XLA's own figure of this step "
+              f"{_why(error, accelerator)}")
         return None
     replicas = accelerator.num_replicas
     shapes_only = dataclasses.replace(config, weights=None)  # weights change no memory
@@ -350,12 +350,20 @@ def compiled_ahead(config: FinetuneConfig, spec, runtime: Runtime, data: DataFac
               f"micro-batch {per_replica // accumulation_steps} × {accumulation_steps} ahead "
               "of time (for a large model, minutes and gigabytes of RAM)", flush=True)
         # The optimizer's slots and the sums: shapes alone. A step that does not compile
-        # for the TPU leaves the plan's answer, which the guard says.
+        # for the device leaves the plan's answer, which the guard says.
         with models.shapes_only(), loss_trace.int64_as_run():
             peaks = accum.compiled_peaks(x, y, batch_size=per_replica, device=chip)
             return peaks(accumulation_steps, memory_plan)
 
     return compiled_peak
+
+
+def _why(error: Exception, accelerator: devices.Accelerator) -> str:
+    """Why a dry run cannot compile for its device, from `tpu_device`'s or `gpu_device`'s
+    error: the compiler it needs and its command, or that XLA compiles for no such card."""
+    if isinstance(error, ImportError):  # "…(device='t4') needs <what>: pip install …"
+        return "needs " + str(error).split(" needs ", 1)[1]
+    return f"cannot be compiled for a {accelerator.description} (JAX does not support it)"
 
 
 def _batch_of_shapes(model: keras.Model, data: DataFacts, rows: int) -> tuple:

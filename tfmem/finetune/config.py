@@ -52,9 +52,10 @@ class FinetuneConfig:
         prefer: force a device kind ("tpu", "gpu", "cpu").
         allow_over_budget: train even when the plan exceeds the memory budget.
         dry_run: build, plan and print; train nothing.
-        compile: a dry run on JAX for a TPU `device` checks its split with XLA:TPU's figure
-            of the step, compiled here ahead of time where the TPU compiler is installed
-            (for a large model, minutes and gigabytes of RAM); False: the plan alone.
+        compile: a dry run on JAX for a TPU or GPU `device` checks its split with XLA's
+            figure of the step, compiled here ahead of time where that device's compiler is
+            installed (libtpu; JAX's CUDA plugin, no GPU needed) (for a large model, minutes
+            and gigabytes of RAM); False: the plan alone.
         save_every_steps: updates between resume points (default: 4 per epoch).
         seed: seed of weights, shuffling and augmentation.
         deterministic: deterministic ops (a resumed run ends bit-identical).

@@ -71,16 +71,16 @@ def task_loss(task: str, num_classes: int, loss: str = "cross-entropy") -> tuple
 
 
 def compiled_ahead(config: FinetuneConfig, program: str = "plan"):
-    """XLA:TPU's own figure of the step of the run `config` describes, for a TPU `device` on
-    JAX: `(k, plan) →` the peak bytes of the step one replica runs with k accumulation steps,
+    """XLA's own figure of the step of the run `config` describes, for a TPU or GPU `device`
+    on JAX: `(k, plan) →` the peak bytes of the step one replica runs with k accumulation steps,
     compiled here ahead of time for a model built for its shapes in the plan's precision
     (for a large model, minutes and gigabytes of RAM; a line begun with `program` before
     each compile): what `tfmem.memory.guard.guard` takes as `compiled_peak`. The data are
     `config`'s classes, image size and task (the model's by default), read from no file.
 
     Returns:
-        The function; None, after a line that gives the install command, where the TPU
-        compiler (libtpu) is not installed; None for another device or on TensorFlow.
+        The function; None, after a line that gives the install command, where the
+        device's compiler (libtpu; JAX's CUDA plugin) is not installed; None on TensorFlow.
     """
     spec = config_lib.model_spec(config)
     task = config.task or spec.task

@@ -11,10 +11,15 @@ Two readings the planner's probe (`tfmem/memory/probe.py`) uses on the Keras JAX
 - `tpu_device(name)`: a TPU device of a generation of tfmem's device table, which
   `compiled_step_memory(..., device=)` compiles for ahead of time on a machine without a TPU
   (where the TPU compiler, libtpu, is installed).
+- `gpu_device(name)`: the same for an NVIDIA GPU of the table, described to XLA's GPU
+  compiler from the table's figures of the card (where JAX's CUDA plugin is installed; no GPU
+  or driver needed).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 import os
 
@@ -117,6 +122,124 @@ def tpu_device(device: str) -> jax.Device:
     return topology.devices[0]
 
 
+# What XLA:GPU's compiler reads of a GPU it compiles for without one (its `GpuTargetConfig`):
+# per GPU of the device table, multiprocessors, boost clock (GHz), memory bandwidth (GB/s)
+# and L2 cache (MiB), NVIDIA's data sheets; per compute capability, the shared memory of a
+# multiprocessor and the most one block may opt into (KiB), resident threads per
+# multiprocessor, and FP32 units per multiprocessor (CUDA's programming guide).
+_GPU_CARDS = {"p100": (56, 1.33, 732, 4), "t4": (40, 1.59, 320, 4),
+              "v100-16gb": (80, 1.53, 900, 6), "v100-32gb": (80, 1.53, 900, 6),
+              "l4": (58, 2.04, 300, 48), "a100-40gb": (108, 1.41, 1555, 40),
+              "a100-80gb": (108, 1.41, 2039, 40), "h100": (132, 1.98, 3352, 50),
+              "h200": (132, 1.98, 4800, 50)}
+_GPU_CAPABILITIES = {(6, 0): (64, 48, 2048, 64), (7, 0): (96, 96, 2048, 64),
+                     (7, 5): (64, 64, 1024, 64), (8, 0): (164, 163, 2048, 64),
+                     (8, 9): (100, 99, 1536, 128), (9, 0): (228, 227, 2048, 128)}
+
+
+# XLA:GPU's options for a step compiled without the card (`compiled_step_memory`), and the
+# CUDA plugin's switch that skips its check of the driver at start (`gpu_device`).
+_AHEAD_OF_TIME = {"xla_gpu_autotune_level": 0}
+_NO_DRIVER_CHECK = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
+_CUDA_PLUGINS = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
+
+
+def gpu_device(device: str) -> jax.Device:
+    """An NVIDIA GPU of tfmem's device table, to compile a step for ahead of time.
+
+    On a machine with that GPU, its first device. Elsewhere (a laptop, a TPU host), a device
+    that XLA's GPU compiler describes from the table's figures of the card, without the
+    hardware: `compiled_step_memory(model, batch, device=gpu_device("t4"))` is then
+    XLA:GPU's own figure of the step on a machine that has no GPU. Nothing runs on it. This
+    needs JAX's CUDA plugin and NVIDIA's libraries (`pip install "jax[cuda12]"`, a few
+    gigabytes); no driver. Convolutions compile with their default algorithms (XLA:GPU
+    picks among them by running them, which needs the card): set
+    `XLA_FLAGS=--xla_gpu_autotune_level=0` on the GPU for the same figure there.
+
+    Args:
+        device: a GPU of tfmem's device table (`"t4"`, `"a100-80gb"`, `"h200"`).
+
+    Raises:
+        ValueError: `device` is no GPU of the table, or one JAX's CUDA plugin cannot
+            compile for (compute capability below 6.0: a K80).
+        ImportError: the CUDA plugin is not installed; the message gives the command.
+
+    Example:
+        >>> chip = gpu_device("t4")  # doctest: +SKIP
+        >>> compiled_step_memory(model, (x[:32], y[:32]), device=chip)["peak_bytes"]  # doctest: +SKIP
+    """
+    try:
+        accelerator = devices.by_name(device)
+    except ValueError as error:
+        raise ValueError(f"gpu_device(device={device!r}): {error}") from None
+    if accelerator.kind != "gpu":
+        raise ValueError(f"gpu_device(device={device!r}): {accelerator.description} is no "
+                         f"GPU; name one, e.g. device=\"t4\" or \"a100-80gb\"")
+    if accelerator.name not in _GPU_CARDS:
+        raise ValueError(f"gpu_device(device={device!r}): JAX's CUDA plugin compiles for "
+                         "compute capability 6.0 and later; name a newer GPU, e.g. "
+                         "device=\"t4\"")
+    local = [d for d in jax.devices() if d.platform == "gpu"]
+    for chip in local:
+        try:
+            if devices.lookup(chip.device_kind).name == accelerator.name:
+                return chip  # this machine's own GPU
+        except ValueError:  # a GPU the table does not know
+            pass
+    plugins = [name for name in _CUDA_PLUGINS if _installed(name)]
+    if not plugins:
+        raise ImportError(f"gpu_device(device={device!r}) needs JAX's CUDA plugin to compile "
+                          f"for a GPU on this machine (no GPU or driver needed): pip install "
+                          f"\"jax[cuda12]=={jax.__version__}\"")
+    from jax.experimental import topologies  # the CUDA plugin is loaded only here
+
+    describe = functools.partial(topologies.get_topology_desc, platform="cuda",
+                                 topology="1x1x1", target_config=_gpu_target(accelerator))
+    try:
+        return describe().devices[0]
+    except NotImplementedError:  # the plugin stood down at start: no driver to check
+        pass
+    # Its check of the driver's CUDA version is what a machine without a GPU fails; a
+    # compile reads no driver.
+    checked = os.environ.get(_NO_DRIVER_CHECK)
+    os.environ[_NO_DRIVER_CHECK] = "1"
+    try:
+        importlib.import_module(plugins[0]).initialize()
+    finally:
+        if checked is None:
+            del os.environ[_NO_DRIVER_CHECK]
+    return describe().devices[0]
+
+
+def _installed(module: str) -> bool:
+    """Whether `module` (of a package that may be missing itself) can be imported."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its package is not installed
+        return False
+
+
+def _gpu_target(accelerator: devices.Accelerator) -> str:
+    """XLA's `GpuTargetConfig` (text format) of a GPU of the table."""
+    cores, clock, bandwidth, l2 = _GPU_CARDS[accelerator.name]
+    major, minor = accelerator.compute_capability
+    shared, opt_in, threads, fpus = _GPU_CAPABILITIES[(major, minor)]
+    info = dict(threads_per_block_limit=1024, threads_per_warp=32,
+                shared_memory_per_block=48 * 1024, shared_memory_per_core=shared * 1024,
+                threads_per_core_limit=threads, core_count=cores, fpus_per_core=fpus,
+                block_dim_limit_x=2**31 - 1, block_dim_limit_y=65535, block_dim_limit_z=65535,
+                memory_bandwidth=bandwidth * 10**9, l2_cache_size=l2 * 2**20,
+                clock_rate_ghz=clock, device_memory_size=accelerator.memory_per_replica,
+                shared_memory_per_block_optin=opt_in * 1024, registers_per_core_limit=65536,
+                registers_per_block_limit=65536)
+    fields = "".join(f"  {name}: {value}\n" for name, value in info.items())
+    return (f"gpu_device_info {{\n{fields}  cuda_compute_capability {{ major: {major} "
+            f"minor: {minor} }}\n}}\nplatform_name: \"CUDA\"\n"
+            "dnn_version_info { major: 9 minor: 8 }\n"
+            "runtime_version { major: 12 minor: 8 }\n"
+            f"device_description_str: \"{accelerator.description}\"\n")
+
+
 def _generation(device_kind: str) -> str | None:
     """The device table's TPU generation of a JAX device kind ("TPU v5 lite": "tpu-v5e")."""
     try:
@@ -181,7 +304,17 @@ def compiled_step_memory(model: keras.Model, data, step=None,
                 value.shape, value.dtype, sharding=sharding), (abstract_state, abstract_data))
     if step is None:
         step = jax.jit(model.train_step, donate_argnums=0)
-    return memory_analysis(step.lower(abstract_state, abstract_data).compile())
+    lowered = step.lower(abstract_state, abstract_data)
+    if device is None or device.platform != "gpu" or device in jax.devices():
+        return memory_analysis(lowered.compile())
+    # XLA:GPU without the card: convolutions and matrix products take their default
+    # algorithms (choosing among them runs them); where a Triton product finds no default
+    # tiling, the library's kernels instead.
+    try:
+        return memory_analysis(lowered.compile(compiler_options=_AHEAD_OF_TIME))
+    except jax.errors.JaxRuntimeError:
+        return memory_analysis(lowered.compile(
+            compiler_options={**_AHEAD_OF_TIME, "xla_gpu_enable_triton_gemm": False}))
 
 
 def step_state(model: keras.Model) -> tuple[list, list, list, list]:
