@@ -1,6 +1,6 @@
 """On JAX a plan for a CPU counts what XLA:CPU keeps (`tfmem.memory.xla_rules`): checked
 against XLA:CPU's memory analysis of the compiled train step and against a hand count, in a
-JAX process; a plan for a GPU counts what `layer_rules` says."""
+JAX process; plans for a GPU and a TPU count what XLA:GPU and XLA:TPU keep, by hand count."""
 
 import json
 import os
@@ -213,18 +213,21 @@ def test_xla_cpu_keeps_the_pre_activation_silus_gate_and_the_pooling_indices(on_
     assert on_jax["cpu_fixed_workspace"] == 2 * 3 * 3 * 16 * 16 * 4
 
 
-def test_a_gpu_plan_counts_what_tensorflows_gradients_read(on_jax):
-    # XLA:CPU's rules are not applied: the model's input, BatchNormalization's input, relu's
-    # output (the depthwise convolution's input), the second BatchNormalization's input and
-    # output, hard-swish's traced residuals (a boolean mask, a quarter of a map, and two
-    # maps) and output (the next convolution's input), silu's input inside its convolution
-    # and output (the third convolution's input), ops.relu's boolean mask and the zeros it
-    # compares with; max pooling's input and output (a convolution's input); the
-    # concatenation (the last convolution's input, two maps); the Dense layer's 16 inputs.
-    assert on_jax["gpu_activation"] == (
-        14 * FEATURE_MAP + 3 * (FEATURE_MAP // 4) + 16 * 4)
-    # An op's output and input gradients, of the largest tensor (the concatenation).
-    assert on_jax["gpu_workspace"] == 2 * 2 * FEATURE_MAP
+def test_a_gpu_plan_counts_what_xla_gpu_keeps(on_jax):
+    # XLA:GPU fuses BatchNormalization and the activations of it as XLA:TPU does, but keeps
+    # whole what a library call (cuDNN's convolution, cuBLAS's matrix product) reads, in its
+    # compute dtype. Kept: the two BatchNormalizations' inputs; the inputs of the depthwise
+    # convolution (relu's output), of the third convolution (hard-swish's output) and of the
+    # fourth (silu's output); silu's pre-activation inside the third; ops.relu's traced
+    # residuals (its pre-activation, compared as a float, and its boolean mask, 1/4); max
+    # pooling's input; the pooled map (1/4) and the concatenation (2), convolutions' inputs;
+    # the Dense layer's 16 inputs. Not the model's input, which the step is given.
+    assert on_jax["gpu_activation"] == 10 * FEATURE_MAP + FEATURE_MAP // 2 + 16 * 4
+    # Each call's workspace beside what it and the calls before it keep: the largest, max
+    # pooling's backward, which holds a copy of its input and an int32 index a pooled element
+    # per axis (4 × 1¼ maps) beside the 8¼ maps kept up to it.
+    assert on_jax["gpu_workspace"] == (8 * FEATURE_MAP + FEATURE_MAP // 4 + 5 * FEATURE_MAP
+                                       - on_jax["gpu_activation"])
     assert on_jax["gpu_fixed_workspace"] == 0
 
 
@@ -287,13 +290,14 @@ def test_xla_cpu_holds_a_traced_calls_transcendental_residuals_and_row_sums_broa
                                             derived=index in traced.derived,
                                             drawn=index in traced.drawn,
                                             widened=widened.get(index, 0),
-                                            fused=index in traced.fused)
+                                            fused=index in traced.fused,
+                                            read_whole=index in traced.read_whole)
                    for index, (nbytes, dtype) in enumerate(traced.internal))
 
     assert traced.kept_inputs == (0,)
     # JAX saves (besides the input) t = tanh(x), two differences 1 - t, the exp, the row
-    # sum and its inverse square.
-    assert held("gpu") == 4 * row + 2 * 4
+    # sum and its inverse square: what a plan of no XLA target counts.
+    assert held(None) == 4 * row + 2 * 4
     # XLA:CPU: t and the exp (transcendental, not made twice) and the row sum broadcast to
     # the row; the differences and the inverse square are made again from them.
     assert held("cpu") == 3 * row
@@ -301,6 +305,9 @@ def test_xla_cpu_holds_a_traced_calls_transcendental_residuals_and_row_sums_broa
     # (one float, made by a reduction); t, the exp, the differences and the inverse square
     # are made again from the input and it.
     assert held("tpu") == 4
+    # XLA:GPU fuses them as well, but writes out the exp, which the row sum reduces and the
+    # division reads too, whole.
+    assert held("gpu") == row + 4
 
 
 def test_a_step_compiled_for_a_named_device_is_the_step_and_a_mesh_places_it_alone(on_jax):

@@ -91,6 +91,10 @@ class TracedCall:
         narrowed: `(index into internal, bytes per sample)` of a JAX trace's residuals not
             `fused` that element-wise ops make from a narrower tensor of their shape, at
             that tensor's size: a compiler that fuses them keeps that tensor instead.
+        read_whole: indices into `internal` of a JAX trace's residuals a contraction (a
+            dot, a convolution) or a reduction reads: a compiler that calls a library for a
+            contraction, which reads its operands whole, or that writes a reduction's
+            operand out for its other readers, keeps them though they are `fused`.
     """
 
     kept_inputs: tuple[int, ...]
@@ -108,6 +112,7 @@ class TracedCall:
     fused: tuple[int, ...] = ()
     internal_shapes: tuple[tuple[int, ...] | None, ...] = ()
     narrowed: tuple[tuple[int, int], ...] = ()
+    read_whole: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +131,7 @@ class _Trace:
     widened: dict = dataclasses.field(default_factory=dict)  # name -> `TracedCall.widened`
     fused: frozenset = frozenset()  # names in `internal` (`TracedCall.fused`)
     narrowed: dict = dataclasses.field(default_factory=dict)  # `TracedCall.narrowed`
+    read_whole: frozenset = frozenset()  # names in `internal` (`TracedCall.read_whole`)
     shapes: dict = dataclasses.field(default_factory=dict)  # name -> shape, the batch first
 
 
@@ -186,7 +192,7 @@ def _per_sample(trace, arguments) -> TracedCall:
     small_internal = {name: nbytes for name, (nbytes, _) in small.internal.items()}
     large_internal = {name: nbytes for name, (nbytes, _) in large.internal.items()}
     internal, broadcasts, derived, drawn, widened, fused = [], [], [], [], [], []
-    shapes, narrowed = [], []
+    shapes, narrowed, read_whole = [], [], []
     for name, (_, dtype) in large.internal.items():
         nbytes = per_sample(name, small_internal, large_internal)
         if nbytes <= 0:  # a weight or a cast of one, not an activation
@@ -195,7 +201,7 @@ def _per_sample(trace, arguments) -> TracedCall:
             broadcasts.append((nbytes, dtype))
             continue
         for names, indices in ((large.derived, derived), (large.drawn, drawn),
-                               (large.fused, fused)):
+                               (large.fused, fused), (large.read_whole, read_whole)):
             if name in names:
                 indices.append(len(internal))
         if name in large.widened:
@@ -219,7 +225,7 @@ def _per_sample(trace, arguments) -> TracedCall:
                       tuple(internal), max(largest, 0), outputs, large.has_loop,
                       max(transient, 0), windows, tuple(broadcasts), tuple(derived),
                       tuple(drawn), tuple(widened), tuple(fused), tuple(shapes),
-                      tuple(narrowed))
+                      tuple(narrowed), tuple(read_whole))
 
 
 def _map_variables(trainable, non_trainable, trainable_values, non_trainable_values):
@@ -537,12 +543,12 @@ def _trace_jax(call, specs, differentiable, trainable, non_trainable, *, batch) 
                     for eqn in _equations(jaxpr) if eqn.primitive.name in _WINDOWS)
     kept = [v for i, v in enumerate(jaxpr.invars[:len(specs)]) if i in kept_inputs] + [
         v for i, v in enumerate(jaxpr.outvars[:num_outputs]) if i in kept_outputs]
-    derived, drawn, widened, fused, narrowed = jaxpr_residuals.origins(jaxpr, residuals,
-                                                                         kept)
+    derived, drawn, widened, fused, narrowed, read_whole = jaxpr_residuals.origins(
+        jaxpr, residuals, kept)
     return _Trace(frozenset(kept_inputs), frozenset(kept_outputs), internal, forward, outputs,
                   False, windows=windows, derived=derived, drawn=drawn, widened=widened,
-                  fused=fused, narrowed=narrowed, shapes={name: tuple(var.aval.shape)
-                                       for name, var in residuals.items()})
+                  fused=fused, narrowed=narrowed, read_whole=read_whole,
+                  shapes={name: tuple(var.aval.shape) for name, var in residuals.items()})
 
 
 # The name of a JAX trace's residual that is a broadcast scalar (`TracedCall.broadcasts`).

@@ -67,6 +67,7 @@ class Walker:
         self.new_tensors = 0  # tensors kept that have no key of their own so far
         self.needs_grad: set = set()
         self.model_inputs: set = set()
+        self.readers: dict = {}  # (context, id(tensor)) -> the calls that read it
         self.largest = 0  # outside the rematerialized ranges, bytes per sample
         self.largest_anywhere = 0  # inside them (the largest outside is `largest`)
         # The most a call's gradients hold at once, bytes per sample (`workspace`): a tensor's
@@ -74,6 +75,10 @@ class Walker:
         self.gradients = 0
         self.maps = xla_rules.gradient_maps(target)
         self.transient = 0  # the largest call's own transient, bytes per sample
+        # Per call in forward order where the target frees what later calls keep before a
+        # call's backward runs (`xla_rules`' "backward_in_order"): what is kept by then and
+        # the call's own workspace, bytes per sample.
+        self.backward_peaks: list[int] = []
         self.fixed_transient = 0  # the largest call's transient of a weight's size, bytes
         # What the largest grouped convolution's XLA call leaves in glibc's default heap,
         # bytes per sample, held through the step (`layer_rules`).
@@ -101,6 +106,10 @@ class Walker:
     def key(self, tensor):
         raw = (self.context, id(tensor))
         return self.alias.get(raw, raw)
+
+    def read_by_others(self, tensor) -> bool:
+        """Whether a call besides the one walked reads `tensor` (in the graph walked)."""
+        return self.readers.get((self.context, id(tensor)), 0) > 1
 
     def dtype_of(self, tensor) -> str:
         dtype = keras.backend.standardize_dtype(tensor.dtype)
@@ -160,6 +169,10 @@ class Walker:
     def walk(self, model) -> None:
         top = not self.context
         nodes = node_order(internals.functional_of(model))
+        for node in nodes:
+            for tensor in node.input_tensors:
+                key = (self.context, id(tensor))
+                self.readers[key] = self.readers.get(key, 0) + 1
         spans = self.ranges.get(self.path, {})
         taken = range_inputs(nodes, list(spans.items())) if spans else {}
         position = 0
@@ -225,7 +238,18 @@ class Walker:
     def call(self, node) -> None:
         operation = node.operation
         if id(operation) not in self.recomputed:
+            if (not xla_rules.holds("backward_in_order", self.target)
+                    or internals.is_graph_network(operation)
+                    or isinstance(operation, keras.Sequential)
+                    or id(operation) in self.inner_graphs):  # its own calls are counted
+                self._call(node)
+                return
+            outer = self.gradients, self.transient
+            self.gradients = self.transient = 0
             self._call(node)
+            self.backward_peaks.append(sum(self.sizes.values()) + self.workspace)
+            self.gradients = max(outer[0], self.gradients)
+            self.transient = max(outer[1], self.transient)
             return
         # Rematerialized: what it keeps inside is recomputed in the backward pass, one such
         # layer at a time; only its inputs are kept across the passes.
@@ -375,6 +399,7 @@ class Walker:
             nbytes = xla_rules.residual_bytes(self.target, nbytes, dtype, self.override,
                                               derived=index in result.derived,
                                               fused=index in result.fused,
+                                              read_whole=index in result.read_whole,
                                               narrowed=narrowed.get(index, 0),
                                               drawn=index in result.drawn,
                                               widened=widened.get(index, 0))

@@ -24,6 +24,10 @@ _EXPENSIVE_ELEMENT_WISE = frozenset({
     "pow", "sqrt", "rsqrt", "cbrt", "sin", "cos", "tan", "atan2"})
 # Ops that read a tensor whole, from a buffer: a residual they read is materialized.
 _CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
+# What reads a tensor whole that another op reads too (`TracedCall.read_whole`): a library's
+# contraction, or a reduction whose fusion writes the operand out for its other readers.
+_READ_WHOLE = _CONTRACTIONS | frozenset({"reduce_sum", "reduce_max", "reduce_min",
+                                         "reduce_prod", "argmax", "argmin"})
 # Equations that run a nested jaxpr once, on their own arguments.
 _CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call",
                     "custom_vjp_call", "custom_vjp_call_jaxpr", "checkpoint", "remat"})
@@ -104,7 +108,7 @@ def _nested_jaxpr(eqn):
 
 
 def origins(jaxpr, residuals: dict,
-            kept) -> tuple[frozenset, frozenset, dict, frozenset, dict]:
+            kept) -> tuple[frozenset, frozenset, dict, frozenset, dict, frozenset]:
     """Names of `residuals` (name -> variable) that are `TracedCall.derived` from the rest
     and from `kept` (the call's inputs and outputs the backward reads), of those that are
     `TracedCall.drawn`, `{name: bytes}` of those not made by a cheap element-wise op
@@ -112,7 +116,8 @@ def origins(jaxpr, residuals: dict,
     (`TracedCall.widened`), the names of those that are `TracedCall.fused`, and `{name:
     bytes}` of the others that element-wise ops make from a narrower tensor of their shape
     (a cast to float32 of a bfloat16 convolution's output), at that tensor's size
-    (`TracedCall.narrowed`)."""
+    (`TracedCall.narrowed`), and the names of those a contraction or a reduction reads
+    (`TracedCall.read_whole`)."""
     producers, readers, top = _flat_equations(jaxpr)
 
     def value_of(var):
@@ -135,7 +140,10 @@ def origins(jaxpr, residuals: dict,
         made_by = producers.get(value, ("",))[0]
         if sizes and name not in derived and made_by not in _ELEMENT_WISE:
             widened[name] = max(sizes)
-    return frozenset(derived), frozenset(drawn), widened, frozenset(fused), narrowed
+    read_whole = frozenset(name for name, value in values.items()
+                           if {primitive for primitive, _ in readers.get(value, ())}
+                           & _READ_WHOLE)
+    return frozenset(derived), frozenset(drawn), widened, frozenset(fused), narrowed, read_whole
 
 
 class _Recipes:

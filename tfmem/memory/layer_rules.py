@@ -132,6 +132,10 @@ def apply(walker, layer, inputs, outputs, has_trainable: bool) -> bool:
         walker.keep(inputs[0])
         return True
     if kind in _NO_SAVED_TENSORS:
+        if kind in (keras.layers.Add, keras.layers.Subtract):
+            xla_rules.merged(walker, inputs, out)
+        elif kind in (keras.layers.GlobalAveragePooling1D, keras.layers.GlobalAveragePooling2D):
+            xla_rules.reduced(walker, inputs[0])
         return True
     if kind is keras.layers.UpSampling2D:
         if layer.interpolation != "nearest":

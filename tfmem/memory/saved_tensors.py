@@ -256,6 +256,9 @@ def _result(walker: Walker, inputs, outputs=()) -> SavedTensors:
     # The backward's largest call runs beside the kept tensors and, inside a recomputed
     # range, that range's own: beyond the largest range, the larger of the two.
     backward = max([walker.workspace] + walker.recompute_peaks)
+    if walker.backward_peaks and not walker.segments:
+        # Each call's workspace beside what it and the calls before it keep.
+        backward = max(max(walker.backward_peaks) - sum(walker.sizes.values()), 0)
     return SavedTensors(
         saved_bytes=int(sum(walker.sizes.values())),
         largest_tensor_bytes=int(max(walker.largest, walker.largest_anywhere)),

@@ -66,6 +66,24 @@ default precision:
   inputs and its output while it copies them, max pooling two maps).
 - Tensors are laid out in 8 × 128 tiles (`tpu_layout`), which the plan counts in a row of
   its own.
+
+XLA:GPU (measured on steps compiled ahead of time for the card, `probe_jax.gpu_device`)
+fuses element-wise ops as XLA:TPU does, and the rules above hold for it but where a library
+call (cuDNN's convolutions, cuBLAS's and Triton's matrix products) reads or writes a tensor
+whole:
+
+- A convolution's or Dense's input is kept as the library reads it, in its compute dtype
+  (a bfloat16 model's float32 input as a bfloat16 copy), made again or not; a concatenation
+  too, whole.
+- An activation of a tensor the library wrote (a convolution's output) keeps that tensor,
+  its pre-activation, and relu inside a convolution or Dense (fused into the call) its
+  output; gelu keeps its output and terms of its derivative as well (one map in float32,
+  two in a 16-bit compute dtype).
+- Of a traced call's residuals, one a contraction reads is kept though element-wise ops
+  make it again.
+- Max pooling keeps its input; its backward holds a copy of the input per axis and an int32
+  index per axis and output element while it runs.
+- A call's backward holds one gradient map beside the kept tensors, a concatenation's too.
 """
 
 from __future__ import annotations
@@ -88,12 +106,18 @@ _FUSED_ACTIVATIONS = PIECEWISE | _GATED | frozenset({
     "hard_silu", "leaky_relu", "log_sigmoid", "celu"})
 _MASKED = frozenset({"relu", "relu6", "hard_sigmoid"})
 _KEPT_IN_16_BITS = frozenset({"gelu"})
+# Activations XLA:GPU keeps their output and terms of their derivative for, made as the
+# forward computes them: one map in float32, two in a 16-bit compute dtype.
+_DERIVATIVE_KEPT = frozenset({"gelu"})
 
 # The XLA targets (a plan's device kind) each rule holds for: where it was measured (XLA:TPU
 # compiled ahead of time, against its own figure of the step).
 _XLA_CPU = frozenset({"cpu"})
 _XLA_CPU_TPU = frozenset({"cpu", "tpu"})
 _XLA_TPU = frozenset({"tpu"})
+_XLA_GPU = frozenset({"gpu"})
+_XLA_TPU_GPU = frozenset({"tpu", "gpu"})
+_XLA_CPU_TPU_GPU = frozenset({"cpu", "tpu", "gpu"})
 _TARGETS = {
     "activation": _XLA_CPU,
     "batch_normalization": _XLA_CPU,
@@ -102,11 +126,15 @@ _TARGETS = {
     "broadcast_residual": _XLA_CPU,
     "convolution": _XLA_CPU,
     "derived_residual": _XLA_CPU_TPU,
-    "element_wise": _XLA_CPU_TPU,
+    "element_wise": _XLA_CPU_TPU_GPU,
     "max_pooling": _XLA_CPU,
     "random_mask": _XLA_CPU,
     "lane_padding": _XLA_TPU,
-    "tpu_fusion": _XLA_TPU,
+    "fusion": _XLA_TPU_GPU,
+    "fused_residual": _XLA_TPU_GPU,
+    "bfloat16_operands": _XLA_TPU,
+    "library_operands": _XLA_GPU,
+    "backward_in_order": _XLA_GPU,
 }
 _CONVOLUTIONS = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D,
                  keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose,
@@ -150,7 +178,9 @@ def gradient_maps(target: str | None, operation=None) -> int:
     they read the output's, but for a concatenation, whose inputs are alive while it copies
     them into its output, and for max pooling, whose backward scatters into a map of zeros
     beside its output's gradient."""
-    if holds("tpu_fusion", target) and not isinstance(operation,
+    if holds("library_operands", target):
+        return 1
+    if holds("fusion", target) and not isinstance(operation,
                                                       (keras.layers.Concatenate, *_MAX_POOLS)):
         return 1
     return 2
@@ -158,7 +188,7 @@ def gradient_maps(target: str | None, operation=None) -> int:
 
 def fuses_activation(walker, name: str) -> bool:
     """Whether the target fuses activation `name` (`_tpu_activation`)."""
-    return holds("tpu_fusion", walker.target) and name in _FUSED_ACTIVATIONS
+    return holds("fusion", walker.target) and name in _FUSED_ACTIVATIONS
 
 
 def _tpu_activation(walker, name: str, output, pre_activation) -> bool:
@@ -167,6 +197,20 @@ def _tpu_activation(walker, name: str, output, pre_activation) -> bool:
     another its input, and its output is made again inside what reads it."""
     if pre_activation is not None and walker.key(pre_activation) in walker.fused:
         walker.fused.add(walker.key(output))
+        return True
+    if holds("library_operands", walker.target):
+        if pre_activation is not None:
+            walker.keep(pre_activation)
+        elif name in _MASKED:  # fused into the library call: the mask made from the output
+            walker.keep(output)
+        else:
+            walker.keep_new(output.shape, walker.dtype_of(output))
+        if name in _DERIVATIVE_KEPT:
+            walker.keep(output)
+            for _ in range(1 if itemsize(walker.dtype_of(output)) > 2 else 2):
+                walker.keep_new(output.shape, walker.dtype_of(output))
+        elif pre_activation is not None:
+            walker.fused.add(walker.key(output))
         return True
     if name in _MASKED:
         if itemsize(walker.dtype_of(output)) <= 2:
@@ -188,14 +232,14 @@ def _tpu_activation(walker, name: str, output, pre_activation) -> bool:
 def batch_normalization_input_dtype(walker, tensor) -> str:
     """The dtype a training BatchNormalization keeps its input in: float32 (TensorFlow's
     gradient, XLA:CPU), the input's own on XLA:TPU, which fuses the normalization."""
-    return walker.dtype_of(tensor) if holds("tpu_fusion", walker.target) else "float32"
+    return walker.dtype_of(tensor) if holds("fusion", walker.target) else "float32"
 
 
 def batch_normalization(walker, inputs, output) -> None:
     """What XLA holds for a training BatchNormalization besides its input (`layer_rules`):
     its output is recomputed from that input wherever the backward reads it; on XLA:CPU a
     biased convolution or Dense before it keeps its output before the bias too."""
-    if holds("tpu_fusion", walker.target):
+    if holds("fusion", walker.target):
         walker.fused.add(walker.key(output))
         return
     if not holds("batch_normalization", walker.target):
@@ -210,7 +254,7 @@ def batch_normalization(walker, inputs, output) -> None:
 
 def residual_bytes(target: str | None, nbytes: int, dtype: str, compute_dtype: str | None,
                    derived: bool = False, drawn: bool = False, widened: int = 0,
-                   fused: bool = False, narrowed: int = 0) -> int:
+                   fused: bool = False, narrowed: int = 0, read_whole: bool = False) -> int:
     """Bytes XLA holds for a residual of `nbytes` in `dtype` that JAX's gradient keeps
     (`derived`, `drawn`, `widened`, `fused`, `narrowed`: `gradient_trace.TracedCall`'s):
     none for one made again by cheap element-wise ops from kept tensors (on XLA:TPU, by any
@@ -218,10 +262,12 @@ def residual_bytes(target: str | None, nbytes: int, dtype: str, compute_dtype: s
     compared from random bits as those bits (two 32-bit words per element); another boolean
     mask as the compared tensor in `compute_dtype` (default float32); one an element-wise op
     broadcasts at that op's size (`widened`)."""
+    if read_whole and holds("library_operands", target):
+        fused = False  # a library's operand, whole
     if (derived and holds("derived_residual", target)) or (fused
-                                                           and holds("tpu_fusion", target)):
+                                                           and holds("fused_residual", target)):
         return 0
-    if narrowed and holds("tpu_fusion", target):
+    if narrowed and holds("fused_residual", target):
         return narrowed
     if drawn and holds("random_mask", target):
         return nbytes * _RANDOM_WORDS * _INDEX_BYTES
@@ -254,6 +300,25 @@ def element_wise(walker, inputs, outputs, result) -> bool:
     return True
 
 
+def merged(walker, inputs, output) -> None:
+    """An add or subtract of tensors XLA makes again or keeps, one made again at least (a
+    BatchNormalization's output and a shortcut), is made again in turn where it is read."""
+    if not holds("fusion", walker.target):
+        return
+    keys = [walker.key(tensor) for tensor in inputs]
+    if (any(key in walker.fused for key in keys)
+            and all(key in walker.fused or key in walker.sizes for key in keys)):
+        walker.fused.add(walker.key(output))
+
+
+def reduced(walker, tensor) -> None:
+    """A reduction (a global pooling) of a tensor made again that another call reads too (a
+    squeeze-excite's scale) writes it out once for them all on XLA:GPU: it is kept."""
+    if (holds("library_operands", walker.target) and walker.key(tensor) in walker.fused
+            and walker.read_by_others(tensor)):
+        walker.keep(tensor)
+
+
 def contraction(walker, layer, tensor, output, dtype: str) -> bool:
     """Keeps what XLA holds of the input `tensor` of trained kernel layer `layer` (a
     convolution or Dense, computing in `dtype`) and, on XLA:CPU, notes its workspace; False
@@ -263,7 +328,11 @@ def contraction(walker, layer, tensor, output, dtype: str) -> bool:
     normalization's output, an activation of it), which it makes again inside the kernel
     gradient's fusion; of a concatenation, which it makes again too, its operands as they
     are."""
-    if holds("tpu_fusion", walker.target):
+    if holds("library_operands", walker.target):
+        if walker.key(tensor) not in walker.model_inputs or dtype != walker.dtype_of(tensor):
+            walker.keep(tensor, dtype)  # not the model's input, which the step is given
+        return True
+    if holds("fusion", walker.target):
         parts = _concatenated(tensor)
         copied = len(parts) == 1 and parts[0] is tensor  # not a concatenation
         for part in parts:
@@ -319,8 +388,12 @@ def max_pooling(walker, layer, inputs, output) -> bool:
     """Keeps what XLA holds for max pooling `layer` and notes its forward's transient;
     False where `layer_rules`' own rule holds. XLA:TPU keeps the input alone: its backward
     finds each window's maximum again."""
-    if holds("tpu_fusion", walker.target) and type(layer) in _MAX_POOLS:
+    if holds("fusion", walker.target) and type(layer) in _MAX_POOLS:
         walker.keep(inputs[0])
+        if holds("library_operands", walker.target):
+            walker.transient = max(walker.transient, scattered_transient(
+                walker.sample_bytes(inputs[0], "int8"), walker.sample_bytes(output, "int8"),
+                itemsize(walker.dtype_of(inputs[0])), len(output.shape)))
         return True
     if not holds("max_pooling", walker.target) or type(layer) not in _MAX_POOLS:
         return False
@@ -330,6 +403,14 @@ def max_pooling(walker, layer, inputs, output) -> bool:
         walker.sample_bytes(inputs[0], "int8"), walker.sample_bytes(output, "int8"),
         walker.sample_bytes(output), rank))
     return True
+
+
+def scattered_transient(input_elements: int, output_elements: int, size: int,
+                        rank: int) -> int:
+    """What max pooling's backward holds while it runs on XLA:GPU, beside what it keeps,
+    which finds each window's maximum again: a copy of its (padded) input per axis in the
+    input's dtype, and an int32 index per axis and output element."""
+    return rank * (input_elements * size + _INDEX_BYTES * output_elements)
 
 
 def max_pooling_transient(input_elements: int, output_elements: int, output_bytes: int,
