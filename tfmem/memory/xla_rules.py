@@ -109,6 +109,9 @@ _KEPT_IN_16_BITS = frozenset({"gelu"})
 # Activations XLA:GPU keeps their output and terms of their derivative for, made as the
 # forward computes them: one map in float32, two in a 16-bit compute dtype.
 _DERIVATIVE_KEPT = frozenset({"gelu"})
+# The masks (a byte an element each) XLA:GPU keeps for a piecewise-linear activation of a
+# tensor made again, in a float32 compute dtype: one per bound it clips at.
+_GPU_MASKS = {"relu": 1, "relu6": 2, "hard_sigmoid": 2, "hard_swish": 2, "hard_silu": 2}
 
 # The XLA targets (a plan's device kind) each rule holds for: where it was measured (XLA:TPU
 # compiled ahead of time, against its own figure of the step).
@@ -197,6 +200,9 @@ def _tpu_activation(walker, name: str, output, pre_activation) -> bool:
     another its input, and its output is made again inside what reads it."""
     if pre_activation is not None and walker.key(pre_activation) in walker.fused:
         walker.fused.add(walker.key(output))
+        if holds("library_operands", walker.target) and itemsize(walker.dtype_of(output)) > 2:
+            for _ in range(_GPU_MASKS.get(name, 0)):  # made as the forward runs
+                walker.keep_new(output.shape, "bool")
         return True
     if holds("library_operands", walker.target):
         if pre_activation is not None:
@@ -329,6 +335,8 @@ def contraction(walker, layer, tensor, output, dtype: str) -> bool:
     gradient's fusion; of a concatenation, which it makes again too, its operands as they
     are."""
     if holds("library_operands", walker.target):
+        if _made_from_concatenation(walker, tensor):
+            return True  # made again from the concatenation, which is kept, where read
         if walker.key(tensor) not in walker.model_inputs or dtype != walker.dtype_of(tensor):
             walker.keep(tensor, dtype)  # not the model's input, which the step is given
         return True
@@ -342,6 +350,19 @@ def contraction(walker, layer, tensor, output, dtype: str) -> bool:
                             else walker.dtype_of(part))
         return True
     return convolution(walker, layer, tensor, output, dtype)
+
+
+def _made_from_concatenation(walker, tensor) -> bool:
+    """Whether `tensor` is made again by element-wise calls (a normalization, an activation)
+    from a concatenation (a dense block's layer input)."""
+    while walker.key(tensor) in walker.fused:
+        node = internals.node_of(tensor)
+        if node is None or not node.input_tensors:
+            return False
+        tensor = node.input_tensors[0]
+        if internals.concatenation(internals.node_of(tensor)) is not None:
+            return True
+    return False
 
 
 def _concatenated(tensor) -> list:
