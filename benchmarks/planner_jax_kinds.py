@@ -13,8 +13,10 @@ Each kind is a small model of four blocks (3×3 convolutions on 32×32×32, or 2
 64 features) with a pooled Dense head, Adam, float32 (`--precision`: another policy). For
 each: the per-sample slope of XLA's compiled figure of `train_step`
 (`tfmem.memory.probe_jax.compiled_step_memory`, between batches 16 and 32) and of the
-planner's peak (one batch in flight) for a GPU, which counts what TensorFlow's gradients
-read, and for this CPU, which adds XLA:CPU's rules, with their ratios. The fixed parts agree
+planner's peak (one batch in flight) for `--device` (by default an A100: XLA:GPU's rules) and
+for this CPU (XLA:CPU's rules), with their ratios. With `--ahead-of-time` XLA's figure is the
+`--device`'s own, compiled here (`--device h200 --ahead-of-time`: XLA:GPU's, where JAX's CUDA
+plugin is installed). The fixed parts agree
 within a few KiB, so the slope is where the kinds differ. The rules drawn from it:
 `tfmem/memory/xla_rules.py`; the table: docs/planning.md.
 """

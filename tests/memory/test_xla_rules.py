@@ -216,18 +216,19 @@ def test_xla_cpu_keeps_the_pre_activation_silus_gate_and_the_pooling_indices(on_
 def test_a_gpu_plan_counts_what_xla_gpu_keeps(on_jax):
     # XLA:GPU fuses BatchNormalization and the activations of it as XLA:TPU does, but keeps
     # whole what a library call (cuDNN's convolution, cuBLAS's matrix product) reads, in its
-    # compute dtype. Kept: the two BatchNormalizations' inputs; the inputs of the depthwise
-    # convolution (relu's output), of the third convolution (hard-swish's output) and of the
-    # fourth (silu's output); silu's pre-activation inside the third; ops.relu's traced
-    # residuals (its pre-activation, compared as a float, and its boolean mask, 1/4); max
-    # pooling's input; the pooled map (1/4) and the concatenation (2), convolutions' inputs;
-    # the Dense layer's 16 inputs. Not the model's input, which the step is given.
-    assert on_jax["gpu_activation"] == 10 * FEATURE_MAP + FEATURE_MAP // 2 + 16 * 4
+    # compute dtype. Kept: the two BatchNormalizations' inputs; the masks of the activations
+    # of them, a byte an element per bound (relu's one, hard-swish's two: 3/4); the inputs of
+    # the depthwise convolution (relu's output), of the third convolution (hard-swish's
+    # output) and of the fourth (silu's output); silu's pre-activation inside the third;
+    # ops.relu's traced residuals (its pre-activation, compared as a float, and its boolean
+    # mask, 1/4); max pooling's input; the pooled map (1/4) and the concatenation (2),
+    # convolutions' inputs; the Dense layer's 16 inputs. Not the model's input, which the
+    # step is given.
+    assert on_jax["gpu_activation"] == 11 * FEATURE_MAP + FEATURE_MAP // 4 + 16 * 4
     # Each call's workspace beside what it and the calls before it keep: the largest, max
     # pooling's backward, which holds a copy of its input and an int32 index a pooled element
-    # per axis (4 × 1¼ maps) beside the 8¼ maps kept up to it.
-    assert on_jax["gpu_workspace"] == (8 * FEATURE_MAP + FEATURE_MAP // 4 + 5 * FEATURE_MAP
-                                       - on_jax["gpu_activation"])
+    # per axis (4 × 1¼ maps) beside the 9 maps kept up to it.
+    assert on_jax["gpu_workspace"] == 9 * FEATURE_MAP + 5 * FEATURE_MAP - on_jax["gpu_activation"]
     assert on_jax["gpu_fixed_workspace"] == 0
 
 

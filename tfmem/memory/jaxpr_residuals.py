@@ -140,26 +140,10 @@ def origins(jaxpr, residuals: dict,
         made_by = producers.get(value, ("",))[0]
         if sizes and name not in derived and made_by not in _ELEMENT_WISE:
             widened[name] = max(sizes)
-    # Not one made again from a concatenation (a dense block's layer input), which a
-    # compiler keeps and makes it again from where it is read.
     read_whole = frozenset(name for name, value in values.items()
                            if {primitive for primitive, _ in readers.get(value, ())}
-                           & _READ_WHOLE and not (name in fused
-                                                  and _from_concatenation(producers, value)))
+                           & _READ_WHOLE)
     return frozenset(derived), frozenset(drawn), widened, frozenset(fused), narrowed, read_whole
-
-
-def _from_concatenation(producers: dict, value, depth: int = _DEPTH) -> bool:
-    """Whether element-wise ops make `value` from a concatenation's output."""
-    found = producers.get(value)
-    if found is None or depth == 0:
-        return False
-    primitive, inputs, _ = found
-    if primitive == "concatenate":
-        return True
-    return primitive in _ELEMENT_WISE | _EXPENSIVE_ELEMENT_WISE and any(
-        v is not None and v.shape == value.shape and _from_concatenation(producers, v, depth - 1)
-        for v in inputs)
 
 
 class _Recipes:

@@ -73,17 +73,23 @@ call (cuDNN's convolutions, cuBLAS's and Triton's matrix products) reads or writ
 whole:
 
 - A convolution's or Dense's input is kept as the library reads it, in its compute dtype
-  (a bfloat16 model's float32 input as a bfloat16 copy), made again or not; a concatenation
-  too, whole.
+  (a bfloat16 model's float32 input as a bfloat16 copy), a concatenation whole; not the
+  model's input, which the step is given.
 - An activation of a tensor the library wrote (a convolution's output) keeps that tensor,
   its pre-activation, and relu inside a convolution or Dense (fused into the call) its
   output; gelu keeps its output and terms of its derivative as well (one map in float32,
-  two in a 16-bit compute dtype).
-- Of a traced call's residuals, one a contraction reads is kept though element-wise ops
-  make it again.
-- Max pooling keeps its input; its backward holds a copy of the input per axis and an int32
-  index per axis and output element while it runs.
-- A call's backward holds one gradient map beside the kept tensors, a concatenation's too.
+  two in a 16-bit compute dtype). A piecewise-linear activation of a tensor made again keeps
+  its masks in float32, a byte an element per bound it clips at.
+- An add of tensors made again or kept is made again (a residual block's sum); a global
+  pooling of a tensor made again that another call reads too (a squeeze-excite's scale)
+  keeps it, as the reduction writes it out for them.
+- Of a traced call's residuals, one a contraction or a reduction reads is kept though
+  element-wise ops make it again.
+- Max pooling keeps its input; its backward holds a copy of the input and an int32 index
+  an output element per axis while it runs.
+- A call's backward holds one gradient map beside the kept tensors, a concatenation's too,
+  and runs beside what it and the calls before it keep: what later calls keep is freed by
+  then (`Walker.backward_peaks`).
 """
 
 from __future__ import annotations
@@ -180,7 +186,8 @@ def gradient_maps(target: str | None, operation=None) -> int:
     gradient and its input's; one on XLA:TPU, whose fusions compute the input's gradient as
     they read the output's, but for a concatenation, whose inputs are alive while it copies
     them into its output, and for max pooling, whose backward scatters into a map of zeros
-    beside its output's gradient."""
+    beside its output's gradient; one on XLA:GPU, a concatenation's and max pooling's too (its
+    transient is counted apart)."""
     if holds("library_operands", target):
         return 1
     if holds("fusion", target) and not isinstance(operation,
@@ -197,7 +204,10 @@ def fuses_activation(walker, name: str) -> bool:
 def _tpu_activation(walker, name: str, output, pre_activation) -> bool:
     """XLA:TPU: an activation of a tensor made again from kept ones is made again in turn
     and keeps nothing; else a piecewise-linear one keeps its mask (a byte an element),
-    another its input, and its output is made again inside what reads it."""
+    another its input, and its output is made again inside what reads it. XLA:GPU: made
+    again in turn, with its masks in float32; else it keeps the tensor the library wrote
+    (its pre-activation; relu inside the call its output), gelu its output and derivative's
+    terms too."""
     if pre_activation is not None and walker.key(pre_activation) in walker.fused:
         walker.fused.add(walker.key(output))
         if holds("library_operands", walker.target) and itemsize(walker.dtype_of(output)) > 2:
@@ -333,10 +343,9 @@ def contraction(walker, layer, tensor, output, dtype: str) -> bool:
     argument of the step, read in place) or of an input made again from kept tensors (a
     normalization's output, an activation of it), which it makes again inside the kernel
     gradient's fusion; of a concatenation, which it makes again too, its operands as they
-    are."""
+    are. XLA:GPU's library keeps the input whole in `dtype`, but the model's input (given
+    to the step)."""
     if holds("library_operands", walker.target):
-        if _made_from_concatenation(walker, tensor):
-            return True  # made again from the concatenation, which is kept, where read
         if walker.key(tensor) not in walker.model_inputs or dtype != walker.dtype_of(tensor):
             walker.keep(tensor, dtype)  # not the model's input, which the step is given
         return True
@@ -350,19 +359,6 @@ def contraction(walker, layer, tensor, output, dtype: str) -> bool:
                             else walker.dtype_of(part))
         return True
     return convolution(walker, layer, tensor, output, dtype)
-
-
-def _made_from_concatenation(walker, tensor) -> bool:
-    """Whether `tensor` is made again by element-wise calls (a normalization, an activation)
-    from a concatenation (a dense block's layer input)."""
-    while walker.key(tensor) in walker.fused:
-        node = internals.node_of(tensor)
-        if node is None or not node.input_tensors:
-            return False
-        tensor = node.input_tensors[0]
-        if internals.concatenation(internals.node_of(tensor)) is not None:
-            return True
-    return False
 
 
 def _concatenated(tensor) -> list:
@@ -408,7 +404,8 @@ def convolution_workspace(input_bytes: int, output_bytes: int) -> int:
 def max_pooling(walker, layer, inputs, output) -> bool:
     """Keeps what XLA holds for max pooling `layer` and notes its forward's transient;
     False where `layer_rules`' own rule holds. XLA:TPU keeps the input alone: its backward
-    finds each window's maximum again."""
+    finds each window's maximum again; so does XLA:GPU, whose backward holds copies of the
+    input and indices while it runs (`scattered_transient`)."""
     if holds("fusion", walker.target) and type(layer) in _MAX_POOLS:
         walker.keep(inputs[0])
         if holds("library_operands", walker.target):
