@@ -103,7 +103,7 @@ from tfmem._sizes import itemsize
 
 PIECEWISE = frozenset({"relu", "relu6", "elu", "selu", "hard_sigmoid"})
 _GATED = frozenset({"silu", "swish"})
-# Activations XLA:TPU fuses into what reads them (`_tpu_activation`): of the piecewise-linear
+# Activations XLA:TPU fuses into what reads them (`_fused_activation`): of the piecewise-linear
 # ones, whose gradient is a mask, it keeps that mask, of the others their input; and of
 # gelu in a 16-bit compute dtype its output too, rather than make it again where it is read
 # (silu's it makes again).
@@ -165,7 +165,7 @@ def activation(walker, name: str, output, pre_activation=None) -> bool:
     """Keeps what XLA holds for activation `name` (`pre_activation` None: a tensor inside
     the layer); False where it holds what `layer_rules` says."""
     if fuses_activation(walker, name):
-        return _tpu_activation(walker, name, output, pre_activation)
+        return _fused_activation(walker, name, output, pre_activation)
     if not holds("activation", walker.target) or (name not in PIECEWISE
                                                   and name not in _GATED):
         return False
@@ -197,11 +197,11 @@ def gradient_maps(target: str | None, operation=None) -> int:
 
 
 def fuses_activation(walker, name: str) -> bool:
-    """Whether the target fuses activation `name` (`_tpu_activation`)."""
+    """Whether the target fuses activation `name` (`_fused_activation`)."""
     return holds("fusion", walker.target) and name in _FUSED_ACTIVATIONS
 
 
-def _tpu_activation(walker, name: str, output, pre_activation) -> bool:
+def _fused_activation(walker, name: str, output, pre_activation) -> bool:
     """XLA:TPU: an activation of a tensor made again from kept ones is made again in turn
     and keeps nothing; else a piecewise-linear one keeps its mask (a byte an element),
     another its input, and its output is made again inside what reads it. XLA:GPU: made
@@ -317,9 +317,9 @@ def element_wise(walker, inputs, outputs, result) -> bool:
 
 
 def merged(walker, inputs, output) -> None:
-    """An add or subtract of tensors XLA makes again or keeps, one made again at least (a
-    BatchNormalization's output and a shortcut), is made again in turn where it is read."""
-    if not holds("fusion", walker.target):
+    """An add or subtract of tensors XLA:GPU makes again or keeps, one made again at least
+    (a BatchNormalization's output and a shortcut), is made again in turn where it is read."""
+    if not holds("library_operands", walker.target):
         return
     keys = [walker.key(tensor) for tensor in inputs]
     if (any(key in walker.fused for key in keys)
