@@ -86,13 +86,12 @@ def chip_ahead(device: str) -> jax.Device:
     try:
         return find(device)
     except ImportError:
-        compiler = (f"JAX's CUDA plugin: pip install \"jax[cuda12]=={jax.__version__}\""
-                    if accelerator.kind == "gpu" else
-                    f"the TPU compiler, libtpu: pip install \"jax[tpu]=={jax.__version__}\"")
         raise SystemExit(f"error: --ahead-of-time for --device {device} needs "
-                         f"{compiler}") from None
-    except ValueError as error:
-        raise SystemExit(f"error: --ahead-of-time for --device {device}: {error}") from None
+                         f"{probe_jax.compiler_needed(accelerator.kind)}") from None
+    except ValueError:  # a GPU JAX's CUDA plugin does not compile for (a K80)
+        raise SystemExit(f"error: --ahead-of-time for --device {device}: JAX does not compile "
+                         f"for a {accelerator.description}; pass a GPU of compute capability "
+                         "6.0 or later, e.g. --device t4") from None
 
 
 def add_target_arguments(parser: argparse.ArgumentParser) -> None:

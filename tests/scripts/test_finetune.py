@@ -146,20 +146,29 @@ def test_an_error_on_the_jax_backend_is_one_line_without_tensorflows_banner(tmp_
                              "--dry-run (training always runs on the detected runtime)\n")
 
 
+def _unet_dry_run_on_jax(device: str, tmp_path, *flags):
+    """A dry run on JAX for `device` of a U-Net on masks (its IoU metric traced on JAX too)."""
+    return _finetune("--dry-run", "--device", device, "--model", "unet", "--task",
+                     "segmentation", "--num-classes", "3", "--image-size", "64",
+                     "--global-batch-size", "32", "--output", str(tmp_path), *flags,
+                     timeout=300, backend="jax", JAX_PLATFORMS="cpu", XLA_FLAGS=jax_xla_flags())
+
+
+def _compiled_figure(stdout: str):
+    """The plan table's `compiled step (XLA)` line's MiB (a match), or None."""
+    return re.search(r"compiled step \(XLA\) +([\d.]+) MiB +arguments \+ outputs", stdout)
+
+
 def test_a_dry_run_on_jax_for_a_tpu_checks_the_split_with_xla_tpus_own_figure(tmp_path):
     # Compiled here ahead of time where the TPU compiler (libtpu) is installed, for a model
     # built for its shapes in the plan's precision; where it is not, the plan alone, saying
     # what the compiled figure needs. A U-Net on masks: its IoU metric traced on JAX too.
-    result = _finetune("--dry-run", "--device", "tpu-v5e-8", "--model", "unet", "--task",
-                       "segmentation", "--num-classes", "3", "--image-size", "64",
-                       "--global-batch-size", "32", "--output", str(tmp_path), timeout=300,
-                       backend="jax", JAX_PLATFORMS="cpu", XLA_FLAGS=jax_xla_flags())
+    result = _unet_dry_run_on_jax("tpu-v5e-8", tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert ("unet: 1,945,555 parameters, Adam, mixed_bfloat16 on tpu-v5e-8, global batch 32 "
             "= micro-batch 4 × 1 accumulation step × 8 replicas") in result.stdout
     assert "warning:" not in result.stdout + result.stderr  # none of JAX's from the plan
-    compiled = re.search(r"compiled step \(XLA\) +([\d.]+) MiB +arguments \+ outputs",
-                         result.stdout)
+    compiled = _compiled_figure(result.stdout)
     if importlib.util.find_spec("libtpu") is None:
         import jax
 
@@ -172,11 +181,7 @@ def test_a_dry_run_on_jax_for_a_tpu_checks_the_split_with_xla_tpus_own_figure(tm
         assert compiled and 0 < float(compiled.group(1)) < 1024, result.stdout
     assert not list(tmp_path.iterdir())  # a dry run writes nothing
     # --nocompile: the plan alone, without a word of the compile.
-    alone = _finetune("--dry-run", "--device", "tpu-v5e-8", "--model", "unet", "--task",
-                      "segmentation", "--num-classes", "3", "--image-size", "64",
-                      "--global-batch-size", "32", "--output", str(tmp_path), "--nocompile",
-                      timeout=300, backend="jax", JAX_PLATFORMS="cpu",
-                      XLA_FLAGS=jax_xla_flags())
+    alone = _unet_dry_run_on_jax("tpu-v5e-8", tmp_path, "--nocompile")
     assert alone.returncode == 0, alone.stderr[-3000:]
     assert not [line for line in alone.stdout.splitlines() if line.startswith((
         "finetune: compiling", "finetune: the plan alone", "  compiled step (XLA)"))]
@@ -188,15 +193,11 @@ def test_a_dry_run_on_jax_for_a_tpu_checks_the_split_with_xla_tpus_own_figure(tm
 def test_a_dry_run_on_jax_for_a_gpu_checks_the_split_with_xla_gpus_own_figure(tmp_path):
     # Compiled here ahead of time, without a GPU, where JAX's CUDA plugin is installed; where
     # it is not, the plan alone, saying what the compiled figure needs.
-    result = _finetune("--dry-run", "--device", "t4", "--model", "unet", "--task",
-                       "segmentation", "--num-classes", "3", "--image-size", "64",
-                       "--global-batch-size", "32", "--output", str(tmp_path), timeout=300,
-                       backend="jax", JAX_PLATFORMS="cpu", XLA_FLAGS=jax_xla_flags())
+    result = _unet_dry_run_on_jax("t4", tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert ("unet: 1,945,555 parameters, Adam, mixed_float16 on t4, global batch 32 = "
             "micro-batch 32 × 1 accumulation step × 1 replica") in result.stdout
-    compiled = re.search(r"compiled step \(XLA\) +([\d.]+) MiB +arguments \+ outputs",
-                         result.stdout)
+    compiled = _compiled_figure(result.stdout)
     from tfmem.memory import probe_jax
 
     if not probe_jax._installed("jax_plugins.xla_cuda12"):

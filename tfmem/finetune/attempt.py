@@ -325,9 +325,13 @@ def compiled_ahead(config: FinetuneConfig, spec, runtime: Runtime, data: DataFac
     try:
         chip = (probe_jax.tpu_device(config.device) if accelerator.kind == "tpu" else
                 probe_jax.gpu_device(config.device))
-    except (ImportError, ValueError) as error:  # no compiler; a GPU XLA cannot compile for
-        print(f"{program}: the plan alone: XLA's own figure of this step "
-              f"{_why(error, accelerator)}")
+    except ImportError:  # no compiler for the device here
+        print(f"{program}: the plan alone: XLA's own figure of this step needs "
+              f"{probe_jax.compiler_needed(accelerator.kind)}")
+        return None
+    except ValueError:  # a GPU JAX's CUDA plugin does not compile for (a K80)
+        print(f"{program}: the plan alone: XLA's own figure of this step cannot be compiled "
+              f"for a {accelerator.description} (JAX does not support it)")
         return None
     replicas = accelerator.num_replicas
     shapes_only = dataclasses.replace(config, weights=None)  # weights change no memory
@@ -356,14 +360,6 @@ def compiled_ahead(config: FinetuneConfig, spec, runtime: Runtime, data: DataFac
             return peaks(accumulation_steps, memory_plan)
 
     return compiled_peak
-
-
-def _why(error: Exception, accelerator: devices.Accelerator) -> str:
-    """Why a dry run cannot compile for its device, from `tpu_device`'s or `gpu_device`'s
-    error: the compiler it needs and its command, or that XLA compiles for no such card."""
-    if isinstance(error, ImportError):  # "…(device='t4') needs <what>: pip install …"
-        return "needs " + str(error).split(" needs ", 1)[1]
-    return f"cannot be compiled for a {accelerator.description} (JAX does not support it)"
 
 
 def _batch_of_shapes(model: keras.Model, data: DataFacts, rows: int) -> tuple:

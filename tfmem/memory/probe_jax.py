@@ -97,22 +97,13 @@ def tpu_device(device: str) -> jax.Device:
         >>> chip = tpu_device("tpu-v5e-8")  # doctest: +SKIP
         >>> compiled_step_memory(model, (x[:32], y[:32]), device=chip)["peak_bytes"]  # doctest: +SKIP
     """
-    try:
-        accelerator = devices.by_name(device)
-    except ValueError as error:
-        raise ValueError(f"tpu_device(device={device!r}): {error}") from None
+    accelerator = _of_kind("tpu_device", device, "tpu")
     generation = accelerator.name.rsplit("-", 1)[0]
-    if accelerator.kind != "tpu" or generation not in _TPU_TOPOLOGIES:
-        raise ValueError(f"tpu_device(device={device!r}): {accelerator.description} is no "
-                         f"TPU; name one, e.g. device=\"tpu-v5e-8\" or \"tpu-v3-8\"")
     local = [d for d in jax.devices() if d.platform == "tpu"]
     if local and _generation(local[0].device_kind) == generation:
         return local[0]  # this host's own TPU
     if importlib.util.find_spec("libtpu") is None:
-        raise ImportError(f"tpu_device(device={device!r}) needs the TPU compiler, libtpu, "
-                          f"to compile for a TPU on this machine: pip install "
-                          f"\"jax[tpu]=={jax.__version__}\" (it pins the libtpu of this "
-                          "JAX)")
+        raise ImportError(f"tpu_device(device={device!r}) needs {compiler_needed('tpu')}")
     for name, value in _NO_TPU_HOST.items():
         os.environ.setdefault(name, value)
     from jax.experimental import topologies  # the TPU compiler is loaded only here
@@ -168,13 +159,7 @@ def gpu_device(device: str) -> jax.Device:
         >>> chip = gpu_device("t4")  # doctest: +SKIP
         >>> compiled_step_memory(model, (x[:32], y[:32]), device=chip)["peak_bytes"]  # doctest: +SKIP
     """
-    try:
-        accelerator = devices.by_name(device)
-    except ValueError as error:
-        raise ValueError(f"gpu_device(device={device!r}): {error}") from None
-    if accelerator.kind != "gpu":
-        raise ValueError(f"gpu_device(device={device!r}): {accelerator.description} is no "
-                         f"GPU; name one, e.g. device=\"t4\" or \"a100-80gb\"")
+    accelerator = _of_kind("gpu_device", device, "gpu")
     if accelerator.name not in _GPU_CARDS:
         raise ValueError(f"gpu_device(device={device!r}): JAX's CUDA plugin compiles for "
                          "compute capability 6.0 and later; name a newer GPU, e.g. "
@@ -188,9 +173,7 @@ def gpu_device(device: str) -> jax.Device:
             pass
     plugins = [name for name in _CUDA_PLUGINS if _installed(name)]
     if not plugins:
-        raise ImportError(f"gpu_device(device={device!r}) needs JAX's CUDA plugin to compile "
-                          f"for a GPU on this machine (no GPU or driver needed): pip install "
-                          f"\"jax[cuda12]=={jax.__version__}\"")
+        raise ImportError(f"gpu_device(device={device!r}) needs {compiler_needed('gpu')}")
     from jax.experimental import topologies  # the CUDA plugin is loaded only here
 
     describe = functools.partial(topologies.get_topology_desc, platform="cuda",
@@ -238,6 +221,35 @@ def _gpu_target(accelerator: devices.Accelerator) -> str:
             "dnn_version_info { major: 9 minor: 8 }\n"
             "runtime_version { major: 12 minor: 8 }\n"
             f"device_description_str: \"{accelerator.description}\"\n")
+
+
+# Per kind: what a device of it is called in a message, and two of the device table to name.
+_KINDS = {"tpu": ("TPU", ("tpu-v5e-8", "tpu-v3-8")), "gpu": ("GPU", ("t4", "a100-80gb"))}
+
+
+def _of_kind(function: str, device: str, kind: str) -> devices.Accelerator:
+    """The accelerator of the device table `device` names, refused (by `function`'s name)
+    where it is none or of another kind (a TPU generation XLA:TPU does not describe too)."""
+    try:
+        accelerator = devices.by_name(device)
+    except ValueError as error:
+        raise ValueError(f"{function}(device={device!r}): {error}") from None
+    known = (accelerator.name.rsplit("-", 1)[0] in _TPU_TOPOLOGIES if kind == "tpu" else True)
+    if accelerator.kind != kind or not known:
+        word, (first, second) = _KINDS[kind]
+        raise ValueError(f"{function}(device={device!r}): {accelerator.description} is no "
+                         f"{word}; name one, e.g. device=\"{first}\" or \"{second}\"")
+    return accelerator
+
+
+def compiler_needed(kind: str) -> str:
+    """What compiling a step on this machine for a device of `kind` ("tpu", "gpu") needs,
+    with the command that installs it (`tpu_device`, `gpu_device`)."""
+    if kind == "gpu":
+        return (f"JAX's CUDA plugin to compile for a GPU on this machine (no GPU or driver "
+                f"needed): pip install \"jax[cuda12]=={jax.__version__}\"")
+    return (f"the TPU compiler, libtpu, to compile for a TPU on this machine: pip install "
+            f"\"jax[tpu]=={jax.__version__}\" (it pins the libtpu of this JAX)")
 
 
 def _generation(device_kind: str) -> str | None:

@@ -309,7 +309,7 @@ def element_wise(walker, inputs, outputs, result) -> bool:
     for index in result.kept_inputs:
         if keys[index] not in walker.fused:
             walker.keep(inputs[index])
-    if all(key in walker.fused or key in walker.sizes for key in keys):
+    if _made_again_from(walker, keys):
         walker.fused.update(walker.key(tensor) for tensor in outputs)
     else:
         walker.keep_internal(result)
@@ -322,9 +322,13 @@ def merged(walker, inputs, output) -> None:
     if not holds("library_operands", walker.target):
         return
     keys = [walker.key(tensor) for tensor in inputs]
-    if (any(key in walker.fused for key in keys)
-            and all(key in walker.fused or key in walker.sizes for key in keys)):
+    if any(key in walker.fused for key in keys) and _made_again_from(walker, keys):
         walker.fused.add(walker.key(output))
+
+
+def _made_again_from(walker, keys) -> bool:
+    """Whether every tensor of `keys` is made again or kept: what reads them all can be."""
+    return all(key in walker.fused or key in walker.sizes for key in keys)
 
 
 def reduced(walker, tensor) -> None:
