@@ -94,6 +94,22 @@ for name in ["a100-80gb", "tpu-x9"] + [a.name for a in ACCELERATORS.values() if 
         tpu[name] = probe_jax.tpu_device(name).device_kind
     except (ValueError, ImportError) as error:
         tpu[name] = f"{type(error).__name__}: {error}"
+# conv → BN → relu → max pooling, the pooling the relu's only reader; and with the relu
+# zero-padded before the pooling: what a GPU plan counts for the pooling's zeros.
+def pooled(padded):
+    pixels = keras.Input(SHAPE)
+    x = L.Activation("relu")(L.BatchNormalization()(L.Conv2D(16, 3, padding="same")(pixels)))
+    x = L.MaxPooling2D(3, 2)(L.ZeroPadding2D()(x)) if padded else L.MaxPooling2D()(x)
+    x = L.GlobalAveragePooling2D()(L.Conv2D(16, 3, padding="same")(x))
+    return keras.Model(pixels, L.Dense(4)(x))
+
+
+pools = {}
+for padded in (False, True):
+    pool_plan = tfmem.plan(pooled(padded), global_batch_size=BATCH, optimizer="sgd",
+                           input_batches_in_flight=1, device="t4")
+    pools["padded" if padded else "unpadded"] = [pool_plan.activation_bytes_per_sample,
+                                                 pool_plan.workspace_bytes_per_sample]
 # A GPU to compile for, as well (with JAX's CUDA plugin installed or not), and the targets
 # XLA:GPU compiles for without one.
 gpu_targets = {a.name: probe_jax._gpu_target(a) for a in ACCELERATORS.values()
@@ -147,7 +163,7 @@ accum_of_weights.compile(optimizer="adam", loss="mse")
 host_loop_of_weights = accum_of_weights.compiled_peaks(*abstract, batch_size=BATCH)(2)
 from tfmem import _keras_internals
 text = {"tpu": tpu, "libtpu": importlib.util.find_spec("libtpu") is not None, "gpu": gpu,
-        "gpu_targets": gpu_targets,
+        "gpu_targets": gpu_targets, "pools": pools,
         "cuda_plugin": probe_jax._installed("jax_plugins.xla_cuda12"),
         "shapes_peak": shapes_peak, "initial_values": len(made), "accum_on_host": on_host,
         "host_loop_peak": host_loop_peak, "host_loop_of_weights": host_loop_of_weights,
@@ -220,15 +236,16 @@ def test_a_gpu_plan_counts_what_xla_gpu_keeps(on_jax):
     # of them, a byte an element per bound (relu's one, hard-swish's two: 3/4); the inputs of
     # the depthwise convolution (relu's output), of the third convolution (hard-swish's
     # output) and of the fourth (silu's output); silu's pre-activation inside the third;
-    # ops.relu's traced residuals (its pre-activation, compared as a float, and its boolean
-    # mask, 1/4); max pooling's input; the pooled map (1/4) and the concatenation (2),
-    # convolutions' inputs; the Dense layer's 16 inputs. Not the model's input, which the
-    # step is given.
-    assert on_jax["gpu_activation"] == 11 * FEATURE_MAP + FEATURE_MAP // 4 + 16 * 4
-    # Each call's workspace beside what it and the calls before it keep: the largest, max
-    # pooling's backward, which holds a copy of its input and an int32 index a pooled element
-    # per axis (4 × 1¼ maps) beside the 9 maps kept up to it.
-    assert on_jax["gpu_workspace"] == 9 * FEATURE_MAP + 5 * FEATURE_MAP - on_jax["gpu_activation"]
+    # ops.relu's traced residual, its boolean mask (1/4; its broadcast zeros hold nothing);
+    # max pooling's input (no zeros for its backward, which adds into the concatenation's
+    # gradient); the pooled map (1/4) and the concatenation (2), convolutions' inputs; the
+    # Dense layer's 16 inputs. Not the model's input, which the step is given.
+    assert on_jax["gpu_activation"] == 10 * FEATURE_MAP + FEATURE_MAP // 4 + 16 * 4
+    # Each call's workspace beside what it and the calls before it keep: the largest, the
+    # last convolution's, the gradient of the concatenation it reads (2 maps) beside the
+    # 10¼ maps kept up to it.
+    assert on_jax["gpu_workspace"] == (10 * FEATURE_MAP + FEATURE_MAP // 4 + 2 * FEATURE_MAP
+                                       - on_jax["gpu_activation"])
     assert on_jax["gpu_fixed_workspace"] == 0
 
 
@@ -309,6 +326,72 @@ def test_xla_cpu_holds_a_traced_calls_transcendental_residuals_and_row_sums_broa
     # XLA:GPU fuses them as well, but writes out the exp, which the row sum reduces and the
     # division reads too, whole.
     assert held("gpu") == row + 4
+
+
+def test_xla_gpu_keeps_what_a_reduction_reads_through_a_cast():
+    # y = x², its mean taken in float32 (keras's mean of a bfloat16 tensor), y scaled by it.
+    jnp = pytest.importorskip("jax.numpy")
+    from tfmem.memory import gradient_trace, xla_rules
+
+    def call(xs):
+        y = xs[0] * xs[0]
+        return y * jnp.mean(y.astype(jnp.float32), axis=-1, keepdims=True).astype(y.dtype)
+
+    for dtype, size in (("float32", 4), ("bfloat16", 2)):
+        traced = gradient_trace.trace_call_jax(call, [((8,), dtype)], differentiable=[True],
+                                               trainable=[], non_trainable=[])
+
+        def held(target):
+            return sum(xla_rules.residual_bytes(target, nbytes, kind, None,
+                                                fused=index in traced.fused,
+                                                read_whole=index in traced.read_whole)
+                       for index, (nbytes, kind) in enumerate(traced.internal))
+
+        # JAX keeps y and the mean. XLA:TPU makes y again from the input; XLA:GPU writes y
+        # out, whole, for the reduction, whether it reads y or y's float32 cast.
+        assert held("tpu") == size
+        assert held("gpu") == 8 * size + size
+
+
+def test_a_gpu_plan_holds_the_zeros_max_poolings_backward_scatters_into(on_jax):
+    # A traced relu → 2×2 max pooling of an 8×8×4 map: without padding, the relu's zeros
+    # and the pooling's are one buffer kept from the forward, the scatter writing into a
+    # copy: two maps of the input. With a pixel of padding around it, one map of the padded
+    # 10×10×4 input, made as the backward runs, beside an int32 index per axis and pooled
+    # element (4 × 5×5×4).
+    jax = pytest.importorskip("jax")
+    from tfmem.memory import gradient_trace, xla_rules
+
+    def pooled(padding):
+        def call(xs):
+            return jax.lax.reduce_window(jax.numpy.maximum(xs[0], 0.0), -jax.numpy.inf,
+                                         jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), padding)
+        return gradient_trace.trace_call_jax(call, [((8, 8, 4), "float32")],
+                                             differentiable=[True], trainable=[],
+                                             non_trainable=[]).windows
+
+    unpadded, padded = pooled("VALID"), pooled(((0, 0), (1, 1), (1, 1), (0, 0)))
+    assert xla_rules.traced_zero_maps("gpu", unpadded) == 2 * 8 * 8 * 4 * 4
+    assert xla_rules.traced_transient("gpu", unpadded) == 4 * 4 * (4 * 4 * 4)
+    assert xla_rules.traced_zero_maps("gpu", padded) == 0
+    assert xla_rules.traced_transient("gpu", padded) == 10 * 10 * 4 * 4 + 4 * 4 * (5 * 5 * 4)
+    assert xla_rules.traced_zero_maps("tpu", unpadded) == 0
+    # The same in a functional graph, planned for a GPU: conv → BN → relu → max pooling
+    # (16×16×16 maps). Kept: BatchNormalization's input, relu's mask (1/4), the pooling's
+    # input and the two maps of zeros, the pooled map (1/4, the next convolution's input),
+    # the Dense layer's 16 inputs.
+    activation, workspace = on_jax["pools"]["unpadded"]
+    assert activation == 4 * FEATURE_MAP + 2 * FEATURE_MAP // 4 + 16 * 4
+    # The pooling's backward, beside the 4¼ maps kept up to it: its input's gradient (the
+    # indices, 4 × ¼ map, as large).
+    assert workspace == 4 * FEATURE_MAP + FEATURE_MAP // 4 + FEATURE_MAP - activation
+    # Zero-padded first (18×18): the pooling keeps its padded input and no zeros; its
+    # backward makes a map of zeros of that input beside the indices (4 × 8×8×16 × 4 bytes).
+    padded_map = 18 * 18 * 16 * 4
+    activation, workspace = on_jax["pools"]["padded"]
+    assert activation == FEATURE_MAP + 2 * FEATURE_MAP // 4 + padded_map + 16 * 4
+    assert workspace == (FEATURE_MAP + FEATURE_MAP // 4 + padded_map + padded_map
+                         + FEATURE_MAP - activation)
 
 
 def test_a_step_compiled_for_a_named_device_is_the_step_and_a_mesh_places_it_alone(on_jax):

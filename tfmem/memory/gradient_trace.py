@@ -67,9 +67,9 @@ class TracedCall:
         broadcasts: `(bytes per sample, dtype)` of each internal tensor that is a scalar
             broadcast to a shape (relu's zeros in a JAX trace), which a compiler may fuse
             into what reads it (`xla_rules`); not in `internal`.
-        windows: `(primitive, input elements, output elements, itemsize, rank)` per sample
-            of each convolution and max pooling of a JAX trace, whose transients depend on
-            the compiler (`xla_rules.traced_transient`).
+        windows: `(primitive, input elements, output elements, itemsize, rank, padded input
+            elements)` per sample of each convolution and max pooling of a JAX trace, whose
+            transients depend on the compiler (`xla_rules.traced_transient`).
         derived: indices into `internal` of a JAX trace's residuals made by cheap
             element-wise ops from other kept tensors of their shape and scalars (a boolean
             mask also from broadcasts of smaller tensors), which no contraction reads
@@ -104,7 +104,7 @@ class TracedCall:
     output_bytes: tuple[int, ...] = ()
     has_loop: bool = False
     transient_bytes: int = 0
-    windows: tuple[tuple[str, int, int, int, int], ...] = ()
+    windows: tuple[tuple[str, int, int, int, int, int], ...] = ()
     broadcasts: tuple[tuple[int, str], ...] = ()
     derived: tuple[int, ...] = ()
     drawn: tuple[int, ...] = ()
@@ -217,10 +217,12 @@ def _per_sample(trace, arguments) -> TracedCall:
     outputs = tuple((big - little) // (_BATCHES[1] - _BATCHES[0])
                     for big, little in zip(large.outputs, small.outputs))
     transient = (large.transient - small.transient) // (_BATCHES[1] - _BATCHES[0])
-    windows = tuple((name, (big_in - little_in) // (_BATCHES[1] - _BATCHES[0]),
-                     (big_out - little_out) // (_BATCHES[1] - _BATCHES[0]), itemsize, rank)
-                    for (name, big_in, big_out, itemsize, rank),
-                    (_, little_in, little_out, _, _) in zip(large.windows, small.windows))
+    step = _BATCHES[1] - _BATCHES[0]
+    windows = tuple((name, (big_in - little_in) // step, (big_out - little_out) // step,
+                     itemsize, rank, (big_padded - little_padded) // step)
+                    for (name, big_in, big_out, itemsize, rank, big_padded),
+                    (_, little_in, little_out, _, _, little_padded)
+                    in zip(large.windows, small.windows))
     return TracedCall(tuple(sorted(large.kept_inputs)), tuple(sorted(large.kept_outputs)),
                       tuple(internal), max(largest, 0), outputs, large.has_loop,
                       max(transient, 0), windows, tuple(broadcasts), tuple(derived),
@@ -539,7 +541,7 @@ def _trace_jax(call, specs, differentiable, trainable, non_trainable, *, batch) 
                     for v in jaxpr.outvars[:num_outputs])
     windows = tuple((eqn.primitive.name, math.prod(eqn.invars[0].aval.shape),
                      math.prod(eqn.outvars[0].aval.shape), eqn.outvars[0].aval.dtype.itemsize,
-                     len(eqn.outvars[0].aval.shape))
+                     len(eqn.outvars[0].aval.shape), _padded_elements(eqn))
                     for eqn in _equations(jaxpr) if eqn.primitive.name in _WINDOWS)
     kept = [v for i, v in enumerate(jaxpr.invars[:len(specs)]) if i in kept_inputs] + [
         v for i, v in enumerate(jaxpr.outvars[:num_outputs]) if i in kept_outputs]
@@ -555,6 +557,16 @@ def _trace_jax(call, specs, differentiable, trainable, non_trainable, *, batch) 
 _BROADCAST = "broadcast"
 # The forward ops whose transients depend on the compiler (`TracedCall.windows`).
 _WINDOWS = ("conv_general_dilated", "reduce_window_max")
+
+
+def _padded_elements(eqn) -> int:
+    """The elements of a window op's input with the padding it reads around it (a
+    convolution's: its input's)."""
+    shape = eqn.invars[0].aval.shape
+    padding = eqn.params.get("padding") if eqn.primitive.name == "reduce_window_max" else None
+    if not padding or len(padding) != len(shape):
+        return math.prod(shape)
+    return math.prod(size + low + high for size, (low, high) in zip(shape, padding))
 
 
 def _equations(jaxpr):

@@ -412,6 +412,9 @@ class Walker:
                 layout = ((shape, nbytes // elements) if elements and repeat == 1
                           and nbytes % elements == 0 else None)
                 self.keep_bytes(nbytes * repeat, layout=layout)
+        zeros = xla_rules.traced_zero_maps(self.target, result.windows)
+        if zeros:
+            self.keep_bytes(zeros * repeat * scale[0] // scale[1])
         self.largest = max(self.largest, result.largest_bytes)
         # A tensor inside the call, its gradient beside it (an output's is counted with the
         # call's gradients); where XLA fuses the rest into what reads it, of what it keeps.

@@ -116,8 +116,8 @@ def origins(jaxpr, residuals: dict,
     (`TracedCall.widened`), the names of those that are `TracedCall.fused`, and `{name:
     bytes}` of the others that element-wise ops make from a narrower tensor of their shape
     (a cast to float32 of a bfloat16 convolution's output), at that tensor's size
-    (`TracedCall.narrowed`), and the names of those a contraction or a reduction reads
-    (`TracedCall.read_whole`)."""
+    (`TracedCall.narrowed`), and the names of those a contraction or a reduction reads,
+    or a cast of them (`TracedCall.read_whole`)."""
     producers, readers, top = _flat_equations(jaxpr)
 
     def value_of(var):
@@ -141,9 +141,20 @@ def origins(jaxpr, residuals: dict,
         if sizes and name not in derived and made_by not in _ELEMENT_WISE:
             widened[name] = max(sizes)
     read_whole = frozenset(name for name, value in values.items()
-                           if {primitive for primitive, _ in readers.get(value, ())}
-                           & _READ_WHOLE)
+                           if _read_whole(value, readers, _DEPTH))
     return frozenset(derived), frozenset(drawn), widened, frozenset(fused), narrowed, read_whole
+
+
+def _read_whole(value, readers, depth) -> bool:
+    """Whether a contraction or a reduction reads `value`, or a cast of it (a bfloat16
+    tensor a mean reads in float32): the cast is fused into that read, from `value`."""
+    for primitive, outputs in readers.get(value, ()):
+        if primitive in _READ_WHOLE:
+            return True
+        if primitive == "convert_element_type" and depth and any(
+                _read_whole(output, readers, depth - 1) for output in outputs):
+            return True
+    return False
 
 
 class _Recipes:

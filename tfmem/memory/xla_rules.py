@@ -85,8 +85,12 @@ whole:
   keeps it, as the reduction writes it out for them.
 - Of a traced call's residuals, one a contraction or a reduction reads is kept though
   element-wise ops make it again.
-- Max pooling keeps its input; its backward holds a copy of the input and an int32 index
-  an output element per axis while it runs.
+- Max pooling keeps its input. Its backward scatters into a map of zeros of its padded
+  input, where no other call reads the input (else into that one's gradient): made as the
+  backward runs, but where the input is unpadded (no padding in its windows, not a padding
+  layer's output) the zeros of that shape that other ops read (a relu's, a dropout's) are
+  one buffer, kept from the forward, and the scatter writes into a copy: two maps kept.
+  While its backward runs it holds an int32 index an output element per axis.
 - A call's backward holds one gradient map beside the kept tensors, a concatenation's too,
   and runs beside what it and the calls before it keep: what later calls keep is freed by
   then (`Walker.backward_peaks`).
@@ -131,7 +135,7 @@ _TARGETS = {
     "activation": _XLA_CPU,
     "batch_normalization": _XLA_CPU,
     "boolean_residual": _XLA_CPU,
-    "broadcast": _XLA_CPU_TPU,
+    "broadcast": _XLA_CPU_TPU_GPU,
     "broadcast_residual": _XLA_CPU,
     "convolution": _XLA_CPU,
     "derived_residual": _XLA_CPU_TPU,
@@ -151,6 +155,11 @@ _CONVOLUTIONS = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D,
 _DEPTHWISE = (keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D)
 _MAX_POOLS = (keras.layers.MaxPooling1D, keras.layers.MaxPooling2D, keras.layers.MaxPooling3D)
 _INDEX_BYTES = 4  # int32, uint32
+_PADDINGS = (keras.layers.ZeroPadding1D, keras.layers.ZeroPadding2D, keras.layers.ZeroPadding3D)
+# The maps of zeros of its input's shape XLA:GPU keeps for max pooling whose windows read
+# no padding, from the forward on: the zeros that the step's other ops of that shape read
+# (a relu's, a dropout's) are one buffer, which the backward's scatter copies to write into.
+_SHARED_ZERO_MAPS = 2
 # Threefry's random bits for one element: the two 32-bit words XLA keeps to compare again.
 _RANDOM_WORDS = 2
 
@@ -408,14 +417,27 @@ def convolution_workspace(input_bytes: int, output_bytes: int) -> int:
 def max_pooling(walker, layer, inputs, output) -> bool:
     """Keeps what XLA holds for max pooling `layer` and notes its forward's transient;
     False where `layer_rules`' own rule holds. XLA:TPU keeps the input alone: its backward
-    finds each window's maximum again; so does XLA:GPU, whose backward holds copies of the
-    input and indices while it runs (`scattered_transient`)."""
+    finds each window's maximum again; so does XLA:GPU, whose backward scatters into a map
+    of zeros of its padded input (none where another call reads the input: it adds into
+    that one's gradient), kept from the forward where it is the zeros other ops of that
+    shape share (`_SHARED_ZERO_MAPS`), else made as the backward runs, beside the indices
+    it holds then (`scattered_transient`)."""
     if holds("fusion", walker.target) and type(layer) in _MAX_POOLS:
         walker.keep(inputs[0])
         if holds("library_operands", walker.target):
-            walker.transient = max(walker.transient, scattered_transient(
-                walker.sample_bytes(inputs[0], "int8"), walker.sample_bytes(output, "int8"),
-                itemsize(walker.dtype_of(inputs[0])), len(output.shape)))
+            shape = tuple(inputs[0].shape)
+            padded = _padded(layer, shape)
+            zeros = math.prod(padded[1:]) * itemsize(walker.dtype_of(inputs[0]))
+            producer = internals.node_of(inputs[0])
+            shared = padded == shape and not isinstance(getattr(producer, "operation", None),
+                                                        _PADDINGS)
+            if walker.read_by_others(inputs[0]):
+                zeros = 0  # its gradient adds into the other reader's
+            elif shared:
+                walker.keep_bytes(_SHARED_ZERO_MAPS * zeros)
+                zeros = 0
+            walker.transient = max(walker.transient, zeros + scattered_transient(
+                walker.sample_bytes(output, "int8"), len(output.shape)))
         return True
     if not holds("max_pooling", walker.target) or type(layer) not in _MAX_POOLS:
         return False
@@ -427,12 +449,25 @@ def max_pooling(walker, layer, inputs, output) -> bool:
     return True
 
 
-def scattered_transient(input_elements: int, output_elements: int, size: int,
-                        rank: int) -> int:
-    """What max pooling's backward holds while it runs on XLA:GPU, beside what it keeps,
-    which finds each window's maximum again: a copy of its (padded) input per axis in the
-    input's dtype, and an int32 index per axis and output element."""
-    return rank * (input_elements * size + _INDEX_BYTES * output_elements)
+def _padded(layer, shape: tuple) -> tuple:
+    """`shape` (batch first) of max pooling `layer`'s input with the padding its windows read
+    ("same": what makes the windows cover the input at its strides)."""
+    if getattr(layer, "padding", "valid") != "same":
+        return shape
+    first = getattr(layer, "data_format", "channels_last") == "channels_first"
+    axes = range(2, len(shape)) if first else range(1, len(shape) - 1)
+    padded = list(shape)
+    for axis, window, stride in zip(axes, layer.pool_size, layer.strides):
+        size = shape[axis]
+        outputs = -(-size // stride)
+        padded[axis] = size + max((outputs - 1) * stride + window - size, 0)
+    return tuple(padded)
+
+
+def scattered_transient(output_elements: int, rank: int) -> int:
+    """The indices max pooling's backward holds while it runs on XLA:GPU, as it finds each
+    window's maximum again: an int32 index per axis and output element."""
+    return rank * _INDEX_BYTES * output_elements
 
 
 def max_pooling_transient(input_elements: int, output_elements: int, output_bytes: int,
@@ -447,11 +482,24 @@ def traced_transient(target: str | None, windows) -> int:
     """The largest of the transients above among a traced call's `windows`
     (`gradient_trace.TracedCall.windows`); 0 where the rules do not hold."""
     largest = 0
-    for primitive, input_elements, output_elements, size, rank in windows:
+    for primitive, input_elements, output_elements, size, rank, padded in windows:
         if primitive == "conv_general_dilated" and holds("convolution", target):
             largest = max(largest, convolution_workspace(input_elements * size,
                                                          output_elements * size))
         elif primitive == "reduce_window_max" and holds("max_pooling", target):
             largest = max(largest, max_pooling_transient(
                 input_elements, output_elements, output_elements * size, rank))
+        elif primitive == "reduce_window_max" and holds("library_operands", target):
+            zeros = padded * size if padded != input_elements else 0  # made as it runs
+            largest = max(largest, zeros + scattered_transient(output_elements, rank))
     return largest
+
+
+def traced_zero_maps(target: str | None, windows) -> int:
+    """Bytes a sample of the maps of zeros XLA:GPU keeps for the max poolings among a traced
+    call's `windows` that read no padding (`_SHARED_ZERO_MAPS`); 0 elsewhere."""
+    if not holds("library_operands", target):
+        return 0
+    return sum(_SHARED_ZERO_MAPS * padded * size
+               for primitive, input_elements, _, size, _, padded in windows
+               if primitive == "reduce_window_max" and padded == input_elements)
