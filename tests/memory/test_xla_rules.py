@@ -104,6 +104,13 @@ def pooled(padded):
     return keras.Model(pixels, L.Dense(4)(x))
 
 
+gpu_bf16_plan = tfmem.plan(model, global_batch_size=BATCH, optimizer="sgd",
+                           input_batches_in_flight=1, device="t4", precision="mixed_bfloat16")
+gradients = {"gpu": plans["gpu"].gradient_bytes, "gpu_bf16": gpu_bf16_plan.gradient_bytes,
+             "cpu": plans["cpu"].gradient_bytes, "tpu": plans["tpu"].gradient_bytes,
+             "noted": [kind for kind, plan in plans.items()
+                       if any(note.startswith("gradients: XLA:GPU updates each weight")
+                              for note in plan.notes)]}
 pools = {}
 for padded in (False, True):
     pool_plan = tfmem.plan(pooled(padded), global_batch_size=BATCH, optimizer="sgd",
@@ -163,7 +170,7 @@ accum_of_weights.compile(optimizer="adam", loss="mse")
 host_loop_of_weights = accum_of_weights.compiled_peaks(*abstract, batch_size=BATCH)(2)
 from tfmem import _keras_internals
 text = {"tpu": tpu, "libtpu": importlib.util.find_spec("libtpu") is not None, "gpu": gpu,
-        "gpu_targets": gpu_targets, "pools": pools,
+        "gpu_targets": gpu_targets, "pools": pools, "gradients": gradients,
         "cuda_plugin": probe_jax._installed("jax_plugins.xla_cuda12"),
         "shapes_peak": shapes_peak, "initial_values": len(made), "accum_on_host": on_host,
         "host_loop_peak": host_loop_peak, "host_loop_of_weights": host_loop_of_weights,
@@ -247,6 +254,25 @@ def test_a_gpu_plan_counts_what_xla_gpu_keeps(on_jax):
     assert on_jax["gpu_workspace"] == (10 * FEATURE_MAP + FEATURE_MAP // 4 + 2 * FEATURE_MAP
                                        - on_jax["gpu_activation"])
     assert on_jax["gpu_fixed_workspace"] == 0
+
+
+def test_a_gpu_plan_holds_one_gradient_at_a_time_and_the_convolutions_kernels(on_jax):
+    # XLA:GPU updates each weight as its gradient is made: the largest gradient (the last
+    # convolution's kernel, 3×3 × 32 × 16) is held, not all. Each convolution's kernel is
+    # kept from the forward to its backward in cuDNN's layout: four 3×3 × 16 × 16, the
+    # depthwise 3×3 × 16 and that last 3×3 × 32 × 16, in float32; in mixed_bfloat16 those
+    # are the 16-bit copies of the weights, counted apart.
+    largest = 3 * 3 * 32 * 16 * 4
+    kernels = 4 * 3 * 3 * 16 * 16 * 4 + 3 * 3 * 16 * 4 + largest
+    gradients = on_jax["gradients"]
+    assert gradients["gpu"] == largest + kernels
+    assert gradients["gpu_bf16"] == largest
+    assert gradients["noted"] == ["gpu"]  # the plan says how its gradients row was counted
+    # Planned for XLA:CPU and XLA:TPU: every gradient, held together until the update (the
+    # kernels, five convolutions' biases, two BatchNormalizations' scales and offsets, the
+    # Dense layer's kernel and bias).
+    weights = kernels + 5 * 16 * 4 + 2 * 2 * 16 * 4 + 16 * 4 * 4 + 4 * 4
+    assert gradients["cpu"] == gradients["tpu"] == weights
 
 
 def test_a_tpu_plan_counts_what_xla_tpu_keeps(on_jax):

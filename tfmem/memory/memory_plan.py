@@ -18,7 +18,7 @@ class Term(enum.Enum):
     it grows with the micro-batch."""
 
     PARAMETERS = ("parameters", "all variables × their dtype size", False)
-    GRADIENTS = ("gradients", "trainable variables, float32 (alive until apply)", False)
+    GRADIENTS = ("gradients", "trainable variables, float32, held until applied", False)
     OPTIMIZER_SLOTS = ("optimizer slots", "Keras optimizer build(): slots × trainable bytes",
                        False)
     ACCUMULATION = ("accumulation buffers", "AccumModel gradient sums (≥ float32), k > 1",

@@ -32,7 +32,7 @@ import keras
 from tfmem import _keras_internals as internals
 from tfmem import backend
 from tfmem._sizes import format_bytes
-from tfmem.memory import levers, loss_trace, remat_search
+from tfmem.memory import levers, loss_trace, remat_search, xla_rules
 from tfmem.memory.memory_plan import MemoryPlan, MemoryPlanError, choose
 from tfmem.memory.optimizer_state import optimizer_slot_bytes
 from tfmem.memory.plan_settings import PlanSettings
@@ -163,6 +163,21 @@ def _resolve_precision(precision: str, budget: Budget) -> tuple[str, str | None]
                     f"{budget.device} (bf16 on TPU, fp16 on GPUs of compute capability ≥ 7)")
 
 
+def _device_notes(model: keras.Model, budget, saved) -> tuple[str, ...]:
+    """What a plan for an XLA device says about how it counted for that device."""
+    lanes = _tpu_lanes(model) if budget.kind == "tpu" and not saved.lane_tensors else ()
+    return lanes + xla_rules.held_gradients_note(
+        backend.choose(tensorflow=None, jax=budget.kind))
+
+
+def _held_gradients(model: keras.Model, trainable: list, precision: str, kind) -> int:
+    """Bytes of gradients the step holds at its peak (`MemoryPlan.gradient_bytes`)."""
+    held = xla_rules.held_gradient_bytes(
+        backend.choose(tensorflow=None, jax=kind), internals.flatten_layers(model), trainable,
+        precision in _MIXED)
+    return _nbytes(trainable) if held is None else held
+
+
 def _nbytes(variables) -> int:
     return sum(math.prod(v.shape) * itemsize(v.dtype) for v in variables)
 
@@ -222,8 +237,7 @@ def estimate(model: keras.Model, settings: PlanSettings,
         (f"framework runtime includes {format_bytes(retraced)} for the recomputed segments' "
          "forward, traced again in their gradient",) if retraced else ())
     notes = _notes(model, settings, saved, override, recomputed, ranges, saves, fraction,
-                   held.notes + runtime_notes) + (
-        _tpu_lanes(model) if budget.kind == "tpu" and not saved.lane_tensors else ())
+                   held.notes + runtime_notes) + _device_notes(model, budget, saved)
     return MemoryPlan(
         model_name=model.name,
         num_parameters=int(model.count_params()),
@@ -240,8 +254,9 @@ def estimate(model: keras.Model, settings: PlanSettings,
         # metrics' state (a confusion matrix); not the few bytes of dropout seed states.
         parameter_bytes=_nbytes(model.weights) + held.state_bytes,
         # tape.gradient returns one gradient per trainable variable, in the variable's dtype,
-        # all alive together until `apply_gradients`.
-        gradient_bytes=_nbytes(trainable),
+        # all alive together until `apply_gradients`; not so in a step XLA updates weight by
+        # weight (`xla_rules.held_gradient_bytes`).
+        gradient_bytes=_held_gradients(model, trainable, precision, budget.kind),
         optimizer_bytes=optimizer_slot_bytes(optimizer, trainable),
         # AccumModel's running sum of gradients, one per trainable variable: float32, or the
         # variable's own dtype where that is wider (float64).
