@@ -109,7 +109,7 @@ gpu_bf16_plan = tfmem.plan(model, global_batch_size=BATCH, optimizer="sgd",
 gradients = {"gpu": plans["gpu"].gradient_bytes, "gpu_bf16": gpu_bf16_plan.gradient_bytes,
              "cpu": plans["cpu"].gradient_bytes, "tpu": plans["tpu"].gradient_bytes,
              "noted": [kind for kind, plan in plans.items()
-                       if any(note.startswith("gradients: XLA:GPU updates each weight")
+                       if any(note.startswith("gradients: XLA:")
                               for note in plan.notes)]}
 pools = {}
 for padded in (False, True):
@@ -256,23 +256,22 @@ def test_a_gpu_plan_counts_what_xla_gpu_keeps(on_jax):
     assert on_jax["gpu_fixed_workspace"] == 0
 
 
-def test_a_gpu_plan_holds_one_gradient_at_a_time_and_the_convolutions_kernels(on_jax):
-    # XLA:GPU updates each weight as its gradient is made: the largest gradient (the last
-    # convolution's kernel, 3×3 × 32 × 16) is held, not all. Each convolution's kernel is
-    # kept from the forward to its backward in cuDNN's layout: four 3×3 × 16 × 16, the
-    # depthwise 3×3 × 16 and that last 3×3 × 32 × 16, in float32; in mixed_bfloat16 those
-    # are the 16-bit copies of the weights, counted apart.
+def test_an_xla_device_plan_holds_one_gradient_at_a_time(on_jax):
+    # XLA:GPU and XLA:TPU update each weight as its gradient is made: the largest gradient
+    # (the last convolution's kernel, 3×3 × 32 × 16) is held, not all. On XLA:GPU each
+    # convolution's kernel is kept from the forward to its backward in cuDNN's layout: four
+    # 3×3 × 16 × 16, the depthwise 3×3 × 16 and that last 3×3 × 32 × 16, in float32; in
+    # mixed_bfloat16 those are the 16-bit copies of the weights, counted apart.
     largest = 3 * 3 * 32 * 16 * 4
     kernels = 4 * 3 * 3 * 16 * 16 * 4 + 3 * 3 * 16 * 4 + largest
     gradients = on_jax["gradients"]
     assert gradients["gpu"] == largest + kernels
-    assert gradients["gpu_bf16"] == largest
-    assert gradients["noted"] == ["gpu"]  # the plan says how its gradients row was counted
-    # Planned for XLA:CPU and XLA:TPU: every gradient, held together until the update (the
-    # kernels, five convolutions' biases, two BatchNormalizations' scales and offsets, the
-    # Dense layer's kernel and bias).
-    weights = kernels + 5 * 16 * 4 + 2 * 2 * 16 * 4 + 16 * 4 * 4 + 4 * 4
-    assert gradients["cpu"] == gradients["tpu"] == weights
+    assert gradients["gpu_bf16"] == gradients["tpu"] == largest
+    assert gradients["noted"] == ["gpu", "tpu"]  # each plan says how it counted the row
+    # Planned for XLA:CPU: every gradient, held together until the update (the kernels,
+    # five convolutions' biases, two BatchNormalizations' scales and offsets, the Dense
+    # layer's kernel and bias).
+    assert gradients["cpu"] == kernels + 5 * 16 * 4 + 2 * 2 * 16 * 4 + 16 * 4 * 4 + 4 * 4
 
 
 def test_a_tpu_plan_counts_what_xla_tpu_keeps(on_jax):

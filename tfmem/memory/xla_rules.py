@@ -64,6 +64,8 @@ default precision:
   broadcast holds nothing.
 - A call's backward holds one gradient map beside the kept tensors (a concatenation its
   inputs and its output while it copies them, max pooling two maps).
+- Each weight's update runs as soon as its gradient is made, in the backward: one gradient
+  is held at a time, not all of them (`held_gradient_bytes`).
 - Tensors are laid out in 8 × 128 tiles (`tpu_layout`), which the plan counts in a row of
   its own.
 
@@ -94,8 +96,7 @@ whole:
 - A call's backward holds one gradient map beside the kept tensors, a concatenation's too,
   and runs beside what it and the calls before it keep: what later calls keep is freed by
   then (`Walker.backward_peaks`).
-- Each weight's update runs as soon as its gradient is made, in the backward: one gradient
-  is held at a time, not all of them. A trained convolution's kernel is kept from the
+- Beside the one gradient held at a time, a trained convolution's kernel is kept from the
   forward to its backward in cuDNN's layout, a copy (in float32; a 16-bit model's cast
   copy, counted with mixed precision, is that layout already) (`held_gradient_bytes`).
 """
@@ -152,7 +153,7 @@ _TARGETS = {
     "bfloat16_operands": _XLA_TPU,
     "library_operands": _XLA_GPU,
     "backward_in_order": _XLA_GPU,
-    "updates_as_made": _XLA_GPU,
+    "updates_as_made": _XLA_TPU_GPU,
 }
 _CONVOLUTIONS = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D,
                  keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose,
@@ -513,15 +514,16 @@ def traced_zero_maps(target: str | None, windows) -> int:
 def held_gradient_bytes(target: str | None, layers, trainable, mixed: bool) -> int | None:
     """What a step compiled for `target` holds for the gradients of `trainable` (the
     variables trained, of `layers`) at its peak; None where all of them are held together
-    until the update (TensorFlow's `apply_gradients`). On XLA:GPU, which updates each weight
-    as its gradient is made: the largest gradient, and a copy of each trained convolution's
-    kernel in cuDNN's layout, made in the forward and held to its backward (but in a `mixed`
-    precision, whose 16-bit copies of the weights are counted apart)."""
+    until the update (TensorFlow's `apply_gradients`). XLA:TPU and XLA:GPU update each
+    weight as its gradient is made: the largest gradient; on XLA:GPU also a copy of each
+    trained convolution's kernel in cuDNN's layout, made in the forward and held to its
+    backward (but in a `mixed` precision, whose 16-bit copies of the weights are counted
+    apart)."""
     if not holds("updates_as_made", target):
         return None
     trained = {id(v) for v in trainable}
     largest = max((math.prod(v.shape) * itemsize(v.dtype) for v in trainable), default=0)
-    if mixed:
+    if mixed or not holds("library_operands", target):
         return largest
     copies = sum(math.prod(layer.kernel.shape) * itemsize(layer.kernel.dtype)
                  for layer in layers if isinstance(layer, _CONVOLUTIONS)
@@ -533,6 +535,9 @@ def held_gradients_note(target: str | None) -> tuple[str, ...]:
     """The plan's note on its gradients row where `held_gradient_bytes` counts them."""
     if not holds("updates_as_made", target):
         return ()
-    return ("gradients: XLA:GPU updates each weight as its gradient is made, so the row is "
-            "the largest gradient and, in float32, the trained convolutions' kernels, which it "
-            "keeps in cuDNN's layout from the forward to their backward",)
+    compiler = "XLA:GPU" if holds("library_operands", target) else "XLA:TPU"
+    kernels = (" and, in float32, the trained convolutions' kernels, which it keeps in "
+               "cuDNN's layout from the forward to their backward"
+               if holds("library_operands", target) else "")
+    return (f"gradients: {compiler} updates each weight as its gradient is made, so the row "
+            f"is the largest gradient{kernels}",)
