@@ -106,9 +106,12 @@ def pooled(padded):
 
 gpu_bf16_plan = tfmem.plan(model, global_batch_size=BATCH, optimizer="sgd",
                            input_batches_in_flight=1, device="t4", precision="mixed_bfloat16")
+gpu_f16_plan = tfmem.plan(model, global_batch_size=BATCH, optimizer="sgd",
+                          input_batches_in_flight=1, device="t4", precision="mixed_float16")
 gradients = {"gpu": plans["gpu"].gradient_bytes, "gpu_bf16": gpu_bf16_plan.gradient_bytes,
+             "gpu_f16": gpu_f16_plan.gradient_bytes,
              "cpu": plans["cpu"].gradient_bytes, "tpu": plans["tpu"].gradient_bytes,
-             "noted": [kind for kind, plan in plans.items()
+             "noted": [kind for kind, plan in [*plans.items(), ("gpu_f16", gpu_f16_plan)]
                        if any(note.startswith("gradients: XLA:")
                               for note in plan.notes)]}
 pools = {}
@@ -268,10 +271,12 @@ def test_an_xla_device_plan_holds_one_gradient_at_a_time(on_jax):
     assert gradients["gpu"] == largest + kernels
     assert gradients["gpu_bf16"] == gradients["tpu"] == largest
     assert gradients["noted"] == ["gpu", "tpu"]  # each plan says how it counted the row
-    # Planned for XLA:CPU: every gradient, held together until the update (the kernels,
-    # five convolutions' biases, two BatchNormalizations' scales and offsets, the Dense
-    # layer's kernel and bias).
-    assert gradients["cpu"] == kernels + 5 * 16 * 4 + 2 * 2 * 16 * 4 + 16 * 4 * 4 + 4 * 4
+    # Planned for XLA:CPU, and under mixed_float16's loss scaling, whose check that every
+    # gradient is finite comes before any update: every gradient, held together until the
+    # update (the kernels, five convolutions' biases, two BatchNormalizations' scales and
+    # offsets, the Dense layer's kernel and bias).
+    weights = kernels + 5 * 16 * 4 + 2 * 2 * 16 * 4 + 16 * 4 * 4 + 4 * 4
+    assert gradients["cpu"] == gradients["gpu_f16"] == weights
 
 
 def test_a_tpu_plan_counts_what_xla_tpu_keeps(on_jax):

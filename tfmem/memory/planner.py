@@ -163,18 +163,18 @@ def _resolve_precision(precision: str, budget: Budget) -> tuple[str, str | None]
                     f"{budget.device} (bf16 on TPU, fp16 on GPUs of compute capability ≥ 7)")
 
 
-def _device_notes(model: keras.Model, budget, saved) -> tuple[str, ...]:
+def _device_notes(model: keras.Model, budget, saved, precision: str) -> tuple[str, ...]:
     """What a plan for an XLA device says about how it counted for that device."""
     lanes = _tpu_lanes(model) if budget.kind == "tpu" and not saved.lane_tensors else ()
     return lanes + xla_rules.held_gradients_note(
-        backend.choose(tensorflow=None, jax=budget.kind))
+        backend.choose(tensorflow=None, jax=budget.kind), precision)
 
 
 def _held_gradients(model: keras.Model, trainable: list, precision: str, kind) -> int:
     """Bytes of gradients the step holds at its peak (`MemoryPlan.gradient_bytes`)."""
     held = xla_rules.held_gradient_bytes(
         backend.choose(tensorflow=None, jax=kind), internals.flatten_layers(model), trainable,
-        precision in _MIXED)
+        precision)
     return _nbytes(trainable) if held is None else held
 
 
@@ -237,7 +237,7 @@ def estimate(model: keras.Model, settings: PlanSettings,
         (f"framework runtime includes {format_bytes(retraced)} for the recomputed segments' "
          "forward, traced again in their gradient",) if retraced else ())
     notes = _notes(model, settings, saved, override, recomputed, ranges, saves, fraction,
-                   held.notes + runtime_notes) + _device_notes(model, budget, saved)
+                   held.notes + runtime_notes) + _device_notes(model, budget, saved, precision)
     return MemoryPlan(
         model_name=model.name,
         num_parameters=int(model.count_params()),

@@ -65,7 +65,8 @@ default precision:
 - A call's backward holds one gradient map beside the kept tensors (a concatenation its
   inputs and its output while it copies them, max pooling two maps).
 - Each weight's update runs as soon as its gradient is made, in the backward: one gradient
-  is held at a time, not all of them (`held_gradient_bytes`).
+  is held at a time, not all of them (`held_gradient_bytes`; not under mixed_float16's loss
+  scaling, which checks that every gradient is finite before any update).
 - Tensors are laid out in 8 × 128 tiles (`tpu_layout`), which the plan counts in a row of
   its own.
 
@@ -511,19 +512,20 @@ def traced_zero_maps(target: str | None, windows) -> int:
                if primitive == "reduce_window_max" and padded == input_elements)
 
 
-def held_gradient_bytes(target: str | None, layers, trainable, mixed: bool) -> int | None:
+def held_gradient_bytes(target: str | None, layers, trainable, precision: str) -> int | None:
     """What a step compiled for `target` holds for the gradients of `trainable` (the
-    variables trained, of `layers`) at its peak; None where all of them are held together
-    until the update (TensorFlow's `apply_gradients`). XLA:TPU and XLA:GPU update each
-    weight as its gradient is made: the largest gradient; on XLA:GPU also a copy of each
-    trained convolution's kernel in cuDNN's layout, made in the forward and held to its
-    backward (but in a `mixed` precision, whose 16-bit copies of the weights are counted
-    apart)."""
-    if not holds("updates_as_made", target):
+    variables trained, of `layers`) at its peak, in `precision`; None where all of them are
+    held together until the update (TensorFlow's `apply_gradients`; under mixed_float16's
+    loss scaling, whose check that every gradient is finite comes before any update).
+    XLA:TPU and XLA:GPU update each weight as its gradient is made: the largest gradient;
+    on XLA:GPU also a copy of each trained convolution's kernel in cuDNN's layout, made in
+    the forward and held to its backward (but in a mixed precision, whose 16-bit copies of
+    the weights are counted apart)."""
+    if not holds("updates_as_made", target) or precision == "mixed_float16":
         return None
     trained = {id(v) for v in trainable}
     largest = max((math.prod(v.shape) * itemsize(v.dtype) for v in trainable), default=0)
-    if mixed or not holds("library_operands", target):
+    if precision.startswith("mixed") or not holds("library_operands", target):
         return largest
     copies = sum(math.prod(layer.kernel.shape) * itemsize(layer.kernel.dtype)
                  for layer in layers if isinstance(layer, _CONVOLUTIONS)
@@ -531,13 +533,12 @@ def held_gradient_bytes(target: str | None, layers, trainable, mixed: bool) -> i
     return largest + copies
 
 
-def held_gradients_note(target: str | None) -> tuple[str, ...]:
+def held_gradients_note(target: str | None, precision: str) -> tuple[str, ...]:
     """The plan's note on its gradients row where `held_gradient_bytes` counts them."""
-    if not holds("updates_as_made", target):
+    if held_gradient_bytes(target, (), (), precision) is None:
         return ()
-    compiler = "XLA:GPU" if holds("library_operands", target) else "XLA:TPU"
+    gpu = holds("library_operands", target)
     kernels = (" and, in float32, the trained convolutions' kernels, which it keeps in "
-               "cuDNN's layout from the forward to their backward"
-               if holds("library_operands", target) else "")
-    return (f"gradients: {compiler} updates each weight as its gradient is made, so the row "
-            f"is the largest gradient{kernels}",)
+               "cuDNN's layout from the forward to their backward" if gpu else "")
+    return (f"gradients: {'XLA:GPU' if gpu else 'XLA:TPU'} updates each weight as its "
+            f"gradient is made, so the row is the largest gradient{kernels}",)
