@@ -435,15 +435,14 @@ def max_pooling(walker, layer, inputs, output) -> bool:
             shape = tuple(inputs[0].shape)
             padded = _padded(layer, shape)
             zeros = math.prod(padded[1:]) * itemsize(walker.dtype_of(inputs[0]))
-            producer = internals.node_of(inputs[0])
-            shared = padded == shape and not isinstance(getattr(producer, "operation", None),
-                                                        _PADDINGS)
-            if walker.read_by_others(inputs[0]):
-                zeros = 0  # its gradient adds into the other reader's
-            elif shared:
-                walker.keep_bytes(_SHARED_ZERO_MAPS * zeros)
-                zeros = 0
-            walker.transient = max(walker.transient, zeros + scattered_transient(
+            producer = getattr(internals.node_of(inputs[0]), "operation", None)
+            made_as_it_runs = 0
+            if not walker.read_by_others(inputs[0]):  # else it adds into that one's gradient
+                if padded == shape and not isinstance(producer, _PADDINGS):
+                    walker.keep_bytes(_SHARED_ZERO_MAPS * zeros)
+                else:
+                    made_as_it_runs = zeros
+            walker.transient = max(walker.transient, made_as_it_runs + scattered_transient(
                 walker.sample_bytes(output, "int8"), len(output.shape)))
         return True
     if not holds("max_pooling", walker.target) or type(layer) not in _MAX_POOLS:
@@ -521,7 +520,7 @@ def held_gradient_bytes(target: str | None, layers, trainable, precision: str) -
     on XLA:GPU also a copy of each trained convolution's kernel in cuDNN's layout, made in
     the forward and held to its backward (but in a mixed precision, whose 16-bit copies of
     the weights are counted apart)."""
-    if not holds("updates_as_made", target) or precision == "mixed_float16":
+    if not _updates_as_made(target, precision):
         return None
     trained = {id(v) for v in trainable}
     largest = max((math.prod(v.shape) * itemsize(v.dtype) for v in trainable), default=0)
@@ -533,9 +532,16 @@ def held_gradient_bytes(target: str | None, layers, trainable, precision: str) -
     return largest + copies
 
 
+def _updates_as_made(target: str | None, precision: str) -> bool:
+    """Whether a step compiled for `target` in `precision` updates each weight as its
+    gradient is made (not under mixed_float16's loss scaling, which checks every gradient
+    first)."""
+    return holds("updates_as_made", target) and precision != "mixed_float16"
+
+
 def held_gradients_note(target: str | None, precision: str) -> tuple[str, ...]:
     """The plan's note on its gradients row where `held_gradient_bytes` counts them."""
-    if held_gradient_bytes(target, (), (), precision) is None:
+    if not _updates_as_made(target, precision):
         return ()
     gpu = holds("library_operands", target)
     kernels = (" and, in float32, the trained convolutions' kernels, which it keeps in "
