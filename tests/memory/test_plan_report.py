@@ -87,3 +87,20 @@ def test_the_plot_draws_the_chosen_point_on_its_own_line():
     assert plain[1][6 - 1] * gib == 70 * MIB  # 10 MiB below: no accumulation buffers
     assert list(plan_report.plot_lines(_plan(global_batch_size=8))) == [
         "one step of micro-batch b"]
+
+
+def test_activations_held_only_at_small_micro_batches_are_planned_where_they_are():
+    # 6 MiB a sample more up to micro-batch 4 (XLA:GPU's centred inputs of BatchNormalization,
+    # `SavedTensors.bounded_bytes`): plain peaks 51, 62, 73, 84 MiB for 1-4, then the line,
+    # 65 MiB at 5 up to 80 at 8. The peak is not monotone in the micro-batch, so the choice
+    # checks each divisor of 12: 6 × 2 (80 MiB with the buffers) fits, 4 × 3 (94) and 3 × 4
+    # (83) do not, and 2 × 6 (72) does.
+    plan = _plan(bounded_activations=((4, 6 * MIB),))
+    assert [plan.peak_bytes(b, 1) // MIB for b in (1, 4, 5, 8, 9)] == [51, 84, 65, 80, 85]
+    assert (plan.micro_batch_size, plan.accumulation_steps) == (6, 2)
+    assert plan.max_micro_batch == 8
+    # Where the line alone would allow 4 (60 MiB), 2 is the largest that fits 62 MiB.
+    assert plan.largest_micro_batch(62 * MIB) == 2
+    assert plan.largest_micro_batch(66 * MIB) == 5  # 65 MiB: beyond the bound, the line's
+    rows = plan.breakdown(4, 1)
+    assert rows[next(t for t in rows if t.label == "activations")] == 4 * (5 + 6) * MIB

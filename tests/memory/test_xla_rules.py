@@ -174,6 +174,9 @@ host_loop_of_weights = accum_of_weights.compiled_peaks(*abstract, batch_size=BAT
 from tfmem import _keras_internals
 text = {"tpu": tpu, "libtpu": importlib.util.find_spec("libtpu") is not None, "gpu": gpu,
         "gpu_targets": gpu_targets, "pools": pools, "gradients": gradients,
+        "bounded": {kind: plan.bounded_activations for kind, plan in plans.items()},
+        "bounded_notes": [note for plan in plans.values() for note in plan.notes
+                          if note.startswith("activations: up to")],
         "cuda_plugin": probe_jax._installed("jax_plugins.xla_cuda12"),
         "shapes_peak": shapes_peak, "initial_values": len(made), "accum_on_host": on_host,
         "host_loop_peak": host_loop_peak, "host_loop_of_weights": host_loop_of_weights,
@@ -257,6 +260,18 @@ def test_a_gpu_plan_counts_what_xla_gpu_keeps(on_jax):
     assert on_jax["gpu_workspace"] == (10 * FEATURE_MAP + FEATURE_MAP // 4 + 2 * FEATURE_MAP
                                        - on_jax["gpu_activation"])
     assert on_jax["gpu_fixed_workspace"] == 0
+
+
+def test_a_gpu_plan_holds_normalizations_centred_inputs_where_one_kernel_sums_them(on_jax):
+    # XLA:GPU sums a column of up to 4096 rows in one kernel: a BatchNormalization's
+    # statistics of 16×16 maps are one sum up to micro-batch 16 (4096 rows), where its input
+    # less the mean is written out in float32 and kept for the backward; two
+    # BatchNormalizations, a float32 map each. Above 16 the sum is split and nothing kept.
+    assert on_jax["bounded"] == {"cpu": [], "gpu": [[16, 2 * FEATURE_MAP]], "tpu": []}
+    assert on_jax["bounded_notes"] == [
+        "activations: up to micro-batch 16, 32.0 KiB/sample more, BatchNormalizations' "
+        "inputs less their mean, which XLA:GPU keeps in float32 where one kernel sums their "
+        "statistics"]
 
 
 def test_an_xla_device_plan_holds_one_gradient_at_a_time(on_jax):

@@ -63,6 +63,8 @@ class Walker:
         self.context: tuple = ()  # the nested-model calls the walk is inside
         self.alias: dict = {}  # key -> key of the tensor whose buffer it shares
         self.sizes: dict = {}  # kept key -> bytes per sample
+        # Kept keys XLA holds only up to a micro-batch (`keep_below`) -> that micro-batch.
+        self.bounded: dict = {}
         self.layouts: dict = {}  # kept key -> (shape of a sample, itemsize), where known
         self.new_tensors = 0  # tensors kept that have no key of their own so far
         self.needs_grad: set = set()
@@ -149,6 +151,15 @@ class Walker:
         self.keep_bytes(nbytes, kind=kind, layout=(tuple(shape)[1:], itemsize(dtype)))
         self.largest = max(self.largest, nbytes)
         self.gradients = max(self.gradients, self.maps * nbytes)
+
+    def keep_below(self, shape, dtype, micro_batch: int) -> None:
+        """Keeps a new tensor that XLA holds only at micro-batches up to `micro_batch`."""
+        self.keep_bytes(sample_bytes(shape, dtype), layout=(tuple(shape)[1:], itemsize(dtype)))
+        self.bounded[("new", self.new_tensors)] = micro_batch
+
+    def kept_bytes(self) -> int:
+        """Bytes per sample kept at every micro-batch (not those of `keep_below`)."""
+        return sum(nbytes for key, nbytes in self.sizes.items() if key not in self.bounded)
 
     def keep_drawn(self, shape, dtype) -> None:
         """Keeps a new tensor drawn from the layer's seed, not made from its inputs' values
@@ -247,7 +258,7 @@ class Walker:
             outer = self.gradients, self.transient
             self.gradients = self.transient = 0
             self._call(node)
-            self.backward_peaks.append(sum(self.sizes.values()) + self.workspace)
+            self.backward_peaks.append(self.kept_bytes() + self.workspace)
             self.gradients = max(outer[0], self.gradients)
             self.transient = max(outer[1], self.transient)
             return

@@ -118,7 +118,7 @@ def apply(walker, layer, inputs, outputs, has_trainable: bool) -> bool:
     if kind is keras.layers.BatchNormalization:
         if layer.trainable and not walker.is_frozen(layer):
             walker.keep(inputs[0], xla_rules.batch_normalization_input_dtype(walker, inputs[0]))
-            xla_rules.batch_normalization(walker, inputs, out)
+            xla_rules.batch_normalization(walker, layer, inputs, out)
         return True
     if kind is keras.layers.Activation:
         return _activation(walker, activation_name(layer.activation), out, inputs[0])

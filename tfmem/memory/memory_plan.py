@@ -101,7 +101,10 @@ class MemoryPlan:
     XLA:CPU, a grouped convolution's kernel gradient made as a dense kernel), which does not
     grow with the micro-batch. `lane_tensors`, on a TPU: the kept tensors by shape
     (`SavedTensors.lane_tensors`), whose tiles' padding (`tpu_layout`) is a step function of
-    the micro-batch, its own row of the breakdown. `measured`, when set by `tfmem.probe`,
+    the micro-batch, its own row of the breakdown. `bounded_activations`: `(micro-batch,
+    bytes per sample)` of activations XLA holds only up to that micro-batch
+    (`SavedTensors.bounded_bytes`), in the activations row where it applies. `measured`, when
+    set by `tfmem.probe`,
     replaces the estimated runtime, state and per-sample terms with a measured line.
     `rematerialized`: the segments recomputed in the backward pass ("full", "auto",
     `(first, last)` pairs) as `(path, ranges)` pairs (`tfmem.remat.plan`), and
@@ -136,6 +139,7 @@ class MemoryPlan:
     loss_bytes_per_sample: int = 0
     recomputed_bytes_per_sample: int = 0
     workspace_fixed_bytes: int = 0
+    bounded_activations: tuple = ()
     lane_tensors: tuple = ()
     micro_batch_size: int = 0
     accumulation_steps: int = 0
@@ -203,7 +207,8 @@ class MemoryPlan:
             Term.MIXED_PRECISION: self.mixed_precision_bytes,
             Term.RUNTIME: self.runtime_bytes,
             Term.INPUT: inputs,
-            Term.ACTIVATIONS: self.activation_bytes_per_sample * b,
+            Term.ACTIVATIONS: (self.activation_bytes_per_sample + sum(
+                nbytes for largest, nbytes in self.bounded_activations if b <= largest)) * b,
             Term.WORKSPACE: self.workspace_bytes_per_sample * b + self.workspace_fixed_bytes,
             Term.LOSS: self.loss_row_bytes_per_sample * b,
         }
@@ -246,11 +251,19 @@ class MemoryPlan:
         if self.peak_bytes(1, 1) > limit_bytes:
             return 0
 
-        def unpadded(b: int) -> int:
-            return sum(v for t, v in self.breakdown(b, 1).items() if t is not Term.LANE_PADDING)
+        def line(b: int) -> int:  # without the padding and the bounded activations
+            rows = self.breakdown(b, 1)
+            extra = sum(nbytes for largest, nbytes in self.bounded_activations if b <= largest)
+            return sum(v for t, v in rows.items() if t is not Term.LANE_PADDING) - extra * b
 
-        fixed, slope = unpadded(1), unpadded(2) - unpadded(1)
+        fixed, slope = line(1), line(2) - line(1)
         largest = 1 + int((limit_bytes - fixed) // slope)
+        if self.bounded_activations:
+            # They add below their micro-batches only: the largest that fits is at most the
+            # line's, and at most their largest micro-batch smaller than it.
+            while self.peak_bytes(largest, 1) > limit_bytes:
+                largest -= 1
+            return largest
         if not self.lane_tensors:
             return largest
         # The padding only adds, and never shrinks as the micro-batch grows: the line's
@@ -292,6 +305,12 @@ def choose(p: MemoryPlan) -> MemoryPlan:
     candidates = divisors(per_replica)
     if p.peak_bytes(per_replica, 1) <= p.budget_bytes:
         return dataclasses.replace(p, micro_batch_size=per_replica, accumulation_steps=1)
+    if p.bounded_activations:  # a peak that may shrink where the micro-batch grows: each one
+        fitting = [micro for micro in candidates
+                   if p.peak_bytes(micro, per_replica // micro) <= p.budget_bytes]
+        micro = max(fitting, default=0)
+        return dataclasses.replace(p, micro_batch_size=micro,
+                                   accumulation_steps=per_replica // micro if micro else 0)
     low, high = 0, len(candidates) - 1  # candidates[:low] fit (with k > 1); [high:] do not
     while low < high:
         middle = (low + high) // 2

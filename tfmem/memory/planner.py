@@ -166,7 +166,11 @@ def _resolve_precision(precision: str, budget: Budget) -> tuple[str, str | None]
 def _device_notes(model: keras.Model, budget, saved, precision: str) -> tuple[str, ...]:
     """What a plan for an XLA device says about how it counted for that device."""
     lanes = _tpu_lanes(model) if budget.kind == "tpu" and not saved.lane_tensors else ()
-    return lanes + xla_rules.held_gradients_note(
+    centred = tuple(f"activations: up to micro-batch {largest}, {_per_sample(nbytes)}/sample "
+                    "more, BatchNormalizations' inputs less their mean, which XLA:GPU keeps "
+                    "in float32 where one kernel sums their statistics"
+                    for largest, nbytes in saved.bounded_bytes)
+    return lanes + centred + xla_rules.held_gradients_note(
         backend.choose(tensorflow=None, jax=budget.kind), precision)
 
 
@@ -204,8 +208,7 @@ def estimate(model: keras.Model, settings: PlanSettings,
     compute dtype and the frozen set (the levers plan the same model several times).
     """
     precision, frozen, budget = settings.precision, settings.frozen, settings.budget
-    optimizer = settings.optimizer
-    optimizer = keras.optimizers.get(optimizer)
+    optimizer = keras.optimizers.get(settings.optimizer)
     # Built in float32, planned mixed: its float32 activations are counted in 2 bytes.
     override = _override(model, precision)
     analyses = {} if analyses is None else analyses
@@ -273,7 +276,7 @@ def estimate(model: keras.Model, settings: PlanSettings,
         # and temporaries; beside them, what the heap keeps of the grouped convolutions'.
         workspace_bytes_per_sample=saved.workspace_bytes + heap_scratch,
         workspace_fixed_bytes=saved.workspace_fixed_bytes,
-        lane_tensors=saved.lane_tensors,
+        lane_tensors=saved.lane_tensors, bounded_activations=saved.bounded_bytes,
         # Held next to every kept activation when the loss runs, before the backward pass:
         # the plan's row is what it holds beyond the backward's workspace and recomputation.
         loss_bytes_per_sample=held.per_sample,

@@ -60,6 +60,8 @@ class SavedTensors:
             while it is recomputed in the backward pass.
         kept_output_bytes: bytes per sample of the model's outputs among the kept tensors
             (a softmax's output, which its backward reads).
+        bounded_bytes: `(micro-batch, bytes per sample)` of the kept tensors XLA holds only at
+            micro-batches up to that one (`Walker.keep_below`), not in `saved_bytes`.
         lane_tensors: for a step XLA compiles for a TPU, `((sample shape, itemsize), bytes
             per sample)` of the kept tensors whose shapes are known, summed by layout: what
             its tiles pad (`tpu_layout`); empty for other targets.
@@ -76,6 +78,7 @@ class SavedTensors:
     kept_output_bytes: int = 0
     workspace_fixed_bytes: int = 0
     heap_scratch_bytes: int = 0
+    bounded_bytes: tuple = ()
     lane_tensors: tuple = ()
 
     @property
@@ -258,9 +261,14 @@ def _result(walker: Walker, inputs, outputs=()) -> SavedTensors:
     backward = max([walker.workspace] + walker.recompute_peaks)
     if walker.backward_peaks and not walker.segments:
         # Each call's workspace beside what it and the calls before it keep.
-        backward = max(max(walker.backward_peaks) - sum(walker.sizes.values()), 0)
+        backward = max(max(walker.backward_peaks) - walker.kept_bytes(), 0)
+    bounded: dict = {}
+    for key, micro_batch in walker.bounded.items():
+        if key in walker.sizes:  # not recomputed
+            bounded[micro_batch] = bounded.get(micro_batch, 0) + walker.sizes[key]
     return SavedTensors(
-        saved_bytes=int(sum(walker.sizes.values())),
+        saved_bytes=int(walker.kept_bytes()),
+        bounded_bytes=tuple(sorted(bounded.items())),
         largest_tensor_bytes=int(max(walker.largest, walker.largest_anywhere)),
         workspace_bytes=int(backward - recomputed),
         input_bytes=int(sum(sample_bytes(t.shape, t.dtype) for t in inputs)),

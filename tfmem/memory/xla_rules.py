@@ -97,6 +97,10 @@ whole:
 - A call's backward holds one gradient map beside the kept tensors, a concatenation's too,
   and runs beside what it and the calls before it keep: what later calls keep is freed by
   then (`Walker.backward_peaks`).
+- A training BatchNormalization of a map whose statistics are one column sum (at most 4096
+  rows: the micro-batch × the map's positions) keeps its input less the mean, in float32;
+  at larger micro-batches the sum is split in two and the difference made again
+  (`_centred_input`, `Walker.keep_below`: a term of the activations up to that micro-batch).
 - Beside the one gradient held at a time, a trained convolution's kernel is kept from the
   forward to its backward in cuDNN's layout, a copy (in float32; a 16-bit model's cast
   copy, counted with mixed precision, is that layout already) (`held_gradient_bytes`).
@@ -155,6 +159,7 @@ _TARGETS = {
     "library_operands": _XLA_GPU,
     "backward_in_order": _XLA_GPU,
     "updates_as_made": _XLA_TPU_GPU,
+    "centred_input": _XLA_GPU,
 }
 _CONVOLUTIONS = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D,
                  keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose,
@@ -169,6 +174,11 @@ _PADDINGS = (keras.layers.ZeroPadding1D, keras.layers.ZeroPadding2D, keras.layer
 _SHARED_ZERO_MAPS = 2
 # Threefry's random bits for one element: the two 32-bit words XLA keeps to compare again.
 _RANDOM_WORDS = 2
+# The most rows XLA:GPU sums a column of in one kernel (a warp's 32 threads × 128 rows
+# each), and the fewest elements a channel of a map whose centred input it keeps for a
+# BatchNormalization (`_centred_input`; 3×3, 2×8 and 1×16 kept, 2×3, 1×8 and 2×2 not).
+_COLUMN_SUM_ROWS = 32 * 128
+_SMALLEST_MAP = 9
 
 
 def holds(rule: str, target: str | None) -> bool:
@@ -267,12 +277,14 @@ def batch_normalization_input_dtype(walker, tensor) -> str:
     return walker.dtype_of(tensor) if holds("fusion", walker.target) else "float32"
 
 
-def batch_normalization(walker, inputs, output) -> None:
+def batch_normalization(walker, layer, inputs, output) -> None:
     """What XLA holds for a training BatchNormalization besides its input (`layer_rules`):
     its output is recomputed from that input wherever the backward reads it; on XLA:CPU a
-    biased convolution or Dense before it keeps its output before the bias too."""
+    biased convolution or Dense before it keeps its output before the bias too; on XLA:GPU
+    its centred input, in float32, at micro-batches whose statistics are one column sum."""
     if holds("fusion", walker.target):
         walker.fused.add(walker.key(output))
+        _centred_input(walker, layer, inputs[0])
         return
     if not holds("batch_normalization", walker.target):
         return
@@ -282,6 +294,24 @@ def batch_normalization(walker, inputs, output) -> None:
     if (getattr(producer, "use_bias", False) and getattr(producer, "kernel", None) is not None
             and getattr(activation, "__name__", "linear") == "linear"):
         walker.keep_new(inputs[0].shape, walker.dtype_of(inputs[0]))
+
+
+def _centred_input(walker, layer, tensor) -> None:
+    """XLA:GPU sums a column of up to `_COLUMN_SUM_ROWS` rows in one kernel: there a
+    BatchNormalization's statistics of a map (channels last, the batch and spatial axes
+    summed) write its input less the mean out, in float32, and the backward reads it; above
+    that the sum is split in two and the difference made again in each part. Kept at
+    micro-batches up to the bound. Not for maps of fewer than `_SMALLEST_MAP` elements a
+    channel or features without spatial axes (a Dense's output), nor of a concatenation,
+    which the sums' kernel writes out beside them: XLA:GPU makes the difference again."""
+    shape = tuple(tensor.shape)
+    axes = getattr(layer, "axis", -1)
+    if (not holds("centred_input", walker.target) or len(shape) < 3
+            or axes not in (-1, len(shape) - 1) or len(_concatenated(tensor)) > 1):
+        return
+    rows = math.prod(shape[1:-1])
+    if rows >= _SMALLEST_MAP and _COLUMN_SUM_ROWS // rows:
+        walker.keep_below(shape, "float32", _COLUMN_SUM_ROWS // rows)
 
 
 def residual_bytes(target: str | None, nbytes: int, dtype: str, compute_dtype: str | None,
