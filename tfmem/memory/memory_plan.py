@@ -259,8 +259,8 @@ class MemoryPlan:
         fixed, slope = line(1), line(2) - line(1)
         largest = 1 + int((limit_bytes - fixed) // slope)
         if self.bounded_activations:
-            # They add below their micro-batches only: the largest that fits is at most the
-            # line's, and at most their largest micro-batch smaller than it.
+            # They add only up to their micro-batches: the line's answer bounds the largest
+            # that fits, and below it the peak is not monotone, so each is checked down.
             while self.peak_bytes(largest, 1) > limit_bytes:
                 largest -= 1
             return largest

@@ -175,8 +175,9 @@ _SHARED_ZERO_MAPS = 2
 # Threefry's random bits for one element: the two 32-bit words XLA keeps to compare again.
 _RANDOM_WORDS = 2
 # The most rows XLA:GPU sums a column of in one kernel (a warp's 32 threads × 128 rows
-# each), and the fewest elements a channel of a map whose centred input it keeps for a
-# BatchNormalization (`_centred_input`; 3×3, 2×8 and 1×16 kept, 2×3, 1×8 and 2×2 not).
+# each), and the fewest positions of a map whose centred input it keeps for a
+# BatchNormalization (`_centred_input`): on smaller maps it computes the statistics
+# another way.
 _COLUMN_SUM_ROWS = 32 * 128
 _SMALLEST_MAP = 9
 
