@@ -322,8 +322,11 @@ if __name__ == "__main__":
             full_plan = tfmem.plan(unfitted["full"], global_batch_size=16, **where)
             planned[device] = {
                 "kind": plain_plan.device_kind,
-                "activations": [plain_plan.activation_bytes_per_sample,
-                                full_plan.activation_bytes_per_sample],
+                # The activations row at the global batch, a sample's share (a GPU plan's
+                # holds terms of small micro-batches too: `bounded_activations`).
+                "activations": [next(v for t, v in plan.breakdown(16, 1).items()
+                                     if t.label == "activations") // 16
+                                for plan in (plain_plan, full_plan)],
                 "segments": sum(len(ranges) for _, ranges in full_plan.rematerialized),
                 "notes": list(full_plan.notes),
                 "levers": [lever.group for lever in levers_for(unfitted[None], plain_plan)]}
