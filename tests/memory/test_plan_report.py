@@ -4,7 +4,7 @@ the chosen point. Plans made by hand, numbers worked out by hand."""
 import dataclasses
 
 from tfmem.memory import plan_report
-from tfmem.memory.memory_plan import Alternative, MemoryPlan, choose
+from tfmem.memory.memory_plan import Alternative, MemoryPlan, Term, choose
 
 MIB = 2**20
 
@@ -102,5 +102,4 @@ def test_activations_held_only_at_small_micro_batches_are_planned_where_they_are
     # Where the line alone would allow 4 (60 MiB), 2 is the largest that fits 62 MiB.
     assert plan.largest_micro_batch(62 * MIB) == 2
     assert plan.largest_micro_batch(66 * MIB) == 5  # 65 MiB: beyond the bound, the line's
-    rows = plan.breakdown(4, 1)
-    assert rows[next(t for t in rows if t.label == "activations")] == 4 * (5 + 6) * MIB
+    assert plan.breakdown(4, 1)[Term.ACTIVATIONS] == 4 * (5 + 6) * MIB

@@ -315,6 +315,7 @@ if __name__ == "__main__":
         found[f"regularized {setting}"] = {"differences": differences, "losses": losses}
     if keras.backend.backend() == "jax":  # planned: no saving on a CPU, one on a GPU
         from tfmem.memory.levers import levers_for
+        from tfmem.memory.memory_plan import Term
 
         planned, unfitted = {}, {setting: chain(setting) for setting in (None, "full")}
         for device, where in (("cpu", dict(memory_budget=2**30)), ("gpu", dict(device="T4"))):
@@ -324,8 +325,7 @@ if __name__ == "__main__":
                 "kind": plain_plan.device_kind,
                 # The activations row at the global batch, a sample's share (a GPU plan's
                 # holds terms of small micro-batches too: `bounded_activations`).
-                "activations": [next(v for t, v in plan.breakdown(16, 1).items()
-                                     if t.label == "activations") // 16
+                "activations": [plan.breakdown(16, 1)[Term.ACTIVATIONS] // 16
                                 for plan in (plain_plan, full_plan)],
                 "segments": sum(len(ranges) for _, ranges in full_plan.rematerialized),
                 "notes": list(full_plan.notes),

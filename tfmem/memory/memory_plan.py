@@ -207,14 +207,19 @@ class MemoryPlan:
             Term.MIXED_PRECISION: self.mixed_precision_bytes,
             Term.RUNTIME: self.runtime_bytes,
             Term.INPUT: inputs,
-            Term.ACTIVATIONS: (self.activation_bytes_per_sample + sum(
-                nbytes for largest, nbytes in self.bounded_activations if b <= largest)) * b,
+            Term.ACTIVATIONS: (self.activation_bytes_per_sample
+                               + self.bounded_bytes_per_sample(b)) * b,
             Term.WORKSPACE: self.workspace_bytes_per_sample * b + self.workspace_fixed_bytes,
             Term.LOSS: self.loss_row_bytes_per_sample * b,
         }
         if self.lane_tensors:
             rows[Term.LANE_PADDING] = self.lane_padding_bytes(b)
         return rows
+
+    def bounded_bytes_per_sample(self, micro_batch_size: int) -> int:
+        """Of `bounded_activations`, the bytes per sample held at `micro_batch_size`."""
+        return sum(nbytes for largest, nbytes in self.bounded_activations
+                   if micro_batch_size <= largest)
 
     def lane_padding_bytes(self, micro_batch_size: int) -> int:
         """What XLA:TPU's tiles add at `micro_batch_size` to the kept tensors whose shapes
@@ -253,8 +258,8 @@ class MemoryPlan:
 
         def line(b: int) -> int:  # without the padding and the bounded activations
             rows = self.breakdown(b, 1)
-            extra = sum(nbytes for largest, nbytes in self.bounded_activations if b <= largest)
-            return sum(v for t, v in rows.items() if t is not Term.LANE_PADDING) - extra * b
+            return (sum(v for t, v in rows.items() if t is not Term.LANE_PADDING)
+                    - self.bounded_bytes_per_sample(b) * b)
 
         fixed, slope = line(1), line(2) - line(1)
         largest = 1 + int((limit_bytes - fixed) // slope)

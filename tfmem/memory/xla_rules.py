@@ -306,9 +306,9 @@ def _centred_input(walker, layer, tensor) -> None:
     channel or features without spatial axes (a Dense's output), nor of a concatenation,
     which the sums' kernel writes out beside them: XLA:GPU makes the difference again."""
     shape = tuple(tensor.shape)
-    axes = getattr(layer, "axis", -1)
+    axis = getattr(layer, "axis", -1)
     if (not holds("centred_input", walker.target) or len(shape) < 3
-            or axes not in (-1, len(shape) - 1) or len(_concatenated(tensor)) > 1):
+            or axis not in (-1, len(shape) - 1) or len(_concatenated(tensor)) > 1):
         return
     rows = math.prod(shape[1:-1])
     if rows >= _SMALLEST_MAP and _COLUMN_SUM_ROWS // rows:
